@@ -1,0 +1,185 @@
+"""Baselines as harness implementations, named as in CUDA-L2's result files.
+
+torch.matmul; cuBLAS-nn/-tn (cublasGemmEx); cuBLASLt-heuristic-nn/-tn (first suggestion);
+cuBLASLt-auto-tuning-nn/-tn (fastest of up to 100 suggestions, timed in kernel mode);
+cuBLASLt-exhaustive-nn/-tn (fastest of the enumerated algorithm configurations); torch.compile
+(max-autotune). Autotuned choices are kept in the store, so every timing mode and every later
+run uses the same algorithm.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gemmrl.core.impl import Impl, UnsupportedProblem
+
+_LIB = None
+
+
+def cublas_lib():
+    global _LIB
+    if _LIB is None:
+        from gemmrl.baselines import cublas
+
+        _LIB = cublas.load()
+    return _LIB
+
+
+def _stream() -> int:
+    return torch.cuda.current_stream().cuda_stream
+
+
+class TorchMatmul(Impl):
+    """torch.matmul as a user calls it (it accumulates in fp32 whatever the problem's acc)."""
+
+    name = "torch.matmul"
+    layout = "NN"
+    trusted = True
+
+    def prepare(self, problem):
+        def call(a, b_nn, b_tn, c):
+            torch.matmul(a, b_nn, out=c)
+        return call
+
+
+class TorchCompile(Impl):
+    """torch.compile(mode='max-autotune') of a @ b. Its result is copied into C, so the time
+    includes one extra write of C (Inductor's kernels allocate their own output)."""
+
+    name = "torch.compile"
+    layout = "NN"
+    trusted = True
+
+    def prepare(self, problem):
+        f = torch.compile(lambda a, b: a @ b, mode="max-autotune-no-cudagraphs", dynamic=False)
+
+        def call(a, b_nn, b_tn, c):
+            c.copy_(f(a, b_nn))
+        return call
+
+
+class CublasGemm(Impl):
+    trusted = True
+
+    def __init__(self, layout: str):
+        self.layout = layout
+        self.name = f"cuBLAS-{layout.lower()}"
+
+    def prepare(self, problem):
+        lib = cublas_lib()
+        M, N, K, dt, acc, lay = problem.M, problem.N, problem.K, problem.dtype, problem.acc, self.layout
+        tn = lay == "TN"
+
+        def call(a, b_nn, b_tn, c):
+            b = b_tn if tn else b_nn
+            lib.gemm(lay, dt, acc, a.data_ptr(), b.data_ptr(), c.data_ptr(), M, N, K, _stream())
+        return call
+
+
+class _LtPlanned(Impl):
+    trusted = True
+    family = "heuristic"
+
+    def __init__(self, layout: str, store=None, device: str = ""):
+        self.layout = layout
+        self.name = f"cuBLASLt-{self.family}-{layout.lower()}"
+        self.store, self.device = store, device
+        self.choice_info = ""
+
+    def choose(self, problem) -> bytes | None:
+        return None
+
+    def prepare(self, problem):
+        lib = cublas_lib()
+        algo = self.choose(problem)
+        plan = lib.plan(self.layout, problem.dtype, problem.acc, problem.M, problem.N, problem.K, algo)
+        run, tn = lib.run, self.layout == "TN"
+
+        def call(a, b_nn, b_tn, c):
+            b = b_tn if tn else b_nn
+            run(plan, a.data_ptr(), b.data_ptr(), c.data_ptr(), _stream())
+        return call
+
+    def describe(self) -> dict:
+        return {**super().describe(), "choice": self.choice_info}
+
+
+class LtHeuristic(_LtPlanned):
+    family = "heuristic"
+
+
+class LtAutotuned(_LtPlanned):
+    """Fastest of the algorithms cuBLASLt suggests (or enumerates), timed with the same
+    kernel-time harness as everything else; the choice is stored per (device, problem)."""
+
+    family = "auto-tuning"
+    requested = 100
+
+    def candidates(self, lib, problem) -> list[bytes]:
+        return lib.heuristic(self.layout, problem.dtype, problem.acc, problem.M, problem.N,
+                             problem.K, requested=self.requested)
+
+    def choose(self, problem) -> bytes:
+        from gemmrl.bench.timing import KernelSettings, time_kernel
+
+        if self.store is not None:
+            got = self.store.get_tuning(self.device, problem, self.name)
+            if got is not None:
+                self.choice_info = got["info"]
+                return bytes(got["choice"])
+        lib = cublas_lib()
+        algos = self.candidates(lib, problem)
+        if not algos:
+            raise UnsupportedProblem(f"{self.name}: cuBLASLt offers no algorithm for {problem.shape}")
+        tn = self.layout == "TN"
+        calls = {}
+        for i, algo in enumerate(algos):
+            try:
+                plan = lib.plan(self.layout, problem.dtype, problem.acc, problem.M, problem.N, problem.K, algo)
+            except Exception:
+                continue
+
+            def call(a, b_nn, b_tn, c, plan=plan):
+                lib.run(plan, a.data_ptr(), (b_tn if tn else b_nn).data_ptr(), c.data_ptr(), _stream())
+            calls[i] = call
+        quick = KernelSettings(min_rounds=5, max_rounds=10, budget_s=0.05, target_replay_us=500.0,
+                               max_sets=64)
+        l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+        res = time_kernel(problem, calls, l2_bytes=l2, settings=quick)
+        ok = {i: r["median_us"] for i, r in res.items() if r.get("status") == "ok"}
+        if not ok:
+            raise UnsupportedProblem(f"{self.name}: none of {len(algos)} algorithms ran correctly")
+        best = min(ok, key=ok.get)
+        self.choice_info = f"{lib.describe(algos[best])} (best of {len(ok)}/{len(algos)})"
+        if self.store is not None:
+            self.store.put_tuning(self.device, problem, self.name, algos[best], self.choice_info, ok[best])
+        return algos[best]
+
+
+class LtExhaustive(LtAutotuned):
+    family = "exhaustive"
+    max_configs = 256
+
+    def candidates(self, lib, problem) -> list[bytes]:
+        heur = lib.heuristic(self.layout, problem.dtype, problem.acc, problem.M, problem.N, problem.K,
+                             requested=100)
+        enum = lib.enumerate(self.layout, problem.dtype, problem.acc, problem.M, problem.N, problem.K,
+                             max_out=self.max_configs)
+        seen, out = set(), []
+        for a in heur + enum:  # the heuristic's picks are always in the running
+            if a not in seen:
+                seen.add(a)
+                out.append(a)
+        return out
+
+
+def baseline_impls(store=None, device: str = "", exhaustive: bool = False,
+                   compile_: bool = False) -> list[Impl]:
+    out: list[Impl] = [TorchMatmul()]
+    for lay in ("NN", "TN"):
+        out += [CublasGemm(lay), LtHeuristic(lay), LtAutotuned(lay, store, device)]
+        if exhaustive:
+            out.append(LtExhaustive(lay, store, device))
+    if compile_:
+        out.append(TorchCompile())
+    return out

@@ -1,0 +1,109 @@
+"""Provenance of a measurement and the device's own ceilings, read on the device."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import re
+import socket
+import subprocess
+from pathlib import Path
+
+import gemmrl
+
+
+def git_commit() -> str:
+    if os.environ.get("GEMMRL_COMMIT"):
+        return os.environ["GEMMRL_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(gemmrl.__file__).parent, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, cwd=Path(gemmrl.__file__).parent,
+                               timeout=10).stdout.strip()
+        if out.returncode == 0:
+            return out.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return "unknown"
+
+
+def gpu_slug(device_name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100'; 'NVIDIA H200' -> 'h200'."""
+    m = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", device_name.upper().replace("NVIDIA", ""))
+    return (m.group(1) if m else re.sub(r"[^a-z0-9]+", "_", device_name.lower())).lower()
+
+
+def driver_version() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.TimeoutExpired, IndexError):
+        return "unknown"
+
+
+def provenance(cublas_version: str = "") -> dict:
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {
+        "device": torch.cuda.get_device_name(),
+        "gpu": gpu_slug(torch.cuda.get_device_name()),
+        "sm_count": props.multi_processor_count,
+        "l2_bytes": props.L2_cache_size,
+        "memory_bytes": props.total_memory,
+        "capability": f"{props.major}.{props.minor}",
+        "driver": driver_version(),
+        "cuda": torch.version.cuda,
+        "cublas": cublas_version,
+        "torch": torch.__version__,
+        "gemmrl": gemmrl.__version__,
+        "commit": git_commit(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "python": platform.python_version(),
+        "torch_settings": {
+            "allow_fp16_reduced_precision_reduction":
+                torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+            "allow_bf16_reduced_precision_reduction":
+                torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+            "allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        },
+    }
+
+
+def measure_peaks(matrix_n: int = 8192, copy_bytes: int = 2 << 30) -> dict:
+    """The device's matrix rate (fp16, fp32 accumulate, the best of cuBLAS on an n^3 product)
+    and copy bandwidth (bytes read + written), measured now with CUDA events."""
+    import torch
+
+    from gemmrl.bench.stats import summarize_samples
+
+    def timed(fn, reps):
+        fn()
+        torch.cuda.synchronize()
+        xs = []
+        for _ in range(reps):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            fn()
+            e1.record()
+            torch.cuda.synchronize()
+            xs.append(e0.elapsed_time(e1) * 1e3)
+        return summarize_samples(xs)
+
+    n = matrix_n
+    a = torch.randn(n, n, device="cuda", dtype=torch.float16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.float16)
+    c = torch.empty(n, n, device="cuda", dtype=torch.float16)
+    mm = timed(lambda: torch.matmul(a, b, out=c), 20)
+    del a, b, c
+    src = torch.randn(copy_bytes // 2, device="cuda", dtype=torch.float16)
+    dst = torch.empty_like(src)
+    cp = timed(lambda: dst.copy_(src), 20)
+    del src, dst
+    torch.cuda.empty_cache()
+    return {"matrix_tflops": 2 * n ** 3 / (mm["min_us"] * 1e-6) / 1e12,
+            "bandwidth_gbs": 2 * copy_bytes / (cp["min_us"] * 1e-6) / 1e9}

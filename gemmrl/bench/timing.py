@@ -1,0 +1,248 @@
+"""The three timing modes, one harness for baselines and candidates alike (shared/measuring.md).
+
+- kernel: each implementation's calls captured in a CUDA graph over rotating input sets larger
+  than the L2 cache; graph replays timed with CUDA events, implementations interleaved in a
+  shuffled order every round; per-call time = replay time / calls in the graph.
+- offline: CUDA-L2's method: fresh random inputs every round, implementations shuffled, one
+  call per sample timed with the host clock between two device syncs.
+- server: offline with an exponential idle gap (Poisson arrivals at a target QPS) before each
+  call, so clocks and caches are cold as in real-time serving.
+
+Every timed output is checked against a reference computed outside the clock; an
+implementation whose output is wrong, or that raises, gets status 'wrong'/'error' and no time.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from gemmrl.bench.stats import summarize_samples
+from gemmrl.core.problem import Problem
+from gemmrl.verify.checks import TORCH_DTYPES, clocks_intact, rel_error
+
+_perf_counter = time.perf_counter  # bound at import: a patched time.perf_counter is not read
+_sleep = time.sleep
+RECHECK_TOL = 1e-2  # timed outputs vs torch.matmul on the same inputs (correctness is verify's job)
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    min_rounds: int = 10
+    max_rounds: int = 40
+    budget_s: float = 1.0  # per problem, all implementations together, after min_rounds
+    target_replay_us: float = 2000.0
+    max_sets: int = 1024
+    max_set_bytes: int = 6 << 30
+    l2_multiple: float = 2.0
+
+    def protocol(self) -> str:
+        return "kernel:v1"
+
+
+@dataclass(frozen=True)
+class HostSettings:
+    mode: str = "offline"
+    min_rounds: int = 30
+    max_rounds: int = 200
+    budget_s: float = 1.0
+    warmup_rounds: int = 3
+    qps: float = 500.0
+
+    def protocol(self) -> str:
+        return f"{self.mode}:v1" + (f":qps={self.qps:g}" if self.mode == "server" else "")
+
+
+def settings_dict(s) -> dict:
+    return asdict(s)
+
+
+def n_input_sets(problem: Problem, l2_bytes: int, s: KernelSettings) -> int:
+    """Enough input sets that one pass over them is `l2_multiple` times the L2 cache."""
+    per_set = problem.min_bytes + 2 * problem.K * problem.N  # A, B (both layouts), C
+    want = math.ceil(s.l2_multiple * l2_bytes / per_set)
+    fit = max(1, s.max_set_bytes // per_set)
+    return int(max(1, min(want, s.max_sets, fit)))
+
+
+def make_sets(problem: Problem, n: int, gen: torch.Generator, device="cuda"):
+    dt = TORCH_DTYPES[problem.dtype]
+    sets = []
+    for _ in range(n):
+        a = torch.randn(problem.M, problem.K, generator=gen, device=device, dtype=torch.float32).to(dt)
+        b = torch.randn(problem.K, problem.N, generator=gen, device=device, dtype=torch.float32).to(dt)
+        c = torch.empty(problem.M, problem.N, dtype=dt, device=device)
+        sets.append((a, b, b.t().contiguous(), c))
+    return sets
+
+
+def _ref_half(a, b_nn):
+    prev = torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    try:
+        return torch.matmul(a, b_nn).float()
+    finally:
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = prev
+
+
+def _fail(status: str, reason: str) -> dict:
+    return {"status": status, "n": 0, "details": {"reason": reason}}
+
+
+def time_kernel(problem: Problem, calls: dict, *, l2_bytes: int, settings: KernelSettings = KernelSettings(),
+                seed: int = 0) -> dict[str, dict]:
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(seed)
+    n_sets = n_input_sets(problem, l2_bytes, settings)
+    sets = make_sets(problem, n_sets, gen)
+    results: dict[str, dict] = {}
+    graphs: dict[str, tuple] = {}
+    stream = torch.cuda.current_stream()
+    for name, fn in calls.items():
+        try:
+            for s in sets[: min(2, n_sets)]:
+                fn(*s)  # warm: handles, plans, lazy module loads stay out of the graph
+            t0 = torch.cuda.Event(enable_timing=True)
+            t1 = torch.cuda.Event(enable_timing=True)
+            t0.record()
+            fn(*sets[0])
+            t1.record()
+            torch.cuda.synchronize()
+            est_us = max(t0.elapsed_time(t1) * 1e3, 1.0)
+            reps = max(1, math.ceil(settings.target_replay_us / (est_us * n_sets)))
+            n_calls = n_sets * reps
+            g = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(g):
+                    for i in range(n_calls):
+                        fn(*sets[i % n_sets])
+                graphs[name] = (g, n_calls, True)
+            except Exception as e:  # not capturable: time eager launches instead, and say so
+                torch.cuda.synchronize()
+                graphs[name] = (None, n_calls, False)
+                results.setdefault(name, {})["capture_error"] = f"{type(e).__name__}: {e}"[:300]
+        except Exception as e:
+            torch.cuda.synchronize()
+            results[name] = _fail("error", f"{type(e).__name__}: {e}"[:500])
+
+    def replay(name):
+        g, n_calls, graphed = graphs[name]
+        if graphed:
+            g.replay()
+        else:
+            fn = calls[name]
+            for i in range(n_calls):
+                fn(*sets[i % n_sets])
+
+    live = [n for n in calls if n in graphs]
+    samples: dict[str, list[float]] = {n: [] for n in live}
+    for name in live:  # warm the graphs
+        replay(name)
+    torch.cuda.synchronize()
+    start = _perf_counter()
+    rounds = 0
+    while live and rounds < settings.max_rounds:
+        order = live[:]
+        random.shuffle(order)
+        evs = []
+        for name in order:
+            e0 = torch.cuda.Event(enable_timing=True)
+            e1 = torch.cuda.Event(enable_timing=True)
+            e0.record(stream)
+            replay(name)
+            e1.record(stream)
+            evs.append((name, e0, e1))
+        torch.cuda.synchronize()
+        for name, e0, e1 in evs:
+            samples[name].append(e0.elapsed_time(e1) * 1e3 / graphs[name][1])
+        rounds += 1
+        if rounds >= settings.min_rounds and _perf_counter() - start > settings.budget_s:
+            break
+    if (why := clocks_intact()):
+        return {n: _fail("cheat", f"timer patching: {why}") for n in calls}
+
+    # re-check what the timed calls leave in C: poison, one replay, compare with torch.matmul
+    a0, b0, _, c0 = sets[0]
+    ref = _ref_half(a0, b0)
+    for name in live:
+        c0.fill_(float("nan"))
+        replay(name)
+        torch.cuda.synchronize()
+        err = rel_error(c0, ref)
+        info = results.get(name, {})
+        details = {"sets": n_sets, "calls_per_replay": graphs[name][1], "graph": graphs[name][2],
+                   "recheck_err": err, **({"capture_error": info["capture_error"]} if "capture_error" in info else {})}
+        if not err <= RECHECK_TOL:
+            results[name] = {"status": "wrong", "n": 0,
+                             "details": {**details, "reason": f"timed output wrong: error {err:.2e}"}}
+            continue
+        results[name] = {**summarize_samples(samples[name]), "status": "ok", "details": details}
+    return results
+
+
+def time_host(problem: Problem, calls: dict, *, settings: HostSettings = HostSettings(),
+              seed: int = 0) -> dict[str, dict]:
+    if settings.mode not in ("offline", "server"):
+        raise ValueError(f"host timing mode must be offline or server, got {settings.mode!r}")
+    if settings.mode == "server" and not settings.qps > 0:
+        raise ValueError("server mode needs a positive --qps")
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(seed)
+    rng = random.Random(seed)
+    (a, b_nn, b_tn, c), = make_sets(problem, 1, gen)
+    recheck_every = 1 if problem.M * problem.N <= (1 << 26) else 8
+    samples: dict[str, list[float]] = {n: [] for n in calls}
+    failed: dict[str, dict] = {}
+    sync = torch.cuda.synchronize
+    start = _perf_counter()
+    total = settings.warmup_rounds + settings.max_rounds
+    for r in range(total):
+        a.normal_(generator=gen)
+        b_nn.normal_(generator=gen)
+        b_tn.copy_(b_nn.t())
+        check = r % recheck_every == 0
+        ref = _ref_half(a, b_nn) if check else None
+        order = [n for n in calls if n not in failed]
+        if not order:
+            break
+        rng.shuffle(order)
+        for name in order:
+            fn = calls[name]
+            if check:
+                c.fill_(float("nan"))
+            if settings.mode == "server":
+                _sleep(rng.expovariate(settings.qps))
+            try:
+                sync()
+                t0 = _perf_counter()
+                fn(a, b_nn, b_tn, c)
+                sync()
+                t1 = _perf_counter()
+            except Exception as e:
+                sync()
+                failed[name] = _fail("error", f"{type(e).__name__}: {e}"[:500])
+                continue
+            if check:
+                err = rel_error(c, ref)
+                if not err <= RECHECK_TOL:
+                    failed[name] = _fail("wrong", f"timed output wrong in round {r}: error {err:.2e}")
+                    continue
+            if r >= settings.warmup_rounds:
+                samples[name].append((t1 - t0) * 1e6)
+        done = r + 1 - settings.warmup_rounds
+        if done >= settings.min_rounds and _perf_counter() - start > settings.budget_s:
+            break
+    if (why := clocks_intact()):
+        return {n: _fail("cheat", f"timer patching: {why}") for n in calls}
+    out = {}
+    for name in calls:
+        if name in failed:
+            out[name] = failed[name]
+        else:
+            out[name] = {**summarize_samples(samples[name]), "status": "ok",
+                         "details": {"qps": settings.qps} if settings.mode == "server" else {}}
+    return out

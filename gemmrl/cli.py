@@ -1,0 +1,277 @@
+"""The command line: a thin layer over the pipeline's stages."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from gemmrl.core.problem import ProblemError
+from gemmrl.core import shapes as shapes_mod
+
+DEFAULT_DB = os.environ.get("GEMMRL_DB", "results/gemmrl.sqlite")
+MODES = ("kernel", "offline", "server")
+
+
+def _problems(spec: str, dtype: str, acc: str):
+    try:
+        return shapes_mod.resolve(spec, dtype, acc)
+    except ProblemError as e:
+        raise click.BadParameter(str(e), param_hint="--shapes") from None
+
+
+def _modes(values: tuple[str, ...]) -> tuple[str, ...]:
+    out = []
+    for v in values:
+        for m in v.split(","):
+            m = m.strip()
+            if m == "all":
+                out += [x for x in MODES if x not in out]
+            elif m in MODES:
+                if m not in out:
+                    out.append(m)
+            else:
+                raise click.BadParameter(f"unknown mode {m!r}; use kernel, offline, server or all",
+                                         param_hint="--mode")
+    return tuple(out)
+
+
+def build_impls(specs: tuple[str, ...], store=None, device: str = "", include_dirs=()):
+    """Implementation specs: 'baselines' (torch + cuBLAS + cuBLASLt heuristic/auto-tuning, both
+    layouts), 'exhaustive', 'torch.compile', a baseline's own name, 'cuda-l2:DIR' or
+    'kernel:FILE.cu|FILE.so'."""
+    from gemmrl.baselines import impls as bl
+
+    all_named = {i.name: i for i in bl.baseline_impls(store, device, exhaustive=True, compile_=True)}
+    out = []
+    for spec in specs:
+        for s in (x.strip() for x in spec.split(",") if x.strip()):
+            if s == "baselines":
+                out += bl.baseline_impls(store, device)
+            elif s == "exhaustive":
+                out += [i for i in all_named.values() if "exhaustive" in i.name]
+            elif s in all_named:
+                out.append(all_named[s])
+            elif s.startswith("cuda-l2:"):
+                from gemmrl.baselines.cuda_l2 import CudaL2Impl
+
+                out.append(CudaL2Impl(s.split(":", 1)[1]))
+            elif s.startswith("kernel:"):
+                from gemmrl.runtime.abi import AbiImpl
+
+                out.append(AbiImpl(s.split(":", 1)[1], include_dirs=tuple(include_dirs)))
+            else:
+                raise click.BadParameter(
+                    f"unknown implementation {s!r}; known: baselines, exhaustive, "
+                    f"{', '.join(all_named)}, cuda-l2:DIR, kernel:FILE", param_hint="--impl")
+    seen, unique = set(), []
+    for i in out:
+        if i.name not in seen:
+            seen.add(i.name)
+            unique.append(i)
+    return unique
+
+
+@click.group()
+@click.version_option(package_name="gemmrl")
+def main():
+    """gemmrl: verify and time HGEMM kernels against NVIDIA's libraries, and keep the fastest."""
+
+
+@main.command()
+@click.option("--shapes", "shape_spec", default="subset", show_default=True,
+              help="grid | subset | subset:N | FILE | MxNxK[,MxNxK...]")
+@click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "bf16"]))
+@click.option("--acc", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16"]))
+def shapes(shape_spec, dtype, acc):
+    """List the shapes a --shapes value means (no GPU needed)."""
+    for p in _problems(shape_spec, dtype, acc):
+        click.echo(f"{p.shape}\t{p.flops:.3e} FLOPs")
+
+
+@main.command()
+@click.option("--shapes", "shape_spec", default="subset", show_default=True,
+              help="grid | subset | subset:N | FILE | MxNxK[,MxNxK...]")
+@click.option("--mode", "mode_opts", multiple=True, default=("kernel",), show_default=True,
+              help="kernel, offline, server or all (repeat or comma-separate)")
+@click.option("--impl", "impl_opts", multiple=True, default=("baselines",), show_default=True,
+              help="baselines | exhaustive | torch.compile | <baseline name> | cuda-l2:DIR | kernel:FILE")
+@click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "bf16"]))
+@click.option("--acc", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16"]))
+@click.option("--db", default=DEFAULT_DB, show_default=True, help="SQLite store (created if missing)")
+@click.option("--out", default="results", show_default=True, help="where results/<gpu>/ goes")
+@click.option("--subject", default=None, help="implementation whose speedups the report shows")
+@click.option("--qps", default=500.0, show_default=True, help="server mode: mean arrivals per second")
+@click.option("--budget-s", default=None, type=float, help="stop starting new shapes after this many seconds")
+@click.option("--no-verify", is_flag=True, help="skip the correctness checks (not for real results)")
+@click.option("--retime", is_flag=True, help="measure again what the store already has")
+@click.option("--no-report", is_flag=True, help="do not write CSVs, summary and plots at the end")
+def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, budget_s, no_verify,
+          retime, no_report):
+    """Verify and time implementations over a set of shapes; results go to the store."""
+    problems = _problems(shape_spec, dtype, acc)
+    modes = _modes(mode_opts)
+    if qps <= 0:
+        raise click.BadParameter("must be positive", param_hint="--qps")
+    from gemmrl.bench import runner
+
+    runner.require_gpu()
+    import torch
+
+    from gemmrl.bench import env, timing
+    from gemmrl.store.db import Store
+
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    store = Store(db)
+    device = torch.cuda.get_device_name()
+    impls = build_impls(impl_opts, store, device)
+    try:
+        from gemmrl.baselines.impls import cublas_lib
+
+        cublas_version = cublas_lib().version()
+    except Exception as e:  # the report says so; torch.matmul still runs
+        cublas_version = f"unavailable: {e}"[:200]
+    prov = env.provenance(cublas_version)
+    cfg = runner.RunConfig(modes=modes, do_verify=not no_verify, retime=retime,
+                           server=timing.HostSettings(mode="server", min_rounds=15, max_rounds=60, qps=qps),
+                           deadline=time.monotonic() + budget_s if budget_s else None)
+    settings = {"modes": modes, "impls": [i.name for i in impls], "shapes": shape_spec,
+                **{m: timing.settings_dict(getattr(cfg, m)) for m in modes}, "verify": not no_verify}
+    run_id = store.start_run(" ".join(["gemmrl"] + sys.argv[1:]), device, prov, settings)
+    click.echo(f"run {run_id}: {len(problems)} shapes x {len(impls)} implementations x "
+               f"{len(modes)} modes on {device} (driver {prov['driver']}, CUDA {prov['cuda']}, "
+               f"torch {prov['torch']})", err=True)
+    if store.latest_peaks(device) is None or retime:
+        peaks = env.measure_peaks()
+        store.record_peaks(run_id, device, peaks["matrix_tflops"], peaks["bandwidth_gbs"])
+        click.echo(f"peaks: {peaks['matrix_tflops']:.0f} TFLOP/s, {peaks['bandwidth_gbs']:.0f} GB/s", err=True)
+    status = "done"
+    try:
+        counts = _run_with_progress(runner, problems, impls, store, cfg, device, run_id)
+        status = "partial" if counts["stopped"] else "done"
+        click.echo(f"measured {counts['sessions']} (shape, mode) sessions, skipped "
+                   f"{counts['skipped']} already in the store, rejected {counts['rejected']}", err=True)
+    finally:
+        store.finish_run(run_id, status)
+    if not no_report:
+        paths = write_report(store, device, out, subject, dtype, acc)
+        click.echo(f"wrote {len(paths)} files under {Path(paths[0]).parent if paths else out}", err=True)
+
+
+def _run_with_progress(runner, problems, impls, store, cfg, device, run_id):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+        TimeRemainingColumn
+
+    console = Console(stderr=True)
+    if not console.is_terminal:  # logs: one line every few percent instead of a live bar
+        step = max(1, len(problems) // 50)
+        t0 = time.monotonic()
+
+        def progress(done, problem):
+            if done % step == 0 or done == len(problems):
+                el = time.monotonic() - t0
+                eta = el / done * (len(problems) - done)
+                console.print(f"[{done}/{len(problems)}] {problem.shape}  elapsed {el:.0f}s  eta {eta:.0f}s")
+        return runner.run(problems, impls, store, cfg, device=device, run_id=run_id,
+                          progress=progress, log=lambda m: console.print(m, markup=False))
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console) as bar:
+        task = bar.add_task("benchmark", total=len(problems))
+
+        def progress(done, problem):
+            bar.update(task, completed=done, description=f"benchmark {problem.shape}")
+        return runner.run(problems, impls, store, cfg, device=device, run_id=run_id,
+                          progress=progress, log=lambda m: bar.console.print(m, markup=False))
+
+
+def write_report(store, device, out, subject, dtype, acc):
+    from gemmrl.bench.env import gpu_slug
+    from gemmrl.core.problem import Problem
+    from gemmrl.report.export import write_results
+
+    records = store.measurements(device=device, dtype=dtype, acc=acc)
+    records = [r for r in records if r["status"] == "ok"]
+    if not records:
+        raise click.ClickException(f"the store holds no measurements for {device} ({dtype}, acc {acc})")
+    runs = [r for r in store.runs() if r["device"] == device]
+    prov = dict(runs[-1]["provenance"]) if runs else {}
+    prov["runs"] = [{"id": r["id"], "command": r["command"], "status": r["status"],
+                     "commit": r["provenance"].get("commit"), "date": r["provenance"].get("date")}
+                    for r in runs]
+    peaks = store.latest_peaks(device)
+    tag = Problem(64, 64, 64, dtype, acc).precision
+    slug = gpu_slug(device)
+    subj = subject or "torch.matmul"
+    prefix = f"{subj.replace('.', '_').replace(':', '_')}_{slug}_{tag}"
+    return write_results(records, Path(out) / slug, subj, peaks, prov, prefix)
+
+
+@main.command()
+@click.option("--db", default=DEFAULT_DB, show_default=True)
+@click.option("--out", default="results", show_default=True)
+@click.option("--device", default=None, help="device name in the store (default: the only one)")
+@click.option("--subject", default=None, help="implementation whose speedups are reported")
+@click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "bf16"]))
+@click.option("--acc", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16"]))
+def report(db, out, device, subject, dtype, acc):
+    """Write CSVs (CUDA-L2's layout), summary.json and plots from the store (no GPU needed)."""
+    from gemmrl.store.db import Store
+
+    if not Path(db).exists():
+        raise click.ClickException(f"no store at {db}")
+    store = Store(db)
+    devices = store.devices()
+    if device is None:
+        if len(devices) != 1:
+            raise click.ClickException(f"the store holds {len(devices)} devices ({', '.join(devices)}): "
+                                       "name one with --device")
+        device = devices[0]
+    elif device not in devices:
+        raise click.ClickException(f"no measurements for {device!r}; the store has: {', '.join(devices)}")
+    paths = write_report(store, device, out, subject, dtype, acc)
+    for p in paths:
+        click.echo(p)
+
+
+@main.command(name="verify")
+@click.option("--impl", "impl_opts", multiple=True, required=True)
+@click.option("--shapes", "shape_spec", default="256x384x512", show_default=True)
+@click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "bf16"]))
+@click.option("--acc", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16"]))
+@click.option("--residues", is_flag=True, help="also shapes that are not multiples of any tile")
+@click.option("--include", "include_dirs", multiple=True, help="include directory for kernel: builds")
+def verify_cmd(impl_opts, shape_spec, dtype, acc, residues, include_dirs):
+    """Run every correctness check on implementations; exit 1 if any is rejected."""
+    problems = _problems(shape_spec, dtype, acc)
+    from gemmrl.bench import runner
+
+    runner.require_gpu()
+    from gemmrl.verify.checks import residue_problems, verify
+
+    try:
+        impls = build_impls(impl_opts, include_dirs=include_dirs)
+    except Exception as e:  # a kernel that does not build or load is a rejection with its log
+        click.echo(json.dumps({"impl": " ".join(impl_opts), "passed": False,
+                               "reason": f"{type(e).__name__}: {e}"[-3000:]}))
+        sys.exit(1)
+    bad = 0
+    for impl in impls:
+        for p in problems:
+            for q in (residue_problems(p) if residues else [p]):
+                if not impl.supports(q):
+                    continue
+                r = verify(impl, q)
+                click.echo(json.dumps({"impl": impl.name, "shape": q.shape, "passed": r.passed,
+                                       "reason": r.reason, "rel_err": r.details.get("rel_err")}))
+                bad += not r.passed
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()

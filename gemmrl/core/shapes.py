@@ -1,0 +1,105 @@
+"""Shape sets: CUDA-L2's 1000-grid, a stratified 100-shape subset, shape files, `MxNxK` text.
+
+Every parser raises ProblemError with a message that names what is wrong and where.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import re
+from pathlib import Path
+
+from gemmrl.core.problem import Problem, ProblemError
+
+GRID_SIZES = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 12288, 16384)
+
+_SHAPE_RE = re.compile(r"^\s*(-?\d+)\s*[xX,_ ]\s*(-?\d+)\s*[xX,_ ]\s*(-?\d+)\s*$")
+
+
+def grid(dtype: str = "fp16", acc: str = "fp32") -> list[Problem]:
+    """The 1000 shapes: M, N, K each in GRID_SIZES, in M-major order as CUDA-L2 lists them."""
+    return [Problem(m, n, k, dtype, acc) for m, n, k in itertools.product(GRID_SIZES, repeat=3)]
+
+
+def subset(count: int = 100, dtype: str = "fp16", acc: str = "fp32", seed: int = 0) -> list[Problem]:
+    """A stratified sample of the grid: sort by FLOPs, cut into `count` equal strata, one shape
+    from each (seeded, so the subset is the same everywhere). Covers tiny to huge evenly."""
+    full = grid(dtype, acc)
+    if not 1 <= count <= len(full):
+        raise ProblemError(f"subset size must be between 1 and {len(full)}, got {count}")
+    ordered = sorted(full, key=lambda p: (p.flops, p.M, p.N, p.K))
+    rng = random.Random(seed)
+    picked = []
+    for i in range(count):
+        lo = i * len(ordered) // count
+        hi = (i + 1) * len(ordered) // count
+        picked.append(ordered[rng.randrange(lo, hi)])
+    return sorted(picked, key=lambda p: (p.M, p.N, p.K))
+
+
+def parse_shape(text: str, dtype: str = "fp16", acc: str = "fp32") -> Problem:
+    """'4096x4096x1024' (also '4096_4096_1024', '4096,4096,1024') -> Problem."""
+    m = _SHAPE_RE.match(text)
+    if not m:
+        raise ProblemError(f"cannot parse shape {text!r}: expected MxNxK, e.g. 4096x4096x1024")
+    M, N, K = (int(g) for g in m.groups())
+    try:
+        return Problem(M, N, K, dtype, acc)
+    except ProblemError as e:
+        raise ProblemError(f"shape {text.strip()!r}: {e}") from None
+
+
+def parse_shape_file(path: str | Path, dtype: str = "fp16", acc: str = "fp32") -> list[Problem]:
+    """One shape per line (MxNxK, M_N_K or M,N,K); '#' starts a comment; blank lines skipped.
+    A CSV with an 'mnk' header (CUDA-L2's result files) works too: its first column is read."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise ProblemError(f"cannot read shape file {path}: {e.strerror or e}") from None
+    problems = []
+    for lineno, raw in enumerate(lines, 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if lineno == 1 and line.lower().startswith("mnk"):
+            continue  # CSV header
+        first = line.split(",", 1)[0]
+        if "," in line and re.search(r"\d[xX_]\d", first):
+            line = first  # a CSV row: its first column is the shape
+        try:
+            problems.append(parse_shape(line, dtype, acc))
+        except ProblemError as e:
+            raise ProblemError(f"{path}:{lineno}: {e}") from None
+    if not problems:
+        raise ProblemError(f"shape file {path} holds no shapes")
+    return problems
+
+
+def resolve(spec: str, dtype: str = "fp16", acc: str = "fp32") -> list[Problem]:
+    """The CLI's --shapes: 'grid', 'subset', 'subset:N', a file path, or comma/space separated
+    MxNxK shapes. Duplicates are dropped, order kept."""
+    spec = spec.strip()
+    if spec == "grid":
+        out = grid(dtype, acc)
+    elif spec == "subset":
+        out = subset(100, dtype, acc)
+    elif spec.startswith("subset:"):
+        try:
+            n = int(spec.split(":", 1)[1])
+        except ValueError:
+            raise ProblemError(f"bad subset size in {spec!r}: expected subset:N") from None
+        out = subset(n, dtype, acc)
+    elif Path(spec).is_file():
+        out = parse_shape_file(spec, dtype, acc)
+    elif re.search(r"\d", spec) and not re.search(r"[/\\]", spec):
+        out = [parse_shape(s, dtype, acc) for s in re.split(r"[;\s]+|,(?=\s*\d+\s*[xX])", spec) if s.strip()]
+    else:
+        raise ProblemError(f"--shapes {spec!r}: not 'grid', 'subset', an existing file, or MxNxK")
+    seen, unique = set(), []
+    for p in out:
+        if p not in seen:
+            seen.add(p)
+            unique.append(p)
+    return unique

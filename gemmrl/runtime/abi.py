@@ -1,0 +1,177 @@
+"""The kernel ABI: every candidate, whatever wrote it, is one .cu exporting these C symbols.
+
+    extern "C" const char* gemmrl_meta(void);
+        // JSON: {"layout": "NN"|"TN", "dtype": "fp16"|"bf16", "acc": "fp32"|"fp16", "name": "..."}
+    extern "C" size_t gemmrl_workspace_bytes(int M, int N, int K);
+    extern "C" int gemmrl_run(const void* A, const void* B, void* C, int M, int N, int K,
+                              int lda, int ldb, int ldc, void* workspace, cudaStream_t stream);
+        // 0 on success; nonzero: the shape is not supported (nothing was launched) or an error.
+
+Row-major A [M,K]; B [K,N] for NN, [N,K] for TN; C [M,N] with the input dtype. A call enqueues
+work on `stream` only: no allocation, no synchronisation, no host round trip, so it can be
+captured in a CUDA graph. No torch headers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import re
+from dataclasses import dataclass
+
+from gemmrl.core.problem import DTYPES, ACCS, LAYOUTS
+
+REQUIRED_SYMBOLS = ("gemmrl_meta", "gemmrl_workspace_bytes", "gemmrl_run")
+
+
+class AbiError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class KernelMeta:
+    layout: str
+    dtype: str
+    acc: str
+    name: str
+
+    @staticmethod
+    def parse(text: str) -> "KernelMeta":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise AbiError(f"gemmrl_meta() is not JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise AbiError("gemmrl_meta() must return a JSON object")
+        layout, dtype, acc = d.get("layout"), d.get("dtype", "fp16"), d.get("acc", "fp32")
+        if layout not in LAYOUTS:
+            raise AbiError(f"gemmrl_meta(): layout must be one of {LAYOUTS}, got {layout!r}")
+        if dtype not in DTYPES:
+            raise AbiError(f"gemmrl_meta(): dtype must be one of {DTYPES}, got {dtype!r}")
+        if acc not in ACCS:
+            raise AbiError(f"gemmrl_meta(): acc must be one of {ACCS}, got {acc!r}")
+        return KernelMeta(layout, dtype, acc, str(d.get("name", "kernel")))
+
+
+class AbiKernel:
+    """A loaded shared object that follows the ABI."""
+
+    def __init__(self, so_path: str):
+        try:
+            self.lib = ctypes.CDLL(so_path)
+        except OSError as e:
+            raise AbiError(f"cannot load {so_path}: {e}") from None
+        missing = [s for s in REQUIRED_SYMBOLS if not hasattr(self.lib, s)]
+        if missing:
+            raise AbiError(f"{so_path} lacks the ABI symbols {', '.join(missing)}")
+        self.path = so_path
+        self.lib.gemmrl_meta.restype = ctypes.c_char_p
+        self.lib.gemmrl_meta.argtypes = []
+        self.lib.gemmrl_workspace_bytes.restype = ctypes.c_size_t
+        self.lib.gemmrl_workspace_bytes.argtypes = [ctypes.c_int] * 3
+        self.lib.gemmrl_run.restype = ctypes.c_int
+        self.lib.gemmrl_run.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 2
+        self.meta = KernelMeta.parse(self.lib.gemmrl_meta().decode())
+        self._run = self.lib.gemmrl_run
+
+    def workspace_bytes(self, M: int, N: int, K: int) -> int:
+        return int(self.lib.gemmrl_workspace_bytes(M, N, K))
+
+    def run(self, a_ptr: int, b_ptr: int, c_ptr: int, M: int, N: int, K: int,
+            lda: int, ldb: int, ldc: int, workspace_ptr: int, stream: int) -> int:
+        return self._run(a_ptr, b_ptr, c_ptr, M, N, K, lda, ldb, ldc, workspace_ptr, stream)
+
+
+def kernel_names(so_path: str) -> set[str]:
+    """Demangled names of the __global__ functions defined in a shared object, read from the
+    host launch stubs nvcc emits for each (`__device_stub__<mangled>`)."""
+    import subprocess
+
+    def nm(*flags):
+        out = subprocess.run(["nm", "--defined-only", *flags, so_path], capture_output=True,
+                             text=True, check=True).stdout.splitlines()
+        return [ln.split(None, 2)[-1] for ln in out if len(ln.split(None, 2)) == 3]
+
+    mangled = nm()
+    demangled = nm("-C")
+    by_mangled = dict(zip(mangled, demangled)) if len(mangled) == len(demangled) else {}
+    names = set()
+    for sym in demangled:
+        if "__device_stub__" not in sym or sym.startswith("guard variable") or "::__" in sym:
+            continue
+        token = sym.split("__device_stub__", 1)[1].split("(", 1)[0]
+        if token.startswith("Z"):
+            names.add(by_mangled.get("_" + token, "_" + token))
+        elif token:
+            names.add(token)  # extern "C" __global__: the name is not mangled
+    return names
+
+
+class AbiImpl:
+    """A candidate kernel (.cu source or built .so) that follows the ABI, as a harness Impl."""
+
+    trusted = False
+
+    def __init__(self, path: str, name: str | None = None, include_dirs: tuple[str, ...] = (),
+                 arch: str = "sm_90a", libraries: tuple[str, ...] = (),
+                 library_dirs: tuple[str, ...] = ()):
+        from pathlib import Path
+
+        p = Path(path)
+        if not p.exists():
+            raise AbiError(f"kernel file {path} does not exist")
+        if p.suffix == ".cu":
+            from gemmrl.build.nvcc import build_shared
+
+            source = p.read_text()
+            if re.search(r"#\s*include\s*[<\"]cublas", source):
+                # a candidate may link cuBLAS (the trace check then sees whose kernels ran)
+                from gemmrl.baselines.cublas import find_cublas
+
+                cb = find_cublas()
+                include_dirs = (*include_dirs, str(cb.include))
+                library_dirs = (*library_dirs, str(cb.lib))
+                libraries = (*libraries, *(f[2:] for f in cb.link_flags()))
+            res = build_shared(source, name=p.stem, arch=arch,
+                               include_dirs=(str(p.parent), *include_dirs),
+                               libraries=libraries, library_dirs=library_dirs)
+            if not res.ok:
+                raise AbiError(f"{path} failed to build:\n{res.log[-3000:]}")
+            so = res.path
+        else:
+            so = str(p)
+        self.kernel = AbiKernel(so)
+        self.name = name or f"kernel:{p.stem}"
+        self.layout = self.kernel.meta.layout
+        self._own = None
+
+    def supports(self, problem) -> bool:
+        return (problem.dtype, problem.acc) == (self.kernel.meta.dtype, self.kernel.meta.acc)
+
+    def own_kernels(self) -> set[str]:
+        if self._own is None:
+            self._own = kernel_names(self.kernel.path)
+        return self._own
+
+    def prepare(self, problem):
+        import torch
+
+        M, N, K = problem.M, problem.N, problem.K
+        ws_bytes = self.kernel.workspace_bytes(M, N, K)
+        ws = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device="cuda")
+        ws_ptr = ws.data_ptr()
+        run, tn = self.kernel.run, self.layout == "TN"
+        ldb = K if tn else N
+
+        def call(a, b_nn, b_tn, c, _ws=ws):
+            b = b_tn if tn else b_nn
+            status = run(a.data_ptr(), b.data_ptr(), c.data_ptr(), M, N, K, K, ldb, N, ws_ptr,
+                         torch.cuda.current_stream().cuda_stream)
+            if status != 0:
+                raise AbiError(f"{self.name}: gemmrl_run returned {status} for {problem.shape}")
+
+        return call
+
+    def describe(self) -> dict:
+        return {"name": self.name, "layout": self.layout, "so": self.kernel.path,
+                "meta": self.kernel.meta.__dict__}

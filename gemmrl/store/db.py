@@ -1,0 +1,192 @@
+"""The embedded store: one SQLite file (WAL) with every run, verification, timing and tuning
+choice, each with the device that produced it. Interrupted work resumes from it: what is already
+measured under the same protocol is not measured again unless asked.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from gemmrl.core.problem import Problem
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (
+    id INTEGER PRIMARY KEY, started REAL NOT NULL, finished REAL, status TEXT NOT NULL,
+    command TEXT NOT NULL, device TEXT NOT NULL, provenance TEXT NOT NULL, settings TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS peaks (
+    run_id INTEGER NOT NULL REFERENCES runs(id), device TEXT NOT NULL,
+    matrix_tflops REAL NOT NULL, bandwidth_gbs REAL NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS verifications (
+    id INTEGER PRIMARY KEY, run_id INTEGER NOT NULL REFERENCES runs(id), device TEXT NOT NULL,
+    M INTEGER NOT NULL, N INTEGER NOT NULL, K INTEGER NOT NULL, dtype TEXT NOT NULL,
+    acc TEXT NOT NULL, impl TEXT NOT NULL, passed INTEGER NOT NULL, reason TEXT NOT NULL,
+    details TEXT NOT NULL, created REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS verif_key ON verifications (device, M, N, K, dtype, acc, impl);
+CREATE TABLE IF NOT EXISTS measurements (
+    id INTEGER PRIMARY KEY, run_id INTEGER NOT NULL REFERENCES runs(id), session TEXT NOT NULL,
+    device TEXT NOT NULL, M INTEGER NOT NULL, N INTEGER NOT NULL, K INTEGER NOT NULL,
+    dtype TEXT NOT NULL, acc TEXT NOT NULL, impl TEXT NOT NULL, mode TEXT NOT NULL,
+    protocol TEXT NOT NULL, median_us REAL, mean_us REAL, min_us REAL, p10_us REAL,
+    p90_us REAL, std_us REAL, samples INTEGER NOT NULL, status TEXT NOT NULL, details TEXT NOT NULL,
+    created REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS meas_key ON measurements (device, mode, protocol, M, N, K, dtype, acc, impl);
+CREATE TABLE IF NOT EXISTS tuning (
+    device TEXT NOT NULL, M INTEGER NOT NULL, N INTEGER NOT NULL, K INTEGER NOT NULL,
+    dtype TEXT NOT NULL, acc TEXT NOT NULL, impl TEXT NOT NULL, choice BLOB NOT NULL,
+    info TEXT NOT NULL, time_us REAL NOT NULL, created REAL NOT NULL,
+    PRIMARY KEY (device, M, N, K, dtype, acc, impl));
+"""
+
+STAT_FIELDS = ("median_us", "mean_us", "min_us", "p10_us", "p90_us", "std_us")
+
+
+class StoreError(RuntimeError):
+    pass
+
+
+class Store:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(str(self.path), timeout=60, isolation_level=None)
+        self.db.row_factory = sqlite3.Row
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.execute("PRAGMA foreign_keys=ON")
+        with self.tx():
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    self.db.execute(statement)
+            row = self.db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+            if row is None:
+                self.db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+            elif int(row[0]) != SCHEMA_VERSION:
+                raise StoreError(f"{self.path}: schema version {row[0]}, this gemmrl reads {SCHEMA_VERSION}")
+
+    @contextmanager
+    def tx(self):
+        """One transaction: everything inside lands together or not at all."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.db
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    def close(self) -> None:
+        self.db.close()
+
+    # runs ---------------------------------------------------------------------------------
+    def start_run(self, command: str, device: str, provenance: dict, settings: dict) -> int:
+        with self.tx():
+            cur = self.db.execute(
+                "INSERT INTO runs (started, status, command, device, provenance, settings) "
+                "VALUES (?, 'running', ?, ?, ?, ?)",
+                (time.time(), command, device, json.dumps(provenance, sort_keys=True),
+                 json.dumps(settings, sort_keys=True)))
+            return int(cur.lastrowid)
+
+    def finish_run(self, run_id: int, status: str = "done") -> None:
+        with self.tx():
+            self.db.execute("UPDATE runs SET finished=?, status=? WHERE id=?", (time.time(), status, run_id))
+
+    def runs(self) -> list[dict]:
+        rows = self.db.execute("SELECT * FROM runs ORDER BY id").fetchall()
+        return [dict(r, provenance=json.loads(r["provenance"]), settings=json.loads(r["settings"])) for r in rows]
+
+    def record_peaks(self, run_id: int, device: str, matrix_tflops: float, bandwidth_gbs: float) -> None:
+        with self.tx():
+            self.db.execute("INSERT INTO peaks VALUES (?, ?, ?, ?, ?)",
+                            (run_id, device, matrix_tflops, bandwidth_gbs, time.time()))
+
+    def latest_peaks(self, device: str) -> dict | None:
+        r = self.db.execute("SELECT matrix_tflops, bandwidth_gbs FROM peaks WHERE device=? "
+                            "ORDER BY created DESC LIMIT 1", (device,)).fetchone()
+        return dict(r) if r else None
+
+    # verifications ------------------------------------------------------------------------
+    def record_verification(self, run_id: int, device: str, problem: Problem, impl: str,
+                            passed: bool, reason: str, details: dict) -> None:
+        with self.tx():
+            self.db.execute(
+                "INSERT INTO verifications (run_id, device, M, N, K, dtype, acc, impl, passed, "
+                "reason, details, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (run_id, device, *problem.key(), impl, int(bool(passed)), reason,
+                 json.dumps(details, sort_keys=True, default=str), time.time()))
+
+    def verification(self, device: str, problem: Problem, impl: str) -> dict | None:
+        r = self.db.execute(
+            "SELECT * FROM verifications WHERE device=? AND M=? AND N=? AND K=? AND dtype=? AND "
+            "acc=? AND impl=? ORDER BY id DESC LIMIT 1", (device, *problem.key(), impl)).fetchone()
+        if r is None:
+            return None
+        return dict(r, passed=bool(r["passed"]), details=json.loads(r["details"]))
+
+    def verifications(self, device: str | None = None) -> list[dict]:
+        q, args = "SELECT * FROM verifications", ()
+        if device:
+            q, args = q + " WHERE device=?", (device,)
+        return [dict(r, passed=bool(r["passed"]), details=json.loads(r["details"]))
+                for r in self.db.execute(q + " ORDER BY id", args)]
+
+    # measurements -------------------------------------------------------------------------
+    def record_session(self, run_id: int, session: str, device: str, problem: Problem, mode: str,
+                       protocol: str, results: dict[str, dict]) -> None:
+        """All implementations timed together for one (problem, mode): one transaction, so a
+        crash leaves a shape either fully measured or not at all."""
+        now = time.time()
+        with self.tx():
+            for impl, st in results.items():
+                self.db.execute(
+                    "INSERT INTO measurements (run_id, session, device, M, N, K, dtype, acc, impl, "
+                    "mode, protocol, median_us, mean_us, min_us, p10_us, p90_us, std_us, samples, status, "
+                    "details, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (run_id, session, device, *problem.key(), impl, mode, protocol,
+                     *(st.get(f) for f in STAT_FIELDS), int(st.get("n", 0)), st.get("status", "ok"),
+                     json.dumps(st.get("details", {}), sort_keys=True, default=str), now))
+
+    def measured_impls(self, device: str, problem: Problem, mode: str, protocol: str) -> set[str]:
+        rows = self.db.execute(
+            "SELECT DISTINCT impl FROM measurements WHERE device=? AND mode=? AND protocol=? AND "
+            "M=? AND N=? AND K=? AND dtype=? AND acc=?", (device, mode, protocol, *problem.key()))
+        return {r[0] for r in rows}
+
+    def measurements(self, device: str | None = None, mode: str | None = None,
+                     dtype: str | None = None, acc: str | None = None) -> list[dict]:
+        """The latest measurement of each (device, shape, impl, mode), oldest shape first."""
+        where, args = [], []
+        for col, val in (("device", device), ("mode", mode), ("dtype", dtype), ("acc", acc)):
+            if val is not None:
+                where.append(f"{col}=?")
+                args.append(val)
+        q = ("SELECT * FROM measurements m WHERE id = (SELECT MAX(id) FROM measurements x WHERE "
+             "x.device=m.device AND x.M=m.M AND x.N=m.N AND x.K=m.K AND x.dtype=m.dtype AND "
+             "x.acc=m.acc AND x.impl=m.impl AND x.mode=m.mode)")
+        if where:
+            q += " AND " + " AND ".join(where)
+        rows = self.db.execute(q + " ORDER BY M, N, K, impl, mode", args).fetchall()
+        return [dict(r, n=r["samples"], details=json.loads(r["details"])) for r in rows]
+
+    def devices(self) -> list[str]:
+        return [r[0] for r in self.db.execute("SELECT DISTINCT device FROM measurements ORDER BY device")]
+
+    # tuning choices -------------------------------------------------------------------------
+    def put_tuning(self, device: str, problem: Problem, impl: str, choice: bytes, info: str,
+                   time_us: float) -> None:
+        with self.tx():
+            self.db.execute("INSERT OR REPLACE INTO tuning VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                            (device, *problem.key(), impl, choice, info, time_us, time.time()))
+
+    def get_tuning(self, device: str, problem: Problem, impl: str) -> dict | None:
+        r = self.db.execute("SELECT choice, info, time_us FROM tuning WHERE device=? AND M=? AND "
+                            "N=? AND K=? AND dtype=? AND acc=? AND impl=?",
+                            (device, *problem.key(), impl)).fetchone()
+        return dict(r) if r else None

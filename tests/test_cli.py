@@ -1,0 +1,79 @@
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from gemmrl.cli import _modes, main
+from gemmrl.core.problem import Problem
+from gemmrl.store.db import Store
+
+
+def test_shapes_lists_the_subset():
+    r = CliRunner().invoke(main, ["shapes", "--shapes", "subset:5"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 5 and all("x" in ln.split()[0] for ln in lines)
+
+
+def test_bad_shape_is_a_clear_usage_error():
+    r = CliRunner().invoke(main, ["shapes", "--shapes", "64x0x64"])
+    assert r.exit_code == 2 and "N must be positive" in r.output
+
+
+def test_bad_mode_is_refused():
+    with pytest.raises(Exception, match="unknown mode 'fast'"):
+        _modes(("kernel,fast",))
+    assert _modes(("all",)) == ("kernel", "offline", "server")
+    assert _modes(("server", "kernel,server")) == ("server", "kernel")
+
+
+def test_bench_refuses_a_machine_without_gpu(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    r = CliRunner().invoke(main, ["bench", "--shapes", "64x64x64"])
+    assert r.exit_code == 2
+    assert "no CUDA GPU" in r.output
+
+
+def test_bench_checks_arguments_before_the_gpu():
+    r = CliRunner().invoke(main, ["bench", "--shapes", "grid", "--mode", "fastest"])
+    assert r.exit_code == 2 and "unknown mode" in r.output
+
+
+def _fill(store):
+    run = store.start_run("gemmrl bench", "NVIDIA H100 80GB HBM3", {"commit": "c0ffee", "date": "2026-11-21"}, {})
+    for p, t in ((Problem(64, 64, 64), 4.0), (Problem(4096, 4096, 4096), 200.0)):
+        res = {name: {"median_us": t * f, "mean_us": t * f, "min_us": t * f, "p10_us": t * f,
+                      "p90_us": t * f, "std_us": 0.0, "n": 20, "status": "ok", "details": {}}
+               for name, f in (("torch.matmul", 1.0), ("torch.matmul@repeat", 1.01), ("cuBLAS-nn", 0.9),
+                               ("cuBLAS-tn", 0.95), ("cuBLASLt-auto-tuning-nn", 0.8),
+                               ("cuBLASLt-auto-tuning-tn", 0.85))}
+        store.record_session(run, "s", "NVIDIA H100 80GB HBM3", p, "kernel", "kernel:v1", res)
+    store.record_peaks(run, "NVIDIA H100 80GB HBM3", 700.0, 3000.0)
+    store.finish_run(run)
+
+
+def test_report_writes_cuda_l2_layout_from_the_store(tmp_path):
+    db = tmp_path / "s.sqlite"
+    _fill(Store(db))
+    r = CliRunner().invoke(main, ["report", "--db", str(db), "--out", str(tmp_path / "res")])
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "res" / "h100"
+    csv = (out / "torch_matmul_h100_F32F16F16F32_speedup_kernel.csv").read_text().splitlines()
+    assert csv[0] == ("mnk,torch.matmul,cuBLAS-tn,cuBLAS-nn,cuBLAS-max,cuBLASLt-auto-tuning-tn,"
+                      "cuBLASLt-auto-tuning-nn,cuBLASLt-auto-tuning-max,best-baseline")
+    row = dict(zip(csv[0].split(","), csv[1].split(",")))
+    assert row["mnk"] == "64_64_64" and row["cuBLAS-max"] == "0.900"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["provenance"]["commit"] == "c0ffee"
+    assert summary["provenance"]["runs"][0]["command"] == "gemmrl bench"
+    assert (out / "torch_matmul_h100_F32F16F16F32_speedup_vs_flops.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_report_errors(tmp_path):
+    r = CliRunner().invoke(main, ["report", "--db", str(tmp_path / "none.sqlite")])
+    assert r.exit_code == 1 and "no store at" in r.output
+    db = tmp_path / "s.sqlite"
+    _fill(Store(db))
+    r = CliRunner().invoke(main, ["report", "--db", str(db), "--device", "H200"])
+    assert r.exit_code == 1 and "no measurements for 'H200'" in r.output

@@ -1,0 +1,176 @@
+"""The harness on a GPU: honest kernels accepted, every cheat kernel rejected for its reason,
+baselines verified, and the three timing modes giving sane, re-checked numbers."""
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNELS = ROOT / "tests" / "kernels"
+SHAPE = "256x384x1024"
+
+# cheat -> phrases of which one must be in the rejection (shared/measuring.md's defences)
+CHEATS = {
+    "calls_cublas": ("not the implementation's own",),
+    "side_stream": ("never written", "stream(s)"),
+    "background_thread": ("never written", "stream(s)"),
+    "pointer_cache": ("random test 1",),
+    "shape_cache": ("random test 1", "no kernel of its own"),
+    "lazy_deferred": ("exact test", "never written"),
+    "precision_downgrade": ("relative error",),
+    "fp16_accumulate": ("relative error",),
+    "oob_write": ("guard band around C",),
+    "partial_write": ("never written",),
+    "clobbers_input": ("input A was modified",),
+    "uninit_read": ("random test", "exact test"),
+}
+
+
+def cli_verify(path: Path, shape: str = SHAPE, residues: bool = False) -> list[dict]:
+    """Each verification in its own process: a cheat that corrupts the CUDA context takes down
+    only that process."""
+    cmd = [sys.executable, "-m", "gemmrl.cli", "verify", "--impl", f"kernel:{path}", "--shapes", shape,
+           "--include", str(KERNELS)] + (["--residues"] if residues else [])
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    rows = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
+    assert rows, f"no verdict from {path.name}: rc={p.returncode}\n{p.stdout}\n{p.stderr[-3000:]}"
+    return rows
+
+
+@pytest.mark.parametrize("name", ["honest_nn", "honest_tn"])
+def test_honest_kernels_pass_every_check_including_residues(name):
+    rows = cli_verify(KERNELS / f"{name}.cu", residues=True)
+    assert len(rows) == 5
+    for r in rows:
+        assert r["passed"], r
+        assert r["rel_err"] < 1e-3
+
+
+def test_every_cheat_is_rejected_for_its_reason():
+    with ThreadPoolExecutor(4) as ex:
+        verdicts = dict(zip(CHEATS, ex.map(lambda c: cli_verify(KERNELS / "cheats" / f"{c}.cu")[0], CHEATS)))
+    report = {c: v["reason"][:200] for c, v in verdicts.items()}
+    print(json.dumps(report, indent=1))
+    for cheat, v in verdicts.items():
+        assert not v["passed"], f"{cheat} was accepted"
+        assert any(w in v["reason"] for w in CHEATS[cheat]), f"{cheat}: {v['reason']}"
+
+
+def test_python_level_cheats_on_gpu():
+    import time
+
+    import torch
+
+    from gemmrl.core.impl import Impl
+    from gemmrl.core.problem import Problem
+    from gemmrl.verify.checks import verify
+
+    class Py(Impl):
+        def __init__(self, fn):
+            self.fn, self.name = fn, fn.__name__
+
+        def prepare(self, problem):
+            return self.fn
+
+        def own_kernels(self):
+            return set()
+
+    def via_torch(a, b_nn, b_tn, c):  # "calling torch inside the kernel"
+        torch.matmul(a, b_nn, out=c)
+
+    orig = time.perf_counter
+
+    def patch_timer(a, b_nn, b_tn, c):
+        torch.matmul(a, b_nn, out=c)
+        time.perf_counter = lambda: 0.0
+
+    p = Problem(256, 384, 1024)
+    r = verify(Py(via_torch), p)
+    assert not r.passed and "not the implementation's own" in r.reason
+    try:
+        r = verify(Py(patch_timer), p)
+    finally:
+        time.perf_counter = orig
+    assert not r.passed and "timer patching" in r.reason
+
+
+@pytest.mark.parametrize("shape", [(256, 384, 512), (64, 4096, 1024), (1000, 72, 264)])
+def test_baselines_pass_verification(shape):
+    from gemmrl.baselines.impls import baseline_impls
+    from gemmrl.core.problem import Problem
+    from gemmrl.verify.checks import verify
+
+    p = Problem(*shape)
+    for impl in baseline_impls(exhaustive=True):
+        r = verify(impl, p)
+        assert r.passed, f"{impl.name} {p.shape}: {r.reason}"
+        assert r.details["rel_err"] < 5e-4
+
+
+def test_fp16_accumulate_baselines_verify():
+    from gemmrl.bench.runner import _fp16_acc_reference
+    from gemmrl.baselines.impls import CublasGemm, LtHeuristic
+    from gemmrl.core.problem import Problem
+    from gemmrl.verify.checks import verify
+
+    p = Problem(256, 256, 2048, "fp16", "fp16")
+    for impl in (CublasGemm("NN"), LtHeuristic("TN")):
+        r = verify(impl, p, ref_fn=_fp16_acc_reference())
+        assert r.passed, f"{impl.name}: {r.reason}"
+
+
+def test_timing_modes_agree_and_catch_wrong_outputs():
+    import torch
+
+    from gemmrl.bench import timing
+    from gemmrl.core.problem import Problem
+
+    p = Problem(1024, 1024, 1024)
+
+    def mm(a, b_nn, b_tn, c):
+        torch.matmul(a, b_nn, out=c)
+
+    def wrong(a, b_nn, b_tn, c):
+        torch.matmul(a, b_nn, out=c)
+        c.mul_(1.5)
+
+    calls = {"mm": mm, "mm2": mm, "wrong": wrong}
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    k = timing.time_kernel(p, calls, l2_bytes=l2)
+    assert k["mm"]["status"] == "ok" and k["wrong"]["status"] == "wrong"
+    assert k["mm"]["details"]["sets"] >= 2 and k["mm"]["details"]["graph"] is True
+    assert abs(k["mm"]["median_us"] / k["mm2"]["median_us"] - 1) < 0.05
+    for mode in ("offline", "server"):
+        h = timing.time_host(p, calls, settings=timing.HostSettings(mode=mode, min_rounds=20, qps=2000))
+        assert h["mm"]["status"] == "ok" and h["wrong"]["status"] == "wrong"
+        assert h["mm"]["n"] >= 20
+        # the host clock includes launch and sync: never below the kernel time
+        assert h["mm"]["median_us"] > 0.9 * k["mm"]["median_us"]
+
+
+@pytest.mark.skipif(not os.environ.get("GEMMRL_CUDA_L2_DIR"), reason="set GEMMRL_CUDA_L2_DIR to CUDA-L2's kernels/h100_F32F16F16F32")
+def test_cuda_l2_kernel_loads_verifies_and_times():
+    import torch
+
+    from gemmrl.baselines.cuda_l2 import CudaL2Impl
+    from gemmrl.bench import timing
+    from gemmrl.core.problem import Problem
+    from gemmrl.verify.checks import verify
+
+    impl = CudaL2Impl(os.environ["GEMMRL_CUDA_L2_DIR"])
+    p = Problem(64, 64, 64)
+    assert impl.supports(p)
+    fn = impl.prepare(p)
+    r = verify(impl, p, fn=fn)
+    print("cuda-l2 64x64x64:", r.passed, r.reason, r.details.get("rel_err"))
+    assert r.details.get("exact") is True  # the {0,1} test passes whatever the precision verdict
+    res = timing.time_kernel(p, {"cuda-l2": fn}, l2_bytes=torch.cuda.get_device_properties(0).L2_cache_size)
+    assert res["cuda-l2"]["status"] == "ok"

@@ -1,0 +1,94 @@
+import sqlite3
+
+import pytest
+
+from gemmrl.bench import stats
+from gemmrl.core.problem import Problem
+from gemmrl.store.db import Store, StoreError
+
+P = Problem(256, 512, 1024)
+Q = Problem(64, 64, 64)
+
+
+def _st(median, n=10):
+    return {"median_us": median, "mean_us": median * 1.1, "min_us": median * 0.9, "p10_us": median,
+            "p90_us": median * 1.2, "std_us": 0.1, "n": n, "status": "ok", "details": {"sets": 4}}
+
+
+def test_store_roundtrip_and_latest_wins(tmp_path):
+    s = Store(tmp_path / "a.sqlite")
+    run = s.start_run("gemmrl bench", "H100", {"commit": "abc"}, {"modes": ["kernel"]})
+    s.record_session(run, "s1", "H100", P, "kernel", "kernel:v1", {"torch.matmul": _st(10.0), "cuBLAS-nn": _st(9.0)})
+    s.record_session(run, "s2", "H100", P, "kernel", "kernel:v1", {"torch.matmul": _st(11.0)})
+    rows = s.measurements(device="H100", mode="kernel")
+    by = {r["impl"]: r for r in rows}
+    assert by["torch.matmul"]["median_us"] == 11.0  # the later measurement
+    assert by["cuBLAS-nn"]["median_us"] == 9.0 and by["cuBLAS-nn"]["details"] == {"sets": 4}
+    assert s.measured_impls("H100", P, "kernel", "kernel:v1") == {"torch.matmul", "cuBLAS-nn"}
+    assert s.measured_impls("H100", P, "kernel", "kernel:v2") == set()  # other protocol: not measured
+    assert s.measured_impls("H200", P, "kernel", "kernel:v1") == set()  # other GPU: not measured
+    s.finish_run(run, "done")
+    assert s.runs()[0]["status"] == "done" and s.runs()[0]["provenance"] == {"commit": "abc"}
+    s.close()
+    # reopen: everything is still there (and WAL mode)
+    s2 = Store(tmp_path / "a.sqlite")
+    assert len(s2.measurements()) == 2
+    assert s2.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_session_is_atomic(tmp_path):
+    s = Store(tmp_path / "b.sqlite")
+    run = s.start_run("x", "H100", {}, {})
+    bad = {"ok": _st(1.0), "broken": {"median_us": object()}}  # second row cannot be stored
+    with pytest.raises(sqlite3.Error):
+        s.record_session(run, "s", "H100", P, "kernel", "kernel:v1", bad)
+    assert s.measurements() == []  # nothing half-written
+
+
+def test_verifications_tuning_peaks(tmp_path):
+    s = Store(tmp_path / "c.sqlite")
+    run = s.start_run("x", "H100", {}, {})
+    assert s.verification("H100", P, "k") is None
+    s.record_verification(run, "H100", P, "k", False, "exact test: 3 outputs differ", {"rel_err": 1.0})
+    s.record_verification(run, "H100", P, "k", True, "", {"rel_err": 2e-4})
+    v = s.verification("H100", P, "k")
+    assert v["passed"] is True and v["details"]["rel_err"] == 2e-4
+    assert [x["passed"] for x in s.verifications("H100")] == [False, True]
+    s.put_tuning("H100", Q, "cuBLASLt-auto-tuning-nn", b"\x01" * 64, "algo=1", 2.5)
+    s.put_tuning("H100", Q, "cuBLASLt-auto-tuning-nn", b"\x02" * 64, "algo=2", 2.0)
+    t = s.get_tuning("H100", Q, "cuBLASLt-auto-tuning-nn")
+    assert bytes(t["choice"]) == b"\x02" * 64 and t["info"] == "algo=2"
+    assert s.get_tuning("H200", Q, "cuBLASLt-auto-tuning-nn") is None
+    assert s.latest_peaks("H100") is None
+    s.record_peaks(run, "H100", 700.0, 3000.0)
+    assert s.latest_peaks("H100") == {"matrix_tflops": 700.0, "bandwidth_gbs": 3000.0}
+
+
+def test_schema_version_mismatch_is_refused(tmp_path):
+    s = Store(tmp_path / "d.sqlite")
+    s.db.execute("UPDATE meta SET value='99' WHERE key='schema'")
+    s.close()
+    with pytest.raises(StoreError, match="schema version 99"):
+        Store(tmp_path / "d.sqlite")
+
+
+def test_summarize_samples():
+    st = stats.summarize_samples([4.0, 1.0, 3.0, 2.0, 100.0])
+    assert st["median_us"] == 3.0 and st["min_us"] == 1.0 and st["n"] == 5
+    assert st["mean_us"] == pytest.approx(22.0)
+    assert st["p90_us"] == pytest.approx(4.0 + 0.6 * 96.0)
+    with pytest.raises(ValueError):
+        stats.summarize_samples([])
+    with pytest.raises(ValueError, match="finite and positive"):
+        stats.summarize_samples([1.0, float("nan")])
+
+
+def test_roofline_and_tflops():
+    p = Problem(8192, 8192, 8192)
+    assert stats.tflops(p.flops, 1e6) == pytest.approx(p.flops / 1e12)
+    floor = stats.roofline_floor_us(p.flops, p.min_bytes, 800.0, 3000.0)
+    assert floor == pytest.approx(p.flops / 800e12 * 1e6)  # compute-bound
+    skinny = Problem(64, 64, 16384)
+    floor = stats.roofline_floor_us(skinny.flops, skinny.min_bytes, 800.0, 3000.0)
+    assert floor == pytest.approx(skinny.min_bytes / 3000e9 * 1e6)  # memory-bound
+    assert stats.repeat_noise(10.0, 10.1) == pytest.approx(0.01)
