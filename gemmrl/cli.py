@@ -150,6 +150,9 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, b
         peaks = env.measure_peaks()
         store.record_peaks(run_id, device, peaks["matrix_tflops"], peaks["bandwidth_gbs"])
         click.echo(f"peaks: {peaks['matrix_tflops']:.0f} TFLOP/s, {peaks['bandwidth_gbs']:.0f} GB/s", err=True)
+    for impl in impls:
+        if hasattr(impl, "prebuild"):
+            impl.prebuild(problems, log=lambda m: click.echo(m, err=True))
     status = "done"
     try:
         counts = _run_with_progress(runner, problems, impls, store, cfg, device, run_id)

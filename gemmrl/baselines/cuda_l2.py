@@ -136,6 +136,17 @@ class CudaL2Impl(Impl):
         self._own: set[str] | None = None
         self.padded = False
 
+    def prebuild(self, problems, jobs: int | None = None, log=print) -> None:
+        """Build the kernels these problems need, in parallel processes, before any timing."""
+        paths = sorted({str(self.path_for(p)) for p in problems if self.supports(p)})
+        if not paths:
+            return
+        jobs = jobs or max(1, (os.cpu_count() or 2) - 1)
+        log(f"building {len(paths)} CUDA-L2 kernels with {jobs} processes")
+        for path, err in prebuild(paths, str(self.build_root), jobs).items():
+            if err:
+                log(f"CUDA-L2 {Path(path).name} did not build: {err[-500:]}")
+
     def path_for(self, problem) -> Path:
         return self.dir / f"{problem.M}_{problem.N}_{problem.K}.cu"
 

@@ -1,0 +1,364 @@
+"""NVIDIA's own GEMMs as baselines: cublasGemmEx and cuBLASLt, through a small C-ABI library.
+
+`cublas_baselines.cu` (beside this file) is compiled by nvcc into a cached shared object and
+loaded with ctypes; nothing here imports torch. Pointers and streams are plain integers
+(`tensor.data_ptr()`, `torch.cuda.current_stream().cuda_stream`).
+
+Conventions (see the .cu file): row-major A [M,K]; layout 'NN' takes B as [K,N], layout 'TN'
+takes B as [N,K] and computes A @ B^T; C [M,N] has the input dtype; alpha = 1, beta = 0.
+`gemm` and `run` never allocate or synchronize, so they can be captured into a CUDA graph;
+they share one workspace, so don't run them concurrently on different streams.
+
+The pure parts (argument mapping, finding cuBLAS, nvcc flags, the cache key) need no GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("cublas_baselines.cu")
+ALGO_BYTES = 64  # sizeof(cublasLtMatmulAlgo_t)
+DEFAULT_ARCH = "sm_90"
+MAX_HEURISTIC = 100
+
+LAYOUTS = {"NN": 0, "TN": 1}
+DTYPES = {"fp16": 0, "bf16": 1}
+ACCS = {"fp32": 0, "fp16": 1}
+
+# Status codes of the library's own errors (negative); cuBLAS statuses are returned as they are,
+# CUDA runtime errors as CUDA_ERROR_BASE + cudaError_t.
+CUDA_ERROR_BASE = 10000
+ERR_ARG, ERR_NOT_INIT, ERR_PLAN, ERR_NO_ALGO, ERR_WORKSPACE, ERR_MISALIGNED, ERR_ALGO_REJECTED = range(-1, -8, -1)
+
+
+class CublasError(RuntimeError):
+    """A nonzero status from the baselines library."""
+
+    def __init__(self, func: str, status: int, detail: str = ""):
+        self.func = func
+        self.status = status
+        msg = f"{func} failed with status {status}"
+        if detail:
+            msg += f" ({detail})"
+        super().__init__(msg)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers (no GPU, no nvcc)
+
+
+def map_args(layout: str, dtype: str, acc: str) -> tuple[int, int, int]:
+    """('NN'|'TN', 'fp16'|'bf16', 'fp32'|'fp16') -> the library's integer codes."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}: expected one of {sorted(LAYOUTS)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: expected one of {sorted(DTYPES)}")
+    if acc not in ACCS:
+        raise ValueError(f"unknown accumulator {acc!r}: expected one of {sorted(ACCS)}")
+    if acc == "fp16" and dtype != "fp16":
+        raise ValueError(f"fp16 accumulation is only available for fp16 inputs, not {dtype!r}")
+    return LAYOUTS[layout], DTYPES[dtype], ACCS[acc]
+
+
+def check_shape(M: int, N: int, K: int) -> tuple[int, int, int]:
+    out = []
+    for name, v in (("M", M), ("N", N), ("K", K)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 < v < 2**31:
+            raise ValueError(f"{name} must be a positive int below 2**31, got {v!r}")
+        out.append(v)
+    return out[0], out[1], out[2]
+
+
+def parse_description(text: str) -> dict[str, int]:
+    """'algo=23 tile=20 stages=8 ...' (from describe) -> {'algo': 23, 'tile': 20, ...}."""
+    return {k: int(v) for k, v in re.findall(r"(\w+)=(-?\d+)", text)}
+
+
+@dataclass(frozen=True)
+class CublasPaths:
+    include: Path  # holds cublas_v2.h, cublasLt.h, cublas_api.h
+    lib: Path  # holds libcublas.so* and libcublasLt.so*
+    origin: str  # where it was found, for messages
+
+    def link_flags(self) -> list[str]:
+        """-l flags; the pip wheels ship only versioned names (libcublas.so.13), linked by file name."""
+        return [_link_flag(self.lib, name) for name in ("cublasLt", "cublas")]
+
+
+def _link_flag(lib: Path, name: str) -> str:
+    if (lib / f"lib{name}.so").exists():
+        return f"-l{name}"
+    versioned = sorted(lib.glob(f"lib{name}.so.*"), key=lambda p: (len(p.name), p.name))
+    if versioned:
+        return f"-l:{versioned[0].name}"
+    return f"-l{name}"
+
+
+def _has_headers(include: Path) -> bool:
+    return all((include / h).is_file() for h in ("cublas_v2.h", "cublasLt.h", "cublas_api.h"))
+
+
+def _has_libs(lib: Path) -> bool:
+    return all(any(lib.glob(f"lib{n}.so*")) for n in ("cublas", "cublasLt"))
+
+
+def _lib_dirs(root: Path) -> list[Path]:
+    return [root / "lib64", root / "lib", root / "targets" / "x86_64-linux" / "lib",
+            root / "targets" / "sbsa-linux" / "lib"]
+
+
+def _include_dirs(root: Path) -> list[Path]:
+    return [root / "include", root / "targets" / "x86_64-linux" / "include",
+            root / "targets" / "sbsa-linux" / "include"]
+
+
+def _candidates() -> list[tuple[str, Path]]:
+    """(origin, root) pairs in the order they are tried, the env-var one first."""
+    out: list[tuple[str, Path]] = []
+    home = os.environ.get("GEMMRL_CUBLAS_HOME")
+    if home:
+        out.append(("GEMMRL_CUBLAS_HOME", Path(home)))
+    try:
+        import nvidia  # namespace package of NVIDIA's pip wheels (torch depends on them)
+
+        for base in list(getattr(nvidia, "__path__", [])):
+            for sub in ("cu13", "cublas", "cu12"):
+                out.append((f"python package nvidia.{sub}", Path(base) / sub))
+    except ImportError:
+        pass
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            out.append((var, Path(os.environ[var])))
+    out.append(("/usr/local/cuda", Path("/usr/local/cuda")))
+    return out
+
+
+def find_cublas(require_lib: bool = True) -> CublasPaths:
+    """Locate cuBLAS headers (and libraries): GEMMRL_CUBLAS_HOME, the `nvidia` pip packages
+    (nvidia/cu13, nvidia/cublas), CUDA_HOME / CUDA_PATH, /usr/local/cuda."""
+    looked = []
+    for origin, root in _candidates():
+        inc = next((d for d in _include_dirs(root) if _has_headers(d)), None)
+        lib = next((d for d in _lib_dirs(root) if _has_libs(d)), None)
+        if inc is not None and (lib is not None or not require_lib):
+            return CublasPaths(inc, lib if lib is not None else root / "lib", origin)
+        what = "no cuBLAS headers" if inc is None else "headers but no libcublas/libcublasLt"
+        looked.append(f"{origin}: {root} ({what})")
+        if origin == "GEMMRL_CUBLAS_HOME":
+            raise RuntimeError(f"GEMMRL_CUBLAS_HOME={root} has {what}: it needs include/ with "
+                               "cublas_v2.h, cublasLt.h, cublas_api.h and lib/ with libcublas*.so*")
+    raise RuntimeError("cuBLAS not found; looked in:\n  " + "\n  ".join(looked)
+                       + "\nSet GEMMRL_CUBLAS_HOME to a directory with include/ and lib/, or "
+                       "install the nvidia-cublas wheel.")
+
+
+def nvcc_path() -> str:
+    found = os.environ.get("GEMMRL_NVCC") or shutil.which("nvcc")
+    if not found:
+        for root in (os.environ.get("CUDA_HOME"), "/usr/local/cuda", "/opt/cuda"):
+            if root and os.path.exists(os.path.join(root, "bin", "nvcc")):
+                found = os.path.join(root, "bin", "nvcc")
+                break
+    if not found:
+        raise RuntimeError("nvcc not found: install the CUDA toolkit or set GEMMRL_NVCC")
+    return found
+
+
+def nvcc_version(nvcc: str | None = None) -> str:
+    out = subprocess.run([nvcc or nvcc_path(), "--version"], capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def compile_flags(paths: CublasPaths, arch: str = DEFAULT_ARCH) -> list[str]:
+    """Flags for the shared object (source and -o are added by the caller)."""
+    if not re.fullmatch(r"sm_\d+[af]?", arch):
+        raise ValueError(f"arch must look like sm_90 or sm_90a, got {arch!r}")
+    return ["-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", f"-arch={arch}",
+            f"-I{paths.include}", f"-L{paths.lib}", *paths.link_flags(),
+            "-Xlinker", f"-rpath={paths.lib}"]
+
+
+def cache_key(source: bytes | str, flags: list[str], nvcc_version_text: str) -> str:
+    """sha256 over the source, the flags and `nvcc --version`."""
+    h = hashlib.sha256()
+    src = source.encode() if isinstance(source, str) else source
+    for part in (src, "\0".join(flags).encode(), nvcc_version_text.encode()):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.hexdigest()
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("GEMMRL_CACHE")
+    return (Path(root) if root else Path.home() / ".cache" / "gemmrl") / "baselines"
+
+
+# ---------------------------------------------------------------------------------------------
+# Build and load
+
+
+def build(build_dir: str | Path | None = None, arch: str = DEFAULT_ARCH,
+          paths: CublasPaths | None = None) -> Path:
+    """Compile cublas_baselines.cu into a cached shared object; returns its path."""
+    paths = paths or find_cublas()
+    nvcc = nvcc_path()
+    flags = compile_flags(paths, arch)
+    source = SOURCE.read_bytes()
+    key = cache_key(source, flags, nvcc_version(nvcc))
+    out_dir = Path(build_dir) if build_dir else cache_dir()
+    target = out_dir / f"cublas_baselines-{key[:20]}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".cublas_baselines-", suffix=".so", dir=out_dir)
+    os.close(fd)
+    cmd = [nvcc, *flags, str(SOURCE), "-o", tmp]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"nvcc failed ({proc.returncode}):\n{' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+_P, _I, _S = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+_IP = ctypes.POINTER(ctypes.c_int)
+_SIGNATURES = {
+    "gbl_init": (_I, [_S]),
+    "gbl_cublas_gemm": (_I, [_I, _I, _I, _P, _P, _P, _I, _I, _I, _P]),
+    "gbl_lt_heuristic": (_I, [_I, _I, _I, _I, _I, _I, _I, _P, _IP]),
+    "gbl_lt_enumerate": (_I, [_I, _I, _I, _I, _I, _I, _I, _P, _IP]),
+    "gbl_lt_plan_create": (_I, [_I, _I, _I, _I, _I, _I, _P, _IP]),
+    "gbl_lt_plan_run": (_I, [_I, _P, _P, _P, _P]),
+    "gbl_lt_plan_destroy": (_I, [_I]),
+    "gbl_algo_describe": (_I, [_P, ctypes.c_char_p, _I]),
+    "gbl_version": (ctypes.c_char_p, []),
+    "gbl_status_string": (ctypes.c_char_p, [_I]),
+    "gbl_workspace_bytes": (_S, []),
+}
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+    return lib
+
+
+def _ptr(x: int | None) -> int | None:
+    if x is None:
+        return None
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"expected a pointer as an int, got {type(x).__name__}")
+    return x or None
+
+
+class CublasBaselines:
+    """Python face of the loaded library. Pointers and streams are ints (0 = default stream)."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path | None = None):
+        self._lib = lib
+        self.path = path
+
+    def _check(self, func: str, status: int) -> None:
+        if status != 0:
+            detail = self._lib.gbl_status_string(status)
+            raise CublasError(func, status, detail.decode() if detail else "")
+
+    @property
+    def workspace_bytes(self) -> int:
+        return int(self._lib.gbl_workspace_bytes())
+
+    def gemm(self, layout: str, dtype: str, acc: str, a_ptr: int, b_ptr: int, c_ptr: int,
+             M: int, N: int, K: int, stream: int = 0) -> None:
+        lay, dt, ac = map_args(layout, dtype, acc)
+        M, N, K = check_shape(M, N, K)
+        self._check("gbl_cublas_gemm", self._lib.gbl_cublas_gemm(
+            lay, dt, ac, _ptr(a_ptr), _ptr(b_ptr), _ptr(c_ptr), M, N, K, _ptr(stream)))
+
+    def _algos(self, func: str, layout, dtype, acc, M, N, K, count: int) -> list[bytes]:
+        lay, dt, ac = map_args(layout, dtype, acc)
+        M, N, K = check_shape(M, N, K)
+        buf = ctypes.create_string_buffer(ALGO_BYTES * count)
+        n = ctypes.c_int(0)
+        self._check(func, getattr(self._lib, func)(lay, dt, ac, M, N, K, count, buf, ctypes.byref(n)))
+        raw = buf.raw
+        return [raw[i * ALGO_BYTES:(i + 1) * ALGO_BYTES] for i in range(n.value)]
+
+    def heuristic(self, layout: str, dtype: str, acc: str, M: int, N: int, K: int,
+                  requested: int = MAX_HEURISTIC) -> list[bytes]:
+        """cuBLASLt's suggestions, best first, as 64-byte cublasLtMatmulAlgo_t blobs."""
+        if not 1 <= requested <= MAX_HEURISTIC:
+            raise ValueError(f"requested must be in 1..{MAX_HEURISTIC}, got {requested}")
+        return self._algos("gbl_lt_heuristic", layout, dtype, acc, M, N, K, requested)
+
+    def enumerate(self, layout: str, dtype: str, acc: str, M: int, N: int, K: int,
+                  max_out: int = 256) -> list[bytes]:
+        """A deterministic sample (at most max_out) of every configuration cuBLASLt accepts."""
+        if max_out <= 0:
+            raise ValueError(f"max_out must be positive, got {max_out}")
+        return self._algos("gbl_lt_enumerate", layout, dtype, acc, M, N, K, max_out)
+
+    def plan(self, layout: str, dtype: str, acc: str, M: int, N: int, K: int,
+             algo: bytes | None = None) -> int:
+        """A cuBLASLt plan; algo=None takes the heuristic's first suggestion."""
+        lay, dt, ac = map_args(layout, dtype, acc)
+        M, N, K = check_shape(M, N, K)
+        blob = None
+        if algo is not None:
+            if len(algo) != ALGO_BYTES:
+                raise ValueError(f"algo must be {ALGO_BYTES} bytes, got {len(algo)}")
+            blob = ctypes.create_string_buffer(bytes(algo), ALGO_BYTES)
+        pid = ctypes.c_int(-1)
+        self._check("gbl_lt_plan_create", self._lib.gbl_lt_plan_create(
+            lay, dt, ac, M, N, K, blob, ctypes.byref(pid)))
+        return pid.value
+
+    def run(self, plan_id: int, a_ptr: int, b_ptr: int, c_ptr: int, stream: int = 0) -> None:
+        self._check("gbl_lt_plan_run", self._lib.gbl_lt_plan_run(
+            plan_id, _ptr(a_ptr), _ptr(b_ptr), _ptr(c_ptr), _ptr(stream)))
+
+    def destroy(self, plan_id: int) -> None:
+        self._check("gbl_lt_plan_destroy", self._lib.gbl_lt_plan_destroy(plan_id))
+
+    def describe(self, algo: bytes) -> str:
+        if len(algo) != ALGO_BYTES:
+            raise ValueError(f"algo must be {ALGO_BYTES} bytes, got {len(algo)}")
+        blob = ctypes.create_string_buffer(bytes(algo), ALGO_BYTES)
+        out = ctypes.create_string_buffer(256)
+        self._check("gbl_algo_describe", self._lib.gbl_algo_describe(blob, out, len(out)))
+        return out.value.decode()
+
+    def version(self) -> str:
+        return self._lib.gbl_version().decode()
+
+
+_loaded: dict[tuple, CublasBaselines] = {}
+_load_lock = threading.Lock()
+
+
+def load(build_dir: str | Path | None = None, arch: str = DEFAULT_ARCH,
+         workspace_bytes: int = 0) -> CublasBaselines:
+    """Build (or reuse) the library, load it, call gbl_init (workspace 0 = 32 MiB)."""
+    with _load_lock:
+        path = build(build_dir, arch)
+        key = (str(path.resolve()),)
+        if key not in _loaded:
+            lib = _declare(ctypes.CDLL(str(path)))
+            obj = CublasBaselines(lib, path)
+            obj._check("gbl_init", lib.gbl_init(workspace_bytes))
+            _loaded[key] = obj
+        return _loaded[key]

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Run `gemmrl bench` on the lent GPU machine and pack what it wrote for the trip back:
+#   scripts/device-bench.sh OUT_DIR DB [gemmrl bench options...]
+# OUT_DIR gets bench.log, the store (DB is copied there when it finishes) and results.tgz
+# (results/<gpu>/: CSVs, summary.json, plots). A carried nvidia-cutlass wheel under
+# .ext/carry/ is installed first, for CUDA-L2's kernels.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=$1; db=$2; shift 2
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 GEMMRL_CACHE=${GEMMRL_CACHE:-/tmp/gemmrl-cache}
+if ls .ext/carry/nvidia_cutlass-*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/cutlass_library ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .ext/carry/nvidia_cutlass-*.whl
+fi
+export PYTHONPATH=$PWD:/tmp/site
+python3 -m gemmrl.cli bench --db "$db" --out "$out/results" "$@" 2>&1 | tee -a "$out/bench.log"
+rc=${PIPESTATUS[0]}
+[ -d "$out/results" ] && tar czf "$out/results.tgz" -C "$out" results && rm -rf "$out/results"
+exit "$rc"

@@ -1,0 +1,248 @@
+"""CPU tests of the cuBLAS baselines library: argument mapping, finding cuBLAS, flags, the build
+cache (with a stand-in nvcc), and a real `nvcc -c` of cublas_baselines.cu against cuBLAS headers.
+
+The real compile needs cuBLAS headers. It takes them from find_cublas() (GEMMRL_CUBLAS_HOME, the
+nvidia pip packages, CUDA_HOME, /usr/local/cuda) or from a copy extracted under <repo>/.ext
+(ignored by git), e.g. from the nvidia-cublas wheel:
+    python -m pip download --no-deps -d /tmp/w nvidia-cublas
+    mkdir -p .ext/cublas && cd .ext/cublas && unzip -o /tmp/w/nvidia_cublas-*.whl '*/include/*'
+and is skipped, saying so, when there are none.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from gemmrl.baselines import cublas as cb
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --- argument mapping ------------------------------------------------------------------------
+
+
+def test_map_args_known_values():
+    assert cb.map_args("NN", "fp16", "fp32") == (0, 0, 0)
+    assert cb.map_args("TN", "bf16", "fp32") == (1, 1, 0)
+    assert cb.map_args("TN", "fp16", "fp16") == (1, 0, 1)
+
+
+@pytest.mark.parametrize("layout", ["NT", "TT", "nn", "", None])
+def test_map_args_rejects_unknown_layout(layout):
+    with pytest.raises(ValueError, match="unknown layout"):
+        cb.map_args(layout, "fp16", "fp32")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "half", "float16", "BF16"])
+def test_map_args_rejects_unknown_dtype(dtype):
+    with pytest.raises(ValueError, match="unknown dtype"):
+        cb.map_args("NN", dtype, "fp32")
+
+
+def test_map_args_rejects_unknown_accumulator():
+    with pytest.raises(ValueError, match="unknown accumulator"):
+        cb.map_args("NN", "fp16", "tf32")
+
+
+def test_map_args_rejects_fp16_accumulate_for_bf16():
+    with pytest.raises(ValueError, match="only available for fp16"):
+        cb.map_args("NN", "bf16", "fp16")
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2**31, 1.5, True, "8"])
+def test_check_shape_rejects(bad):
+    with pytest.raises(ValueError):
+        cb.check_shape(64, bad, 64)
+
+
+def test_parse_description():
+    d = cb.parse_description("algo=23 tile=20 stages=8 splitk=1 reduction=0 swizzle=1 custom=0 inner=0 cluster=2")
+    assert d == {"algo": 23, "tile": 20, "stages": 8, "splitk": 1, "reduction": 0, "swizzle": 1,
+                 "custom": 0, "inner": 0, "cluster": 2}
+
+
+# --- cache key and flags ---------------------------------------------------------------------
+
+
+def test_cache_key_changes_with_source_flags_and_nvcc():
+    flags = ["-O3", "-arch=sm_90"]
+    base = cb.cache_key(b"int x;", flags, "nvcc 13.0")
+    assert base == cb.cache_key("int x;", list(flags), "nvcc 13.0")  # deterministic, str == bytes
+    assert len(base) == 64
+    assert cb.cache_key(b"int y;", flags, "nvcc 13.0") != base
+    assert cb.cache_key(b"int x;", ["-O3", "-arch=sm_90a"], "nvcc 13.0") != base
+    assert cb.cache_key(b"int x;", flags + ["-g"], "nvcc 13.0") != base
+    assert cb.cache_key(b"int x;", flags, "nvcc 13.1") != base
+    # no ambiguity from concatenation
+    assert cb.cache_key(b"ab", ["c"], "v") != cb.cache_key(b"a", ["bc"], "v")
+
+
+def _fake_cublas(root: Path, versioned: bool = True) -> Path:
+    (root / "include").mkdir(parents=True)
+    for h in ("cublas_v2.h", "cublasLt.h", "cublas_api.h"):
+        (root / "include" / h).write_text("/* stub */\n")
+    (root / "lib").mkdir()
+    for n in ("cublas", "cublasLt"):
+        (root / "lib" / (f"lib{n}.so.13" if versioned else f"lib{n}.so")).write_bytes(b"")
+    return root
+
+
+def test_compile_flags_link_versioned_wheel_libraries(tmp_path):
+    paths = cb.CublasPaths(tmp_path / "include", _fake_cublas(tmp_path / "w") / "lib", "test")
+    flags = cb.compile_flags(paths)
+    for f in ("-O3", "-std=c++17", "-shared", "-arch=sm_90", f"-I{paths.include}", f"-L{paths.lib}",
+              "-l:libcublasLt.so.13", "-l:libcublas.so.13", f"-rpath={paths.lib}"):
+        assert f in flags
+    assert flags[flags.index("-Xcompiler") + 1] == "-fPIC"
+    assert flags[flags.index(f"-rpath={paths.lib}") - 1] == "-Xlinker"
+    assert "-arch=sm_90a" in cb.compile_flags(paths, arch="sm_90a")
+    with pytest.raises(ValueError):
+        cb.compile_flags(paths, arch="hopper")
+
+
+def test_compile_flags_plain_names_when_unversioned_links_exist(tmp_path):
+    root = _fake_cublas(tmp_path / "cuda", versioned=False)
+    flags = cb.compile_flags(cb.CublasPaths(root / "include", root / "lib", "test"))
+    assert "-lcublasLt" in flags and "-lcublas" in flags
+
+
+# --- finding cuBLAS --------------------------------------------------------------------------
+
+
+def test_find_cublas_from_env(tmp_path, monkeypatch):
+    root = _fake_cublas(tmp_path / "home")
+    monkeypatch.setenv("GEMMRL_CUBLAS_HOME", str(root))
+    found = cb.find_cublas()
+    assert found.include == root / "include" and found.lib == root / "lib"
+    assert found.origin == "GEMMRL_CUBLAS_HOME"
+
+
+def test_find_cublas_env_without_headers_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("GEMMRL_CUBLAS_HOME", str(tmp_path))
+    with pytest.raises(RuntimeError, match="GEMMRL_CUBLAS_HOME"):
+        cb.find_cublas()
+
+
+def test_find_cublas_names_where_it_looked(tmp_path, monkeypatch):
+    headers_only = tmp_path / "h"
+    _fake_cublas(headers_only)
+    shutil.rmtree(headers_only / "lib")
+    monkeypatch.setattr(cb, "_candidates", lambda: [("python package nvidia.cu13", tmp_path / "nope"),
+                                                    ("CUDA_HOME", headers_only)])
+    with pytest.raises(RuntimeError) as e:
+        cb.find_cublas()
+    msg = str(e.value)
+    assert "nvidia.cu13" in msg and str(tmp_path / "nope") in msg and "no cuBLAS headers" in msg
+    assert "CUDA_HOME" in msg and "headers but no libcublas" in msg
+    assert cb.find_cublas(require_lib=False).include == headers_only / "include"
+
+
+def test_find_cublas_looks_in_nvidia_package(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    _fake_cublas(tmp_path / "nvidia" / "cu13")
+    pkg = types.ModuleType("nvidia")
+    pkg.__path__ = [str(tmp_path / "nvidia")]
+    monkeypatch.setitem(sys.modules, "nvidia", pkg)
+    monkeypatch.delenv("GEMMRL_CUBLAS_HOME", raising=False)
+    found = cb.find_cublas()
+    assert found.origin == "python package nvidia.cu13"
+    assert found.include == tmp_path / "nvidia" / "cu13" / "include"
+
+
+# --- the build cache, with a stand-in nvcc ----------------------------------------------------
+
+
+def test_build_caches_and_writes_atomically(tmp_path, monkeypatch):
+    log = tmp_path / "calls.log"
+    fake = tmp_path / "nvcc"
+    fake.write_text(f"""#!/bin/sh
+if [ "$1" = "--version" ]; then echo "fake nvcc 1.0"; exit 0; fi
+echo "$@" >> {log}
+while [ $# -gt 0 ]; do if [ "$1" = "-o" ]; then echo built > "$2"; fi; shift; done
+""")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("GEMMRL_NVCC", str(fake))
+    root = _fake_cublas(tmp_path / "cublas")
+    paths = cb.CublasPaths(root / "include", root / "lib", "test")
+    out = tmp_path / "cache"
+
+    first = cb.build(out, paths=paths)
+    assert first.read_text() == "built\n" and first.parent == out
+    assert re.fullmatch(r"cublas_baselines-[0-9a-f]{20}\.so", first.name)
+    assert cb.build(out, paths=paths) == first
+    assert len(log.read_text().splitlines()) == 1  # second call was a cache hit
+    assert [p.name for p in out.iterdir()] == [first.name]  # no temp files left behind
+
+    other = cb.build(out, arch="sm_90a", paths=paths)
+    assert other != first and len(log.read_text().splitlines()) == 2
+
+
+def test_build_reports_nvcc_failure(tmp_path, monkeypatch):
+    fake = tmp_path / "nvcc"
+    fake.write_text('#!/bin/sh\nif [ "$1" = "--version" ]; then echo v; exit 0; fi\necho "bad thing" >&2; exit 3\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("GEMMRL_NVCC", str(fake))
+    root = _fake_cublas(tmp_path / "cublas")
+    with pytest.raises(RuntimeError, match="bad thing"):
+        cb.build(tmp_path / "cache", paths=cb.CublasPaths(root / "include", root / "lib", "test"))
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_cache_dir_follows_gemmrl_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("GEMMRL_CACHE", str(tmp_path))
+    assert cb.cache_dir() == tmp_path / "baselines"
+    monkeypatch.delenv("GEMMRL_CACHE")
+    assert cb.cache_dir() == Path.home() / ".cache" / "gemmrl" / "baselines"
+
+
+def test_every_exported_function_is_declared():
+    src = cb.SOURCE.read_text()
+    body = src[src.index('extern "C" {'):]
+    exported = set(re.findall(r"^(?:int|const char\*|size_t) (gbl_\w+)\(", body, re.M))
+    assert exported == set(cb._SIGNATURES)
+
+
+# --- a real compile ---------------------------------------------------------------------------
+
+
+def _cublas_include() -> Path | None:
+    try:
+        return cb.find_cublas(require_lib=False).include
+    except RuntimeError:
+        pass
+    ext = REPO / ".ext"
+    if ext.is_dir():
+        for h in sorted(ext.rglob("cublasLt.h")):
+            if (h.parent / "cublas_v2.h").is_file() and (h.parent / "cublas_api.h").is_file():
+                return h.parent
+    return None
+
+
+def test_source_compiles_with_nvcc_without_warnings(tmp_path):
+    try:
+        nvcc = cb.nvcc_path()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    include = _cublas_include()
+    if include is None:
+        pytest.skip("no cuBLAS headers: set GEMMRL_CUBLAS_HOME, install the nvidia-cublas wheel, or extract "
+                    "its include/ under .ext/ (see this file's docstring)")
+    obj = tmp_path / "cublas_baselines.o"
+    cmd = [nvcc, "-O3", "-std=c++17", "-Xcompiler", "-fPIC,-Wall,-Wextra", "-arch=sm_90", "-Werror",
+           "all-warnings", f"-I{include}", "-c", str(cb.SOURCE), "-o", str(obj)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, " ".join(cmd) + "\n" + out
+    assert "warning" not in out.lower(), out
+    if shutil.which("nm"):
+        syms = subprocess.run(["nm", "-g", "--defined-only", str(obj)], capture_output=True, text=True).stdout
+        defined = set(re.findall(r"\bT (gbl_\w+)$", syms, re.M))
+        assert defined == set(cb._SIGNATURES), syms
