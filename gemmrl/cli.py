@@ -105,7 +105,7 @@ def shapes(shape_spec, dtype, acc):
 @click.option("--db", default=DEFAULT_DB, show_default=True, help="SQLite store (created if missing)")
 @click.option("--out", default="results", show_default=True, help="where results/<gpu>/ goes")
 @click.option("--subject", default=None, help="implementation whose speedups the report shows")
-@click.option("--qps", default=500.0, show_default=True, help="server mode: mean arrivals per second")
+@click.option("--qps", default=1000.0, show_default=True, help="server mode: mean arrivals per second")
 @click.option("--budget-s", default=None, type=float, help="stop starting new shapes after this many seconds")
 @click.option("--no-verify", is_flag=True, help="skip the correctness checks (not for real results)")
 @click.option("--retime", is_flag=True, help="measure again what the store already has")
@@ -164,6 +164,7 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, b
     if not no_report:
         paths = write_report(store, device, out, subject, dtype, acc)
         click.echo(f"wrote {len(paths)} files under {Path(paths[0]).parent if paths else out}", err=True)
+    store.close()
 
 
 def _run_with_progress(runner, problems, impls, store, cfg, device, run_id):

@@ -15,5 +15,6 @@ fi
 export PYTHONPATH=$PWD:/tmp/site
 python3 -m gemmrl.cli bench --db "$db" --out "$out/results" "$@" 2>&1 | tee -a "$out/bench.log"
 rc=${PIPESTATUS[0]}
+cp "$db" "$out/" 2>/dev/null
 [ -d "$out/results" ] && tar czf "$out/results.tgz" -C "$out" results && rm -rf "$out/results"
 exit "$rc"

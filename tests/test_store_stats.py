@@ -92,3 +92,14 @@ def test_roofline_and_tflops():
     floor = stats.roofline_floor_us(skinny.flops, skinny.min_bytes, 800.0, 3000.0)
     assert floor == pytest.approx(skinny.min_bytes / 3000e9 * 1e6)  # memory-bound
     assert stats.repeat_noise(10.0, 10.1) == pytest.approx(0.01)
+
+
+def test_close_folds_the_wal_into_one_file(tmp_path):
+    s = Store(tmp_path / "e.sqlite")
+    run = s.start_run("x", "H100", {}, {})
+    s.record_session(run, "s", "H100", P, "kernel", "kernel:v1", {"k": _st(1.0)})
+    s.close()
+    import shutil
+    only = tmp_path / "copy.sqlite"
+    shutil.copy(tmp_path / "e.sqlite", only)  # the main file alone, as it travels
+    assert len(Store(only).measurements()) == 1

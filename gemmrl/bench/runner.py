@@ -19,7 +19,7 @@ import torch
 
 from gemmrl.bench import timing
 from gemmrl.core.impl import UnsupportedProblem
-from gemmrl.verify.checks import verify
+from gemmrl.verify.checks import clear_reference_cache, verify
 
 REPEAT_SUFFIX = "@repeat"
 
@@ -30,7 +30,7 @@ class RunConfig:
     kernel: timing.KernelSettings = field(default_factory=timing.KernelSettings)
     offline: timing.HostSettings = field(default_factory=lambda: timing.HostSettings(mode="offline"))
     server: timing.HostSettings = field(default_factory=lambda: timing.HostSettings(
-        mode="server", min_rounds=15, max_rounds=60))
+        mode="server", min_rounds=15, max_rounds=60, qps=1000.0))
     do_verify: bool = True
     repeat_impl: str | None = "torch.matmul"  # timed twice in every session: the noise
     retime: bool = False
@@ -143,6 +143,7 @@ def _one_problem(problem, impls, store, cfg, device, run_id, l2, counts, log):
             if r.get("status") != "ok":
                 log(f"{problem.shape} {mode} {name}: {r.get('status')}: {r.get('details', {}).get('reason', '')}")
     del calls
+    clear_reference_cache()
     gc.collect()
     if problem.min_bytes > (256 << 20):
         torch.cuda.empty_cache()

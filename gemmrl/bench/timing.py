@@ -34,7 +34,7 @@ RECHECK_TOL = 1e-2  # timed outputs vs torch.matmul on the same inputs (correctn
 class KernelSettings:
     min_rounds: int = 10
     max_rounds: int = 40
-    budget_s: float = 1.0  # per problem, all implementations together, after min_rounds
+    budget_s: float = 0.5  # per problem, all implementations together, after min_rounds
     target_replay_us: float = 2000.0
     max_sets: int = 1024
     max_set_bytes: int = 6 << 30
@@ -47,11 +47,11 @@ class KernelSettings:
 @dataclass(frozen=True)
 class HostSettings:
     mode: str = "offline"
-    min_rounds: int = 30
+    min_rounds: int = 20
     max_rounds: int = 200
-    budget_s: float = 1.0
+    budget_s: float = 0.5
     warmup_rounds: int = 3
-    qps: float = 500.0
+    qps: float = 1000.0
 
     def protocol(self) -> str:
         return f"{self.mode}:v1" + (f":qps={self.qps:g}" if self.mode == "server" else "")

@@ -83,27 +83,21 @@ class AbiKernel:
 
 
 def kernel_names(so_path: str) -> set[str]:
-    """Demangled names of the __global__ functions defined in a shared object, read from the
-    host launch stubs nvcc emits for each (`__device_stub__<mangled>`)."""
+    """Demangled names of the __global__ functions defined in a shared object. nvcc emits host
+    symbols named after each kernel's launch stub (`__device_stub__<mangled kernel name>`: the
+    stub function, or its static variables when the stub is inlined); the mangled name in them
+    is demangled with c++filt."""
     import subprocess
 
-    def nm(*flags):
-        out = subprocess.run(["nm", "--defined-only", *flags, so_path], capture_output=True,
-                             text=True, check=True).stdout.splitlines()
-        return [ln.split(None, 2)[-1] for ln in out if len(ln.split(None, 2)) == 3]
-
-    mangled = nm()
-    demangled = nm("-C")
-    by_mangled = dict(zip(mangled, demangled)) if len(mangled) == len(demangled) else {}
-    names = set()
-    for sym in demangled:
-        if "__device_stub__" not in sym or sym.startswith("guard variable") or "::__" in sym:
-            continue
-        token = sym.split("__device_stub__", 1)[1].split("(", 1)[0]
-        if token.startswith("Z"):
-            names.add(by_mangled.get("_" + token, "_" + token))
-        elif token:
-            names.add(token)  # extern "C" __global__: the name is not mangled
+    out = subprocess.run(["nm", "--defined-only", "-C", so_path], capture_output=True, text=True,
+                         check=True).stdout
+    tokens = set(re.findall(r"__device_stub__([A-Za-z0-9_]+)", out))
+    mangled = sorted("_" + t for t in tokens if t.startswith("Z"))
+    names = {t for t in tokens if not t.startswith("Z")}  # extern "C" kernels: not mangled
+    if mangled:
+        dem = subprocess.run(["c++filt"], input="\n".join(mangled), capture_output=True, text=True,
+                             check=True).stdout.splitlines()
+        names.update(d.strip() for d in dem if d.strip())
     return names
 
 

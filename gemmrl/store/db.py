@@ -82,6 +82,8 @@ class Store:
         self.db.execute("COMMIT")
 
     def close(self) -> None:
+        """Fold the write-ahead log into the main file, so the one file is the whole store."""
+        self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         self.db.close()
 
     # runs ---------------------------------------------------------------------------------
