@@ -138,7 +138,7 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, b
         cublas_version = f"unavailable: {e}"[:200]
     prov = env.provenance(cublas_version)
     cfg = runner.RunConfig(modes=modes, do_verify=not no_verify, retime=retime,
-                           server=timing.HostSettings(mode="server", min_rounds=15, max_rounds=60, qps=qps),
+                           server=timing.HostSettings(mode="server", min_rounds=40, max_rounds=100, qps=qps),
                            deadline=time.monotonic() + budget_s if budget_s else None)
     settings = {"modes": modes, "impls": [i.name for i in impls], "shapes": shape_spec,
                 **{m: timing.settings_dict(getattr(cfg, m)) for m in modes}, "verify": not no_verify}
@@ -149,7 +149,8 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, b
     if store.latest_peaks(device) is None or retime:
         peaks = env.measure_peaks()
         store.record_peaks(run_id, device, peaks["matrix_tflops"], peaks["bandwidth_gbs"])
-        click.echo(f"peaks: {peaks['matrix_tflops']:.0f} TFLOP/s, {peaks['bandwidth_gbs']:.0f} GB/s", err=True)
+        click.echo(f"peaks: {peaks['matrix_tflops']:.0f} TFLOP/s, {peaks['bandwidth_gbs']:.0f} GB/s "
+                   f"(copy {peaks['copy_gbs']:.0f}, read {peaks['read_gbs']:.0f})", err=True)
     for impl in impls:
         if hasattr(impl, "prebuild"):
             impl.prebuild(problems, log=lambda m: click.echo(m, err=True))

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run `gemmrl bench` on the lent GPU machine and pack what it wrote for the trip back:
-#   scripts/device-bench.sh OUT_DIR DB [gemmrl bench options...]
+#   GEMMRL_COMMIT=<hash> scripts/device-bench.sh OUT_DIR DB [gemmrl bench options...]
+# (the device machine's copy of the tree has no .git: pass the commit being measured)
 # OUT_DIR gets bench.log, the store (DB is copied there when it finishes) and results.tgz
 # (results/<gpu>/: CSVs, summary.json, plots). A carried nvidia-cutlass wheel under
 # .ext/carry/ is installed first, for CUDA-L2's kernels.
@@ -8,6 +9,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=$1; db=$2; shift 2
 mkdir -p "$out"
+if [ -z "${GEMMRL_COMMIT:-}" ] && ! git rev-parse HEAD >/dev/null 2>&1; then
+  echo "warning: no .git here and GEMMRL_COMMIT unset: runs will record commit 'unknown'" >&2
+fi
 export PYTHONUNBUFFERED=1 GEMMRL_CACHE=${GEMMRL_CACHE:-/tmp/gemmrl-cache}
 if ls .ext/carry/nvidia_cutlass-*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/cutlass_library ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .ext/carry/nvidia_cutlass-*.whl

@@ -173,4 +173,8 @@ def test_cuda_l2_kernel_loads_verifies_and_times():
     print("cuda-l2 64x64x64:", r.passed, r.reason, r.details.get("rel_err"))
     assert r.details.get("exact") is True  # the {0,1} test passes whatever the precision verdict
     res = timing.time_kernel(p, {"cuda-l2": fn}, l2_bytes=torch.cuda.get_device_properties(0).L2_cache_size)
+    print("cuda-l2 kernel time:", res["cuda-l2"])
     assert res["cuda-l2"]["status"] == "ok"
+    # their kernels launch on the legacy default stream: not capturable, timed eagerly, said so
+    if not res["cuda-l2"]["details"]["graph"]:
+        assert "outside the caller's stream" in res["cuda-l2"]["details"]["capture_error"]

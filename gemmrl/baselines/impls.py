@@ -25,8 +25,15 @@ def cublas_lib():
     return _LIB
 
 
-def _stream() -> int:
-    return torch.cuda.current_stream().cuda_stream
+try:  # the raw cudaStream_t of torch's current stream without building a Stream object:
+    # ~0.1 us instead of several, which matters in offline mode where a call is ~10 us
+    _raw_stream = torch._C._cuda_getCurrentRawStream
+
+    def _stream() -> int:
+        return _raw_stream(torch.cuda.current_device())
+except AttributeError:  # pragma: no cover - older torch
+    def _stream() -> int:
+        return torch.cuda.current_stream().cuda_stream
 
 
 class TorchMatmul(Impl):

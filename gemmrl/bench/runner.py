@@ -30,7 +30,7 @@ class RunConfig:
     kernel: timing.KernelSettings = field(default_factory=timing.KernelSettings)
     offline: timing.HostSettings = field(default_factory=lambda: timing.HostSettings(mode="offline"))
     server: timing.HostSettings = field(default_factory=lambda: timing.HostSettings(
-        mode="server", min_rounds=15, max_rounds=60, qps=1000.0))
+        mode="server", min_rounds=40, max_rounds=100, qps=1000.0))
     do_verify: bool = True
     repeat_impl: str | None = "torch.matmul"  # timed twice in every session: the noise
     retime: bool = False

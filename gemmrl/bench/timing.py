@@ -47,7 +47,7 @@ class KernelSettings:
 @dataclass(frozen=True)
 class HostSettings:
     mode: str = "offline"
-    min_rounds: int = 20
+    min_rounds: int = 30
     max_rounds: int = 200
     budget_s: float = 0.5
     warmup_rounds: int = 3
@@ -120,6 +120,15 @@ def time_kernel(problem: Problem, calls: dict, *, l2_bytes: int, settings: Kerne
                 with torch.cuda.graph(g):
                     for i in range(n_calls):
                         fn(*sets[i % n_sets])
+                # a graph that captured nothing (work launched on the legacy default stream
+                # instead of the caller's, as CUDA-L2's kernels do) runs but writes nothing
+                c_first = sets[0][3]
+                c_first.fill_(float("nan"))
+                g.replay()
+                torch.cuda.synchronize()
+                if torch.isnan(c_first).any():
+                    raise RuntimeError("the captured graph does not write C: the implementation "
+                                       "launches outside the caller's stream")
                 graphs[name] = (g, n_calls, True)
             except Exception as e:  # not capturable: time eager launches instead, and say so
                 torch.cuda.synchronize()
