@@ -9,21 +9,20 @@ takes B as [N,K] and computes A @ B^T; C [M,N] has the input dtype; alpha = 1, b
 `gemm` and `run` never allocate or synchronize, so they can be captured into a CUDA graph;
 they share one workspace, so don't run them concurrently on different streams.
 
-The pure parts (argument mapping, finding cuBLAS, nvcc flags, the cache key) need no GPU.
+It is built with the project's build cache (gemmrl.build.nvcc). The pure parts (argument
+mapping, finding cuBLAS) need no GPU.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import re
-import shutil
-import subprocess
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+
+from gemmrl.build.nvcc import build_shared, cache_root
 
 SOURCE = Path(__file__).with_name("cublas_baselines.cu")
 ALGO_BYTES = 64  # sizeof(cublasLtMatmulAlgo_t)
@@ -161,45 +160,13 @@ def find_cublas(require_lib: bool = True) -> CublasPaths:
                        "install the nvidia-cublas wheel.")
 
 
-def nvcc_path() -> str:
-    found = os.environ.get("GEMMRL_NVCC") or shutil.which("nvcc")
-    if not found:
-        for root in (os.environ.get("CUDA_HOME"), "/usr/local/cuda", "/opt/cuda"):
-            if root and os.path.exists(os.path.join(root, "bin", "nvcc")):
-                found = os.path.join(root, "bin", "nvcc")
-                break
-    if not found:
-        raise RuntimeError("nvcc not found: install the CUDA toolkit or set GEMMRL_NVCC")
-    return found
-
-
-def nvcc_version(nvcc: str | None = None) -> str:
-    out = subprocess.run([nvcc or nvcc_path(), "--version"], capture_output=True, text=True, check=True)
-    return out.stdout.strip()
-
-
-def compile_flags(paths: CublasPaths, arch: str = DEFAULT_ARCH) -> list[str]:
-    """Flags for the shared object (source and -o are added by the caller)."""
-    if not re.fullmatch(r"sm_\d+[af]?", arch):
-        raise ValueError(f"arch must look like sm_90 or sm_90a, got {arch!r}")
-    return ["-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", f"-arch={arch}",
-            f"-I{paths.include}", f"-L{paths.lib}", *paths.link_flags(),
-            "-Xlinker", f"-rpath={paths.lib}"]
-
-
-def cache_key(source: bytes | str, flags: list[str], nvcc_version_text: str) -> str:
-    """sha256 over the source, the flags and `nvcc --version`."""
-    h = hashlib.sha256()
-    src = source.encode() if isinstance(source, str) else source
-    for part in (src, "\0".join(flags).encode(), nvcc_version_text.encode()):
-        h.update(len(part).to_bytes(8, "little"))
-        h.update(part)
-    return h.hexdigest()
+def link_libraries(paths: CublasPaths) -> tuple[str, ...]:
+    """Library names for build_shared (-l<name>): ':libcublas.so.13' links a versioned file."""
+    return tuple(f[2:] for f in paths.link_flags())
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("GEMMRL_CACHE")
-    return (Path(root) if root else Path.home() / ".cache" / "gemmrl") / "baselines"
+    return cache_root() / "baselines"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,29 +175,14 @@ def cache_dir() -> Path:
 
 def build(build_dir: str | Path | None = None, arch: str = DEFAULT_ARCH,
           paths: CublasPaths | None = None) -> Path:
-    """Compile cublas_baselines.cu into a cached shared object; returns its path."""
+    """Compile cublas_baselines.cu with the project's build cache; returns the shared object."""
     paths = paths or find_cublas()
-    nvcc = nvcc_path()
-    flags = compile_flags(paths, arch)
-    source = SOURCE.read_bytes()
-    key = cache_key(source, flags, nvcc_version(nvcc))
-    out_dir = Path(build_dir) if build_dir else cache_dir()
-    target = out_dir / f"cublas_baselines-{key[:20]}.so"
-    if target.exists():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".cublas_baselines-", suffix=".so", dir=out_dir)
-    os.close(fd)
-    cmd = [nvcc, *flags, str(SOURCE), "-o", tmp]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"nvcc failed ({proc.returncode}):\n{' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+    res = build_shared(SOURCE.read_text(), name="cublas_baselines", arch=arch,
+                       include_dirs=(str(paths.include),), library_dirs=(str(paths.lib),),
+                       libraries=link_libraries(paths), cache_dir=build_dir or cache_dir())
+    if not res.ok:
+        raise RuntimeError(f"nvcc failed building the cuBLAS baselines:\n{res.log[-4000:]}")
+    return Path(res.path)
 
 
 _P, _I, _S = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
