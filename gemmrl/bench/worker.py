@@ -1,0 +1,138 @@
+"""A worker process that runs tasks for the parent and may die doing so.
+
+A candidate kernel can crash its process (illegal address, lost CUDA context) or hang. Work that
+runs one goes to a `Worker`: a child process (spawned, so the parent never initialises CUDA for
+it) that runs `fn(*args)` for each task. A task that raises comes back as an 'error' record, one
+that kills the process as 'crashed' (with the exit code or signal), one that outlives its time
+limit as 'timeout' (the process is killed). Either way a fresh process serves the next task, and
+the caller goes on.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+
+
+def _serve(conn, env: dict) -> None:
+    os.environ.update(env)
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, KeyboardInterrupt):
+            return
+        if msg is None:
+            return
+        fn, args, kwargs = msg
+        try:
+            out = ("ok", fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - everything goes back as a record
+            out = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}")
+        try:
+            conn.send(out)
+        except Exception as e:  # an unpicklable result is the task's error, not the worker's
+            conn.send(("error", f"result could not be sent back: {type(e).__name__}: {e}"))
+
+
+@dataclass
+class TaskResult:
+    status: str  # ok | error | crashed | timeout
+    value: object = None
+    reason: str = ""
+    seconds: float = 0.0
+    details: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class Worker:
+    """One child process, replaced whenever it dies or hangs. `env` is set in the child before
+    any task runs (e.g. CUDA_VISIBLE_DEVICES to pin it to one GPU)."""
+
+    def __init__(self, env: dict | None = None, start_method: str = "spawn"):
+        self.env = dict(env or {})
+        self.ctx = mp.get_context(start_method)
+        self.proc = None
+        self.conn = None
+        self.restarts = 0
+
+    def _start(self) -> None:
+        parent, child = self.ctx.Pipe()
+        self.proc = self.ctx.Process(target=_serve, args=(child, self.env), daemon=True)
+        self.proc.start()
+        child.close()
+        self.conn = parent
+
+    def _kill(self) -> None:
+        if self.proc is not None:
+            if self.proc.is_alive():
+                self.proc.kill()
+            self.proc.join(timeout=10)
+        if self.conn is not None:
+            self.conn.close()
+        self.proc = self.conn = None
+
+    def run(self, fn, *args, timeout_s: float = 600.0, **kwargs) -> TaskResult:
+        """Run fn(*args, **kwargs) in the worker; fn must be importable (a module-level function)."""
+        if self.proc is None or not self.proc.is_alive():
+            if self.proc is not None:
+                self.restarts += 1
+            self._kill()
+            self._start()
+        t0 = time.monotonic()
+        try:
+            self.conn.send((fn, args, kwargs))
+        except (BrokenPipeError, OSError) as e:
+            self._kill()
+            return TaskResult("crashed", reason=f"worker gone before the task started: {e}")
+        if not self.conn.poll(timeout_s):
+            self._kill()
+            self.restarts += 1
+            return TaskResult("timeout", reason=f"no answer within {timeout_s:g} s; worker killed",
+                              seconds=time.monotonic() - t0)
+        try:
+            status, value = self.conn.recv()
+        except (EOFError, OSError):
+            self.proc.join(timeout=10)
+            code = self.proc.exitcode
+            self._kill()
+            self.restarts += 1
+            return TaskResult("crashed", reason=f"worker {_describe_exit(code)}",
+                              seconds=time.monotonic() - t0, details={"exitcode": code})
+        dt = time.monotonic() - t0
+        if status == "ok":
+            return TaskResult("ok", value=value, seconds=dt)
+        return TaskResult("error", reason=str(value).splitlines()[0], seconds=dt,
+                          details={"traceback": value})
+
+    def close(self) -> None:
+        if self.conn is not None and self.proc is not None and self.proc.is_alive():
+            try:
+                self.conn.send(None)
+                self.proc.join(timeout=5)
+            except (BrokenPipeError, OSError):
+                pass
+        self._kill()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
