@@ -42,8 +42,9 @@ def _modes(values: tuple[str, ...]) -> tuple[str, ...]:
 
 def build_impls(specs: tuple[str, ...], store=None, device: str = "", include_dirs=()):
     """Implementation specs: 'baselines' (torch + cuBLAS + cuBLASLt heuristic/auto-tuning, both
-    layouts), 'exhaustive', 'torch.compile', a baseline's own name, 'cuda-l2:DIR' or
-    'kernel:FILE.cu|FILE.so'."""
+    layouts), 'exhaustive', 'torch.compile', a baseline's own name, 'cuda-l2:DIR',
+    'kernel:FILE.cu|FILE.so', or gemmrl's own kernels: 'gemmrl:FAMILY[+FAMILY]' (the fastest of
+    each family's top candidates per shape; families: cutlass_sm90, raw) and 'ours' (both)."""
     from gemmrl.baselines import impls as bl
 
     all_named = {i.name: i for i in bl.baseline_impls(store, device, exhaustive=True, compile_=True)}
@@ -60,6 +61,16 @@ def build_impls(specs: tuple[str, ...], store=None, device: str = "", include_di
                 from gemmrl.baselines.cuda_l2 import CudaL2Impl
 
                 out.append(CudaL2Impl(s.split(":", 1)[1]))
+            elif s.startswith("gemmrl:") or s == "ours":
+                from gemmrl.search.best_of import BestOf
+                from gemmrl.space import registry
+
+                names = "cutlass_sm90+raw" if s == "ours" else s.split(":", 1)[1]
+                try:
+                    fams = [registry.get(n) for n in names.split("+")]
+                except ValueError as e:
+                    raise click.BadParameter(str(e), param_hint="--impl") from None
+                out.append(BestOf(fams, store=store, device=device))
             elif s.startswith("kernel:"):
                 from gemmrl.runtime.abi import AbiImpl
 
@@ -67,7 +78,8 @@ def build_impls(specs: tuple[str, ...], store=None, device: str = "", include_di
             else:
                 raise click.BadParameter(
                     f"unknown implementation {s!r}; known: baselines, exhaustive, "
-                    f"{', '.join(all_named)}, cuda-l2:DIR, kernel:FILE", param_hint="--impl")
+                    f"{', '.join(all_named)}, cuda-l2:DIR, kernel:FILE, gemmrl:FAMILY, ours",
+                    param_hint="--impl")
     seen, unique = set(), []
     for i in out:
         if i.name not in seen:
@@ -99,7 +111,8 @@ def shapes(shape_spec, dtype, acc):
 @click.option("--mode", "mode_opts", multiple=True, default=("kernel",), show_default=True,
               help="kernel, offline, server or all (repeat or comma-separate)")
 @click.option("--impl", "impl_opts", multiple=True, default=("baselines",), show_default=True,
-              help="baselines | exhaustive | torch.compile | <baseline name> | cuda-l2:DIR | kernel:FILE")
+              help="baselines | exhaustive | torch.compile | <baseline name> | cuda-l2:DIR | kernel:FILE | "
+                   "gemmrl:FAMILY[+FAMILY] | ours")
 @click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "bf16"]))
 @click.option("--acc", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16"]))
 @click.option("--db", default=DEFAULT_DB, show_default=True, help="SQLite store (created if missing)")

@@ -127,7 +127,7 @@ class LtAutotuned(_LtPlanned):
                              problem.K, requested=self.requested)
 
     def choose(self, problem) -> bytes:
-        from gemmrl.bench.timing import KernelSettings, time_kernel
+        from gemmrl.bench.timing import pick_fastest
 
         if self.store is not None:
             got = self.store.get_tuning(self.device, problem, self.name)
@@ -149,17 +149,15 @@ class LtAutotuned(_LtPlanned):
             def call(a, b_nn, b_tn, c, plan=plan):
                 lib.run(plan, a.data_ptr(), (b_tn if tn else b_nn).data_ptr(), c.data_ptr(), _stream())
             calls[i] = call
-        quick = KernelSettings(min_rounds=5, max_rounds=10, budget_s=0.05, target_replay_us=500.0,
-                               max_sets=64)
-        l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
-        res = time_kernel(problem, calls, l2_bytes=l2, settings=quick)
-        ok = {i: r["median_us"] for i, r in res.items() if r.get("status") == "ok"}
-        if not ok:
-            raise UnsupportedProblem(f"{self.name}: none of {len(algos)} algorithms ran correctly")
-        best = min(ok, key=ok.get)
-        self.choice_info = f"{lib.describe(algos[best])} (best of {len(ok)}/{len(algos)})"
+        try:
+            best, res = pick_fastest(problem, calls)
+        except RuntimeError as e:
+            raise UnsupportedProblem(f"{self.name}: {e}") from None
+        n_ok = sum(r.get("status") == "ok" for r in res.values())
+        self.choice_info = f"{lib.describe(algos[best])} (best of {n_ok}/{len(algos)})"
         if self.store is not None:
-            self.store.put_tuning(self.device, problem, self.name, algos[best], self.choice_info, ok[best])
+            self.store.put_tuning(self.device, problem, self.name, algos[best], self.choice_info,
+                                  res[best]["median_us"])
         return algos[best]
 
 

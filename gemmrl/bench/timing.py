@@ -256,3 +256,18 @@ def time_host(problem: Problem, calls: dict, *, settings: HostSettings = HostSet
             out[name] = {**summarize_samples(samples[name]), "status": "ok",
                          "details": {"qps": settings.qps} if settings.mode == "server" else {}}
     return out
+
+
+QUICK = KernelSettings(min_rounds=5, max_rounds=10, budget_s=0.05, target_replay_us=500.0, max_sets=64)
+
+
+def pick_fastest(problem: Problem, calls: dict, settings: KernelSettings = QUICK) -> tuple[object, dict]:
+    """Time candidates together in kernel mode (short protocol) and return the fastest key whose
+    timed output was right, with every candidate's record. Raises if none ran correctly."""
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    res = time_kernel(problem, calls, l2_bytes=l2, settings=settings)
+    ok = {k: r["median_us"] for k, r in res.items() if r.get("status") == "ok"}
+    if not ok:
+        reasons = "; ".join(f"{k}: {r.get('details', {}).get('reason', r.get('status'))}" for k, r in res.items())
+        raise RuntimeError(f"none of {len(calls)} candidates ran correctly ({reasons[:500]})")
+    return min(ok, key=ok.get), res

@@ -101,6 +101,29 @@ def kernel_names(so_path: str) -> set[str]:
     return names
 
 
+def abi_call(kernel: AbiKernel, problem, name: str):
+    """The harness call `fn(a, b_nn, b_tn, c)` for a loaded ABI kernel and one problem: the
+    workspace is allocated here, once; the call passes pointers and torch's current stream."""
+    import torch
+
+    M, N, K = problem.M, problem.N, problem.K
+    ws = torch.empty(max(kernel.workspace_bytes(M, N, K), 1), dtype=torch.uint8, device="cuda")
+    ws_ptr = ws.data_ptr()
+    run, tn = kernel.run, kernel.meta.layout == "TN"
+    ldb = K if tn else N
+    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    dev = torch.cuda.current_device()
+
+    def call(a, b_nn, b_tn, c, _ws=ws):
+        b = b_tn if tn else b_nn
+        stream = raw_stream(dev) if raw_stream else torch.cuda.current_stream().cuda_stream
+        status = run(a.data_ptr(), b.data_ptr(), c.data_ptr(), M, N, K, K, ldb, N, ws_ptr, stream)
+        if status != 0:
+            raise AbiError(f"{name}: gemmrl_run returned {status} for {problem.shape}")
+
+    return call
+
+
 class AbiImpl:
     """A candidate kernel (.cu source or built .so) that follows the ABI, as a harness Impl."""
 
@@ -148,23 +171,7 @@ class AbiImpl:
         return self._own
 
     def prepare(self, problem):
-        import torch
-
-        M, N, K = problem.M, problem.N, problem.K
-        ws_bytes = self.kernel.workspace_bytes(M, N, K)
-        ws = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device="cuda")
-        ws_ptr = ws.data_ptr()
-        run, tn = self.kernel.run, self.layout == "TN"
-        ldb = K if tn else N
-
-        def call(a, b_nn, b_tn, c, _ws=ws):
-            b = b_tn if tn else b_nn
-            status = run(a.data_ptr(), b.data_ptr(), c.data_ptr(), M, N, K, K, ldb, N, ws_ptr,
-                         torch.cuda.current_stream().cuda_stream)
-            if status != 0:
-                raise AbiError(f"{self.name}: gemmrl_run returned {status} for {problem.shape}")
-
-        return call
+        return abi_call(self.kernel, problem, self.name)
 
     def describe(self) -> dict:
         return {"name": self.name, "layout": self.layout, "so": self.kernel.path,

@@ -1,0 +1,1 @@
+"""Search: policies that propose kernels for a problem and learn from the reward."""

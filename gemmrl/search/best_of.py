@@ -1,0 +1,102 @@
+"""The simplest search: build a family's top candidates for a problem, time them together, keep
+the fastest. As an implementation ("gemmrl-<family>") it is gemmrl's best kernel of that family
+for each shape; the choice is stored, so every mode and later run uses the same kernel."""
+
+from __future__ import annotations
+
+import json
+
+from gemmrl.core.impl import Impl, UnsupportedProblem
+from gemmrl.runtime.spec_impl import SpecImpl
+from gemmrl.space.registry import Family
+
+
+class BestOf(Impl):
+    trusted = False
+
+    def __init__(self, families: list[Family], layouts=("NN", "TN"), top: int = 4, store=None,
+                 device: str = "", name: str | None = None, log=None):
+        self.families, self.layouts, self.top = families, tuple(layouts), top
+        self.store, self.device = store, device
+        self.name = name or "gemmrl-" + "+".join(f.name for f in families)
+        self.layout = "both"
+        self.chosen: SpecImpl | None = None
+        self.log = log or (lambda m: None)
+
+    def specs(self, problem) -> list:
+        out = []
+        for fam in self.families:
+            for lay in self.layouts:
+                out += fam.candidates(problem, lay, self.top)
+        return out
+
+    def prebuild(self, problems, jobs: int | None = None, log=print) -> None:
+        """Compile every candidate the problems will try, in parallel, before any timing
+        (a generic family's spec builds once for all shapes: same source, same cache entry)."""
+        from gemmrl.build.pool import build_many
+
+        seen, work = set(), []
+        for p in problems:
+            if self._stored(p) is not None:
+                continue
+            for spec in self.specs(p):
+                impl = SpecImpl(spec)
+                src = impl.source(p)
+                if src in seen:
+                    continue
+                seen.add(src)
+                work.append((spec.name, src, {"arch": impl.arch, **impl.family.build_kwargs()}))
+        if not work:
+            return
+        log(f"{self.name}: building {len(work)} candidate kernels")
+        results = build_many(work, workers=jobs)
+        bad = [(w[0], r) for w, r in zip(work, results) if not r.ok]
+        log(f"{self.name}: {len(work) - len(bad)} built, {len(bad)} failed")
+        for name, r in bad[:5]:
+            log(f"  {name}: {r.log[-400:]}")
+
+    def _stored(self, problem):
+        if self.store is None:
+            return None
+        got = self.store.get_tuning(self.device, problem, self.name)
+        if got is None:
+            return None
+        d = json.loads(bytes(got["choice"]).decode())
+        fam = next(f for f in self.families if f.name == d["family"])
+        return fam.spec_type()(**d["spec"])
+
+    def prepare(self, problem):
+        from gemmrl.bench.timing import pick_fastest
+
+        spec = self._stored(problem)
+        if spec is not None:
+            self.chosen = SpecImpl(spec)
+            return self.chosen.prepare(problem)
+        impls, calls = {}, {}
+        for spec in self.specs(problem):
+            impl = SpecImpl(spec)
+            try:
+                calls[spec.name] = impl.prepare(problem)
+                impls[spec.name] = impl
+            except Exception as e:  # a candidate that does not build or load is skipped
+                self.log(f"{problem.shape} {spec.name}: {type(e).__name__}: {str(e)[:200]}")
+        if not calls:
+            raise UnsupportedProblem(f"{self.name}: no candidate built for {problem.shape}")
+        try:
+            best, res = pick_fastest(problem, calls)
+        except RuntimeError as e:
+            raise UnsupportedProblem(f"{self.name}: {e}") from None
+        self.chosen = impls[best]
+        if self.store is not None:
+            choice = json.dumps({"family": self.chosen.family.name, "spec": dict(self.chosen.spec.__dict__)},
+                                sort_keys=True).encode()
+            self.store.put_tuning(self.device, problem, self.name, choice,
+                                  f"{best} (best of {sum(r.get('status') == 'ok' for r in res.values())}/{len(calls)})",
+                                  res[best]["median_us"])
+        return calls[best]
+
+    def own_kernels(self):
+        return self.chosen.own_kernels() if self.chosen else None
+
+    def describe(self) -> dict:
+        return {"name": self.name, "chosen": self.chosen.describe() if self.chosen else None}
