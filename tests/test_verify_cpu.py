@@ -140,6 +140,7 @@ def test_error_bounds():
     assert checks.error_bound("fp32", 64) == checks.error_bound("fp32", 16384) == 1e-3
     assert checks.error_bound("fp16", 64) == 1e-3
     assert checks.error_bound("fp16", 16384) == pytest.approx(1e-3 * 16)
+    assert checks.error_bound("fp32", 4096, "bf16") == pytest.approx(8e-3)
 
 
 def test_exact_inputs_keep_dot_products_exact():

@@ -17,6 +17,7 @@ import os
 import re
 from pathlib import Path
 
+from gemmrl.build.cutlass import cutlass_include_dirs
 from gemmrl.core.impl import Impl, UnsupportedProblem
 
 FUNC_RE = re.compile(r"void\s+(cuda_l2_[A-Za-z0-9]+_fp(?:16|32))\s*\(\s*torch::Tensor")
@@ -59,25 +60,6 @@ def padding(problem, tiles) -> tuple[int, int, int]:
     bm, bn, bk = tiles
     return (math.ceil(problem.M / bm) * bm - problem.M, math.ceil(problem.N / bn) * bn - problem.N,
             math.ceil(problem.K / bk) * bk - problem.K)
-
-
-def cutlass_include_dirs() -> list[str]:
-    """CUTLASS/CuTe headers: $GEMMRL_CUTLASS_DIR (a CUTLASS checkout or the wheel's source dir),
-    else the installed `nvidia-cutlass` wheel's cutlass_library/source."""
-    roots = []
-    if os.environ.get("GEMMRL_CUTLASS_DIR"):
-        roots.append(Path(os.environ["GEMMRL_CUTLASS_DIR"]))
-    try:
-        import cutlass_library
-
-        roots.append(Path(cutlass_library.__file__).parent / "source")
-    except ImportError:
-        pass
-    for root in roots:
-        if (root / "include" / "cutlass" / "cutlass.h").exists():
-            return [str(root / "include"), str(root / "tools" / "util" / "include")]
-    raise FileNotFoundError("CUTLASS headers not found: pip install nvidia-cutlass, or set "
-                            "GEMMRL_CUTLASS_DIR to a directory holding include/cutlass/cutlass.h")
 
 
 def build(source_path: str | Path, build_root: str | Path, verbose: bool = False):

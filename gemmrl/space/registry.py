@@ -41,8 +41,11 @@ class Family:
     def build_kwargs(self) -> dict:
         m = self.mod()
         kw = {"extra_flags": tuple(getattr(m, "BUILD_FLAGS", ()))}
-        if hasattr(m, "include_dirs"):
-            kw["include_dirs"] = tuple(m.include_dirs())
+        if getattr(m, "USES_CUTLASS", False):
+            from gemmrl.build.cutlass import cutlass_build_kwargs
+
+            cut = cutlass_build_kwargs()
+            kw = {"include_dirs": cut["include_dirs"], "extra_flags": kw["extra_flags"] + cut["extra_flags"]}
         return kw
 
 

@@ -1,0 +1,42 @@
+"""Where the CUTLASS/CuTe headers are, and which CUTLASS they are (part of every build key)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from pathlib import Path
+
+
+def cutlass_include_dirs() -> list[str]:
+    """$GEMMRL_CUTLASS_DIR (a CUTLASS checkout or the wheel's source dir), else the installed
+    `nvidia-cutlass` wheel's cutlass_library/source."""
+    roots = []
+    if os.environ.get("GEMMRL_CUTLASS_DIR"):
+        roots.append(Path(os.environ["GEMMRL_CUTLASS_DIR"]))
+    try:
+        import cutlass_library
+
+        roots.append(Path(cutlass_library.__file__).parent / "source")
+    except ImportError:
+        pass
+    for root in roots:
+        if (root / "include" / "cutlass" / "cutlass.h").exists():
+            return [str(root / "include"), str(root / "tools" / "util" / "include")]
+    raise FileNotFoundError("CUTLASS headers not found: pip install nvidia-cutlass, or set "
+                            "GEMMRL_CUTLASS_DIR to a directory holding include/cutlass/cutlass.h")
+
+
+@functools.lru_cache(maxsize=None)
+def cutlass_version(include_dir: str) -> str:
+    """'4.2.0' from cutlass/version.h: headers are included with angle brackets, so the build
+    key carries the version instead of their text."""
+    text = (Path(include_dir) / "cutlass" / "version.h").read_text()
+    parts = [re.search(rf"#define CUTLASS_{k}\s+(\d+)", text) for k in ("MAJOR", "MINOR", "PATCH")]
+    return ".".join(m.group(1) if m else "?" for m in parts)
+
+
+def cutlass_build_kwargs() -> dict:
+    inc = cutlass_include_dirs()
+    return {"include_dirs": tuple(inc),
+            "extra_flags": (f"-DGEMMRL_CUTLASS_VERSION=\"{cutlass_version(inc[0])}\"",)}

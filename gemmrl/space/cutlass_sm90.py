@@ -1,0 +1,580 @@
+"""CUTLASS 3.x sm90 family: TMA warp-specialized GEMMs built from the nvidia-cutlass wheel's headers.
+
+A `CutlassSpec` is data. `valid(spec, problem)` is the one statement of which specs are legal and
+which problems a spec serves; the enumerator, the policies and the dispatcher all call it.
+`render(spec)` is a pure function from a spec to one .cu that follows the kernel ABI
+(gemmrl/runtime/abi.py) and is generic over M, N and K: one build serves every problem that
+valid(spec, problem) accepts. Residues in M, N and K are handled in the kernel by TMA's
+out-of-bounds fill and clipped stores; nothing is padded or copied.
+
+Operands in CUTLASS's terms (D[M,N] = A[M,K] B[K,N]): A row-major is K-major
+(cutlass::layout::RowMajor); B in NN is [K,N] row-major, N-contiguous (RowMajor); B in TN is
+given as [N,K] row-major, K-contiguous (ColumnMajor); D is row-major. C is not read (ElementC
+void, beta 0), so the kernel never touches memory it does not write.
+
+Shared-memory and stage-count arithmetic below mirrors CUTLASS 4.2's sm90 collective builders
+(sm90_gmma_builder.inl, epilogue sm90_builder.inl); the rendered source also static_asserts the
+real numbers, so a wrong estimate is a compile error with a reason, never a failed launch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, fields, replace
+from string import Template
+
+FAMILY = "cutlass_sm90"
+RENDER_VERSION = "1"  # bump when render() output changes for an unchanged spec
+
+SCHEDULES = ("cooperative", "pingpong")
+SCHEDULERS = ("persistent", "streamk", "splitk")
+RASTERS = ("heuristic", "along_m", "along_n")
+SWIZZLES = (1, 2, 4, 8)
+LAYOUTS = ("NN", "TN")
+DTYPES = ("fp16", "bf16")
+ACCS = ("fp32", "fp16")
+CLUSTERS = ((1, 1), (2, 1), (1, 2))
+TILE_KS = (32, 64, 128)
+MAX_SPLITS = 16
+
+SMEM_CAPACITY = 232448  # bytes of shared memory one sm90 block may use (227 KiB; CUTLASS's figure)
+ELEMENT_BYTES = 2  # fp16 and bf16
+TMA_ALIGN_ELEMS = 8  # TMA: global rows start and end on 16-byte boundaries = 8 16-bit elements
+# Accumulator registers per MMA thread above which a build spills: the MMA warpgroups get at most
+# 232-240 registers from setmaxnreg. Measured with CUTLASS 4.2 / nvcc 13.0, fp16 fp32-accumulate:
+# 192 (ping-pong 128x192, cooperative 256x192) no spills; 224 (ping-pong 128x224) 704 bytes of
+# spills; 256 (ping-pong 128x256) 4724 bytes.
+ACC_REGISTER_LIMIT = 192
+# wgmma N sizes cute selects without CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED; other tile_n would be
+# covered by several narrow atoms (tile_n 80: five 64x16 wgmmas), so the extended set is enabled.
+BASE_MMA_N = (8, 16, 32, 64, 96, 128, 192, 256)
+MAINLOOP_BARRIER_BYTES = 16  # full + empty mbarrier per stage
+KERNEL_MISC_BYTES = 128  # order barriers, scheduler storage, alignment of the pipeline block
+
+_ABBREV = {"cooperative": "coop", "pingpong": "pp", "persistent": "persist", "streamk": "streamk",
+           "heuristic": "rh", "along_m": "rm", "along_n": "rn", "fp16": "f16", "bf16": "bf16",
+           "fp32": "f32"}
+
+
+@dataclass(frozen=True)
+class CutlassSpec:
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64
+    cluster_m: int = 1
+    cluster_n: int = 1
+    schedule: str = "cooperative"  # cooperative | pingpong
+    scheduler: str = "persistent"  # persistent | streamk | splitk
+    splits: int = 1  # split-K factor (scheduler 'splitk' only)
+    stages: int = 0  # 0: as many as fit beside the epilogue; else an explicit count
+    raster: str = "heuristic"  # heuristic | along_m | along_n
+    swizzle: int = 1  # max swizzle size: 1, 2, 4, 8
+    layout: str = "TN"  # NN | TN
+    dtype: str = "fp16"  # fp16 | bf16
+    acc: str = "fp32"  # fp32 | fp16
+
+    @property
+    def name(self) -> str:
+        """Procedural name encoding every field, e.g.
+        sm90_coop_128x256x64_c2x1_persist_s0_rh_sw1_tn_f16_f32."""
+        sched = f"splitk{self.splits}" if self.scheduler == "splitk" else _ABBREV.get(self.scheduler, self.scheduler)
+        return (f"sm90_{_ABBREV.get(self.schedule, self.schedule)}_{self.tile_m}x{self.tile_n}x{self.tile_k}"
+                f"_c{self.cluster_m}x{self.cluster_n}_{sched}_s{self.stages}"
+                f"_{_ABBREV.get(self.raster, self.raster)}_sw{self.swizzle}_{str(self.layout).lower()}"
+                f"_{_ABBREV.get(self.dtype, self.dtype)}_{_ABBREV.get(self.acc, self.acc)}")
+
+    def key(self) -> str:
+        """Stable content hash of the fields (and the family): the machine's name for a spec."""
+        blob = json.dumps({"family": FAMILY, **asdict(self)}, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> "CutlassSpec":
+        known = {f.name for f in fields(CutlassSpec)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown CutlassSpec fields: {', '.join(sorted(unknown))}")
+        return CutlassSpec(**d)
+
+    @staticmethod
+    def from_name(name: str) -> "CutlassSpec":
+        """Inverse of `name` (for people typing names; machines keep the spec itself)."""
+        m = _NAME_RE.fullmatch(name)
+        if not m:
+            raise ValueError(f"not a {FAMILY} kernel name: {name!r}")
+        g = m.groupdict()
+        inv = {v: k for k, v in _ABBREV.items()}
+        sched = g["sched"]
+        return CutlassSpec(
+            tile_m=int(g["tm"]), tile_n=int(g["tn"]), tile_k=int(g["tk"]),
+            cluster_m=int(g["cm"]), cluster_n=int(g["cn"]), schedule=inv[g["schedule"]],
+            scheduler="splitk" if sched.startswith("splitk") else inv[sched],
+            splits=int(sched[6:]) if sched.startswith("splitk") else 1, stages=int(g["stages"]),
+            raster=inv[g["raster"]], swizzle=int(g["sw"]), layout=g["layout"].upper(),
+            dtype=inv[g["dtype"]], acc=inv[g["acc"]])
+
+
+_NAME_RE = re.compile(r"sm90_(?P<schedule>coop|pp)_(?P<tm>\d+)x(?P<tn>\d+)x(?P<tk>\d+)_c(?P<cm>\d+)x(?P<cn>\d+)"
+                      r"_(?P<sched>persist|streamk|splitk\d+)_s(?P<stages>\d+)_(?P<raster>rh|rm|rn)_sw(?P<sw>\d+)"
+                      r"_(?P<layout>nn|tn)_(?P<dtype>f16|bf16)_(?P<acc>f32|f16)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Resource arithmetic (what CUTLASS's builders will choose for a spec)
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def mma_threads(spec: CutlassSpec) -> int:
+    """Threads that hold accumulators: two consumer warpgroups share a tile in the cooperative
+    kernel; in ping-pong each warpgroup owns a whole tile."""
+    return 256 if spec.schedule == "cooperative" else 128
+
+
+def accumulator_registers(spec: CutlassSpec) -> int:
+    """32-bit registers of accumulator per MMA thread."""
+    acc_bytes = 4 if spec.acc == "fp32" else 2
+    return spec.tile_m * spec.tile_n * acc_bytes // 4 // mma_threads(spec)
+
+
+def epilogue_tile(spec: CutlassSpec) -> tuple[int, int]:
+    """EpilogueTileAuto: 128 x gcd(32, N) rows for cooperative, 64 x gcd(32, N) for ping-pong."""
+    rows = min(128 if spec.schedule == "cooperative" else 64, spec.tile_m)
+    return rows, math.gcd(min(32, spec.tile_n), spec.tile_n)
+
+
+def epilogue_smem_bytes(spec: CutlassSpec) -> int:
+    """sizeof(CollectiveEpilogue::SharedStorage) with a void C: up to two D staging buffers
+    (aligned to the 1 KiB swizzle atom) plus the unused C-load pipeline's barriers."""
+    em, en = epilogue_tile(spec)
+    epi_tiles = (spec.tile_m // em) * (spec.tile_n // en)
+    stages_d, stages_c = min(epi_tiles, 2), min(epi_tiles, 4)
+    return _round_up(stages_d * em * en * ELEMENT_BYTES + stages_c * 16, 1024)
+
+
+def stage_bytes(spec: CutlassSpec) -> int:
+    """Shared memory of one mainloop stage (A and B tiles plus its barriers)."""
+    ab = (spec.tile_m + spec.tile_n) * spec.tile_k * ELEMENT_BYTES
+    return _round_up(ab, 128) + MAINLOOP_BARRIER_BYTES
+
+
+def auto_stages(spec: CutlassSpec) -> int:
+    """StageCountAutoCarveout<sizeof(epilogue SharedStorage)>: as many stages as fit beside it."""
+    carve = _round_up(epilogue_smem_bytes(spec), 128)
+    return (SMEM_CAPACITY // 128 * 128 - carve) // stage_bytes(spec)
+
+
+def pipeline_stages(spec: CutlassSpec) -> int:
+    return spec.stages if spec.stages else auto_stages(spec)
+
+
+def smem_bytes(spec: CutlassSpec) -> int:
+    """Estimated dynamic shared memory of the kernel (GemmKernel::SharedStorageSize)."""
+    return pipeline_stages(spec) * stage_bytes(spec) + epilogue_smem_bytes(spec) + KERNEL_MISC_BYTES
+
+
+# ---------------------------------------------------------------------------------------------
+# THE legality statement
+
+def valid(spec: CutlassSpec, problem=None) -> str | None:
+    """None when `spec` is a legal kernel (and serves `problem`, when one is given), else the
+    reason it is not. Every rule CUTLASS or the hardware imposes that we know of is here."""
+    s = spec
+    for fname, allowed in (("schedule", SCHEDULES), ("scheduler", SCHEDULERS), ("raster", RASTERS),
+                           ("layout", LAYOUTS), ("dtype", DTYPES), ("acc", ACCS)):
+        if getattr(s, fname) not in allowed:
+            return f"{fname} must be one of {', '.join(allowed)}, got {getattr(s, fname)!r}"
+    for fname in ("tile_m", "tile_n", "tile_k", "cluster_m", "cluster_n", "splits", "stages", "swizzle"):
+        v = getattr(s, fname)
+        if isinstance(v, bool) or not isinstance(v, int):
+            return f"{fname} must be an integer, got {v!r}"
+    if s.acc == "fp16" and s.dtype != "fp16":
+        return f"an fp16 accumulator needs fp16 inputs (wgmma has no {s.dtype} x {s.dtype} -> fp16 form)"
+    if s.tile_m % 64 or not 64 <= s.tile_m <= 256:
+        return f"tile_m must be 64, 128, 192 or 256 (wgmma is 64 rows per warpgroup), got {s.tile_m}"
+    if s.schedule == "cooperative" and s.tile_m % 128:
+        return (f"the cooperative schedule splits tile_m over two 64-row warpgroups: tile_m must be "
+                f"128 or 256, got {s.tile_m}")
+    if s.tile_n % 16 or not 16 <= s.tile_n <= 256:
+        return f"tile_n must be a multiple of 16 in 16..256 (wgmma N and the epilogue tile), got {s.tile_n}"
+    if s.tile_k not in TILE_KS:
+        return (f"tile_k must be one of {', '.join(map(str, TILE_KS))} (16-bit wgmma takes K=16 steps "
+                f"and the swizzled smem atom is 32 or 64 elements), got {s.tile_k}")
+    if (s.cluster_m, s.cluster_n) not in CLUSTERS:
+        return f"cluster must be 1x1, 2x1 or 1x2, got {s.cluster_m}x{s.cluster_n}"
+    if s.schedule == "pingpong" and s.scheduler != "persistent":
+        return f"the ping-pong kernel supports only the persistent scheduler, not {s.scheduler!r}"
+    if s.scheduler == "splitk":
+        if not 2 <= s.splits <= MAX_SPLITS:
+            return f"scheduler 'splitk' needs splits in 2..{MAX_SPLITS}, got {s.splits}"
+    elif s.splits != 1:
+        return f"splits={s.splits} needs scheduler 'splitk' (it is {s.scheduler!r}); use splits=1"
+    if s.swizzle not in SWIZZLES:
+        return f"swizzle must be one of {', '.join(map(str, SWIZZLES))}, got {s.swizzle}"
+    regs = accumulator_registers(s)
+    if regs > ACC_REGISTER_LIMIT:
+        return (f"{s.tile_m}x{s.tile_n} {s.acc} accumulators need {regs} registers per MMA thread "
+                f"({s.schedule}: {mma_threads(s)} threads); over {ACC_REGISTER_LIMIT} the build spills")
+    if s.stages < 0 or s.stages == 1:
+        return f"stages must be 0 (auto) or at least 2, got {s.stages}"
+    if s.stages == 0 and auto_stages(s) < 2:
+        return (f"{s.tile_m}x{s.tile_n}x{s.tile_k} leaves room for {auto_stages(s)} stage(s) of "
+                f"{stage_bytes(s)} bytes beside the epilogue: a pipeline needs at least 2")
+    if smem_bytes(s) > SMEM_CAPACITY:
+        return (f"shared memory: {pipeline_stages(s)} stages x {stage_bytes(s)} bytes + epilogue "
+                f"{epilogue_smem_bytes(s)} = {smem_bytes(s)} bytes, over {SMEM_CAPACITY} (227 KiB)")
+    if problem is not None:
+        return _serves(s, problem)
+    return None
+
+
+def _serves(s: CutlassSpec, problem) -> str | None:
+    if (problem.dtype, problem.acc) != (s.dtype, s.acc):
+        return (f"the kernel is {s.dtype} with an {s.acc} accumulator; the problem is "
+                f"{problem.dtype} with {problem.acc}")
+    M, N, K = problem.M, problem.N, problem.K
+    # TMA: every operand's contiguous extent a multiple of 16 bytes
+    if K % TMA_ALIGN_ELEMS:
+        whose = "A [M,K] and B [N,K] rows" if s.layout == "TN" else "A [M,K] rows"
+        return f"K={K} is not a multiple of {TMA_ALIGN_ELEMS}: TMA needs 16-byte {whose}"
+    if N % TMA_ALIGN_ELEMS:
+        whose = "B [K,N] and C [M,N] rows" if s.layout == "NN" else "C [M,N] rows"
+        return f"N={N} is not a multiple of {TMA_ALIGN_ELEMS}: TMA needs 16-byte {whose}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The space
+
+_TILE_M = (64, 128, 256)
+_TILE_N = (64, 128, 192, 256)
+
+
+def enumerate_specs(layout: str = "TN", dtype: str = "fp16", acc: str = "fp32") -> list[CutlassSpec]:
+    """A sensible space for one (layout, dtype, acc): tiles Hopper runs well (K=64 everywhere,
+    K=128 where stages stay deep), every cluster shape, persistent for both schedules, stream-K
+    and split-K (2, 4, 8) for cooperative, two tile orders; auto stage counts. All pass valid()."""
+    out = []
+    for schedule in SCHEDULES:
+        for tm in _TILE_M:
+            for tn in _TILE_N:
+                for tk in (64, 128):
+                    if tk == 128 and tm + tn > 256:
+                        continue
+                    for cm, cn in CLUSTERS:
+                        if schedule == "cooperative":
+                            scheds = [("persistent", 1), ("streamk", 1), ("splitk", 2), ("splitk", 4),
+                                      ("splitk", 8)]
+                        else:
+                            scheds = [("persistent", 1)]
+                        for scheduler, splits in scheds:
+                            for raster, swizzle in (("heuristic", 1), ("heuristic", 4)):
+                                if scheduler == "splitk" and swizzle != 1:
+                                    continue
+                                spec = CutlassSpec(tm, tn, tk, cm, cn, schedule, scheduler, splits, 0,
+                                                   raster, swizzle, layout, dtype, acc)
+                                if valid(spec) is None:
+                                    out.append(spec)
+    return out
+
+
+SMS = 132  # H100 / H200 SXM
+
+
+def estimate_us(spec: CutlassSpec, problem, tflops_per_sm: float = 5.2, gbs: float = 3300.0) -> float:
+    """A rough time model for ranking specs before timing: work per SM after wave quantization
+    (tiles x splits spread over the SMs a cluster shape can fill), plus the bytes each tile reads
+    (bigger tiles re-read less), plus a fixed cost per split-K/stream-K reduction."""
+    tiles_m = -(-problem.M // spec.tile_m)
+    tiles_n = -(-problem.N // spec.tile_n)
+    splits = spec.splits if spec.scheduler == "splitk" else 1
+    units = tiles_m * tiles_n * splits
+    usable = SMS - SMS % (spec.cluster_m * spec.cluster_n)
+    if spec.scheduler == "streamk" and units < usable:
+        waves = units / usable  # stream-K spreads the K loop over idle SMs
+    else:
+        waves = -(-units // usable)
+    tile_flops = 2 * spec.tile_m * spec.tile_n * problem.K / splits
+    compute = waves * tile_flops / (tflops_per_sm * 1e6)
+    reread = 2 * (problem.M * problem.K * tiles_n / max(1, spec.cluster_n)
+                  + problem.N * problem.K * tiles_m / max(1, spec.cluster_m))
+    memory = (reread + 2 * problem.M * problem.N) / (gbs * 1e3)
+    reduce = 2.0 if spec.scheduler in ("splitk", "streamk") else 0.0
+    return max(compute, memory) + reduce + 3.0
+
+
+def heuristic_specs(problem, layout: str, acc: str | None = None, limit: int = 8) -> list[CutlassSpec]:
+    """Specs for a problem ranked by estimate_us (valid ones only), at most one per (tile,
+    schedule, scheduler): the model cannot tell swizzles or clusters apart, timing can."""
+    specs = [s for s in enumerate_specs(layout, problem.dtype, acc or problem.acc) if valid(s, problem) is None]
+    specs.sort(key=lambda s: (estimate_us(s, problem), s.name))
+    out, seen = [], set()
+    for s in specs:
+        k = (s.tile_m, s.tile_n, s.tile_k, s.schedule, s.scheduler)
+        if k not in seen:
+            seen.add(k)
+            out.append(s)
+        if len(out) == limit:
+            break
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Build settings and rendering
+
+BUILD_FLAGS = ("-Xptxas=-warn-spills",)  # build_shared adds -O3 -std=c++17 -DNDEBUG, relaxed constexpr
+USES_CUTLASS = True  # the registry adds the headers and their version to every build
+
+
+def include_dirs() -> tuple[str, ...]:
+    """The CUTLASS/CuTe include directories (the wheel's, or $GEMMRL_CUTLASS_DIR's)."""
+    from gemmrl.build.cutlass import cutlass_include_dirs
+
+    return tuple(cutlass_include_dirs())
+
+
+_CPP_ELEMENT = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t", "fp32": "float"}
+_CPP_RASTER = {"heuristic": "Heuristic", "along_m": "AlongM", "along_n": "AlongN"}
+
+_TEMPLATE = Template(r"""// ${name}: a CUTLASS 3.x sm90 GEMM behind the gemmrl kernel ABI (gemmrl/runtime/abi.py).
+// Rendered by gemmrl.space.cutlass_sm90 (render version ${version}) from the spec
+//   ${spec_json}
+// Do not edit: change the spec or the renderer. Generic over M, N, K; residues are handled by
+// TMA (out-of-bounds loads read zeros, stores are clipped). C = A @ ${b_expr}, C is not read.
+${extended_mma}#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+
+#include <cuda_runtime.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+#include <cutlass/gemm/kernel/tile_scheduler.hpp>
+#include <cutlass/kernel_hardware_info.h>
+#include <cutlass/numeric_types.h>
+
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "this kernel uses wgmma and TMA: compile it for sm_90a"
+#endif
+
+namespace {
+
+using namespace cute;
+
+using ElementA = ${element_in};
+using ElementB = ${element_in};
+using ElementD = ${element_in};  // the ABI's C
+using ElementAccumulator = ${element_acc};
+using ElementCompute = ${element_acc};
+using LayoutA = cutlass::layout::RowMajor;  // A [M,K] row-major: K-contiguous
+using LayoutB = ${layout_b};  // ${layout_b_doc}
+using LayoutD = cutlass::layout::RowMajor;  // C [M,N] row-major
+constexpr int kAlignment = 8;  // elements: 16 bytes, TMA's minimum
+
+using TileShape = Shape<_${tile_m}, _${tile_n}, _${tile_k}>;
+using ClusterShape = Shape<_${cluster_m}, _${cluster_n}, _1>;
+using MainloopSchedule = ${mainloop_schedule};
+using EpilogueSchedule = ${epilogue_schedule};
+using TileSchedulerTag = ${scheduler_tag};
+
+using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+    cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, ElementCompute,
+    void, LayoutD, kAlignment,  // no C operand: beta is 0 and C is never read
+    ElementD, LayoutD, kAlignment, EpilogueSchedule>::CollectiveOp;
+
+using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA, kAlignment, ElementB,
+    LayoutB, kAlignment, ElementAccumulator, TileShape, ClusterShape,
+    ${stage_count},
+    MainloopSchedule>::CollectiveOp;
+
+using GemmKernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop,
+                                                        CollectiveEpilogue, TileSchedulerTag>;
+using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+
+static_assert(GemmKernel::SharedStorageSize <= ${smem_capacity},
+              "shared memory over the sm90 limit: fewer stages or a smaller tile");
+static_assert(CollectiveMainloop::DispatchPolicy::Stages >= 2, "the mainloop needs at least 2 stages");
+
+// gemmrl_run's return codes (0: launched; anything else: no kernel was launched)
+enum Status : int {
+  kOk = 0,
+  kBadSize = 1,           // M, N or K not positive
+  kBadLeadingDim = 2,     // lda < K, ldb < ${ldb_min}, or ldc < N
+  kMisalignedExtent = 3,  // K, N, lda, ldb or ldc not a multiple of 8 elements (16 bytes)
+  kBadPointer = 4,        // A, B or C null or not 16-byte aligned
+  kNoDevice = 5,          // the current device or its SM count could not be queried
+  kCannotImplement = 6,   // CUTLASS's can_implement refused the arguments
+  kBadWorkspace = 7,      // a workspace is needed and is null or not 16-byte aligned
+  kInitFailed = 8,        // Gemm::initialize failed (workspace clear or TMA descriptors)
+  kLaunchFailed = 9,      // Gemm::run failed to launch
+};
+
+constexpr int kMaxDevices = 64;
+
+// SM count of a device: a host query (no synchronisation), made once per device.
+int sm_count(int device) {
+  static std::atomic<int> cache[kMaxDevices];
+  bool cached = device >= 0 && device < kMaxDevices;
+  int count = cached ? cache[device].load(std::memory_order_relaxed) : 0;
+  if (count > 0) return count;
+  if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 0;
+  if (cached && count > 0) cache[device].store(count, std::memory_order_relaxed);
+  return count;
+}
+
+typename Gemm::Arguments make_arguments(const void* A, const void* B, void* C, int M, int N, int K,
+                                        int lda, int ldb, int ldc, int device, int sms) {
+  using StrideA = typename GemmKernel::StrideA;
+  using StrideB = typename GemmKernel::StrideB;
+  using StrideD = typename GemmKernel::StrideD;
+  StrideA stride_a = cute::make_stride(int64_t(lda), cute::Int<1>{}, int64_t(lda) * M);
+  StrideB stride_b = ${stride_b};
+  StrideD stride_d = cute::make_stride(int64_t(ldc), cute::Int<1>{}, int64_t(ldc) * M);
+
+  typename Gemm::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+  args.problem_shape = cute::make_shape(M, N, K, 1);
+  args.mainloop.ptr_A = static_cast<ElementA const*>(A);
+  args.mainloop.dA = stride_a;
+  args.mainloop.ptr_B = static_cast<ElementB const*>(B);
+  args.mainloop.dB = stride_b;
+  args.epilogue.thread.alpha = ElementCompute(1);
+  args.epilogue.thread.beta = ElementCompute(0);
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.dC = stride_d;
+  args.epilogue.ptr_D = static_cast<ElementD*>(C);
+  args.epilogue.dD = stride_d;
+  args.hw_info.device_id = device;
+  args.hw_info.sm_count = sms;
+  args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::${raster};
+  args.scheduler.max_swizzle_size = ${swizzle};
+${scheduler_args}  return args;
+}
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) const char* gemmrl_meta(void) {
+  return "${meta_c}";
+}
+
+// Resources CUTLASS chose, for people and tests: {"smem_bytes", "stages", "threads"}.
+extern "C" __attribute__((visibility("default"))) const char* gemmrl_cutlass_info(void) {
+  static char text[128];
+  static bool once = [] {
+    std::snprintf(text, sizeof(text), "{\"smem_bytes\": %d, \"stages\": %d, \"threads\": %d}",
+                  int(GemmKernel::SharedStorageSize), int(CollectiveMainloop::DispatchPolicy::Stages),
+                  int(GemmKernel::MaxThreadsPerBlock));
+    return true;
+  }();
+  (void)once;
+  return text;
+}
+
+extern "C" __attribute__((visibility("default"))) size_t gemmrl_workspace_bytes(int M, int N, int K) {
+  if (M <= 0 || N <= 0 || K <= 0) return 0;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  int sms = sm_count(device);
+  if (sms <= 0) return 0;
+  return Gemm::get_workspace_size(make_arguments(nullptr, nullptr, nullptr, M, N, K, K, ${ldb_packed}, N,
+                                                 device, sms));
+}
+
+extern "C" __attribute__((visibility("default"))) int gemmrl_run(
+    const void* A, const void* B, void* C, int M, int N, int K, int lda, int ldb, int ldc,
+    void* workspace, cudaStream_t stream) {
+  if (M <= 0 || N <= 0 || K <= 0) return kBadSize;
+  if (lda < K || ldb < ${ldb_min} || ldc < N) return kBadLeadingDim;
+  if (K % kAlignment || N % kAlignment || lda % kAlignment || ldb % kAlignment || ldc % kAlignment)
+    return kMisalignedExtent;
+  if (!A || !B || !C || (reinterpret_cast<uintptr_t>(A) | reinterpret_cast<uintptr_t>(B) |
+                         reinterpret_cast<uintptr_t>(C)) % 16)
+    return kBadPointer;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return kNoDevice;
+  int sms = sm_count(device);
+  if (sms <= 0) return kNoDevice;
+  typename Gemm::Arguments args = make_arguments(A, B, C, M, N, K, lda, ldb, ldc, device, sms);
+  if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return kCannotImplement;
+  size_t need = Gemm::get_workspace_size(args);
+  if (need > 0 && (!workspace || reinterpret_cast<uintptr_t>(workspace) % 16)) return kBadWorkspace;
+  Gemm gemm;
+  // initialize() clears the stream-K/split-K workspace with cudaMemsetAsync on `stream` (stream
+  // ordered, capturable) and encodes the TMA descriptors on the host; run() only launches.
+  if (gemm.initialize(args, need > 0 ? workspace : nullptr, stream) != cutlass::Status::kSuccess)
+    return kInitFailed;
+  if (gemm.run(stream) != cutlass::Status::kSuccess) return kLaunchFailed;
+  return kOk;
+}
+""")
+
+
+def render(spec: CutlassSpec, problem=None) -> str:
+    """The complete .cu source of `spec`: pure and deterministic. The kernel is generic over the
+    problem size, so `problem` only has to be one the spec serves (it changes nothing)."""
+    why = valid(spec, problem)
+    if why:
+        raise ValueError(f"{spec.name}: {why}")
+    s = spec
+    nn = s.layout == "NN"
+    if s.scheduler == "persistent":
+        scheduler_tag, scheduler_args = "cutlass::gemm::PersistentScheduler", ""
+    else:
+        mode = "SplitK" if s.scheduler == "splitk" else "Heuristic"
+        scheduler_tag = "cutlass::gemm::StreamKScheduler"
+        scheduler_args = (f"  args.scheduler.splits = {s.splits};\n"
+                          f"  args.scheduler.decomposition_mode =\n"
+                          f"      cutlass::gemm::kernel::detail::DecompositionMode::{mode};\n"
+                          f"  args.scheduler.reduction_mode =\n"
+                          f"      cutlass::gemm::kernel::detail::ReductionMode::Deterministic;\n")
+    if s.stages:
+        stage_count = f"cutlass::gemm::collective::StageCount<{s.stages}>"
+    else:
+        stage_count = ("cutlass::gemm::collective::StageCountAutoCarveout<\n"
+                       "        static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>")
+    meta = {"layout": s.layout, "dtype": s.dtype, "acc": s.acc, "name": s.name, "family": FAMILY,
+            "key": s.key()}
+    return _TEMPLATE.substitute(
+        name=s.name, version=RENDER_VERSION,
+        extended_mma=("" if s.tile_n in BASE_MMA_N else
+                      "// tile_n is not a base wgmma N: one wide MMA atom needs cute's extended shapes\n"
+                      "#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED 1\n"),
+        spec_json=json.dumps(asdict(s), sort_keys=True, separators=(",", ":")),
+        b_expr="B" if nn else "B^T",
+        element_in=_CPP_ELEMENT[s.dtype], element_acc=_CPP_ELEMENT[s.acc],
+        layout_b="cutlass::layout::RowMajor" if nn else "cutlass::layout::ColumnMajor",
+        layout_b_doc=("NN: B [K,N] row-major, N-contiguous" if nn
+                      else "TN: B given as [N,K] row-major, K-contiguous"),
+        tile_m=s.tile_m, tile_n=s.tile_n, tile_k=s.tile_k, cluster_m=s.cluster_m, cluster_n=s.cluster_n,
+        mainloop_schedule=("cutlass::gemm::KernelTmaWarpSpecializedCooperative" if s.schedule == "cooperative"
+                           else "cutlass::gemm::KernelTmaWarpSpecializedPingpong"),
+        epilogue_schedule=("cutlass::epilogue::TmaWarpSpecializedCooperative" if s.schedule == "cooperative"
+                           else "cutlass::epilogue::TmaWarpSpecialized"),
+        scheduler_tag=scheduler_tag, scheduler_args=scheduler_args, stage_count=stage_count,
+        smem_capacity=SMEM_CAPACITY,
+        stride_b=("cute::make_stride(cute::Int<1>{}, int64_t(ldb), int64_t(ldb) * K)" if nn
+                  else "cute::make_stride(int64_t(ldb), cute::Int<1>{}, int64_t(ldb) * N)"),
+        ldb_min="N" if nn else "K", ldb_packed="N" if nn else "K",
+        raster=_CPP_RASTER[s.raster], swizzle=s.swizzle,
+        meta_c=json.dumps(meta, separators=(", ", ": ")).replace("\\", "\\\\").replace('"', '\\"'),
+    )
+
+
+def with_fields(spec: CutlassSpec, **changes) -> CutlassSpec:
+    """A copy of `spec` with some fields changed (for policies that mutate specs)."""
+    return replace(spec, **changes)

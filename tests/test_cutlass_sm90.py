@@ -1,0 +1,379 @@
+"""The CUTLASS sm90 family on the CPU: the legality statement, the spec space, the renderer
+(deterministic, golden files) and real nvcc builds of two specs (no GPU needed).
+
+Regenerate the golden sources after an intended renderer change with
+    GEMMRL_UPDATE_GOLDEN=1 python -m pytest tests/test_cutlass_sm90.py -k golden
+and review the diff: it is every change the refactor makes to a kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields, replace
+from pathlib import Path
+
+import pytest
+
+from gemmrl.core.problem import Problem
+from gemmrl.space import cutlass_sm90 as cs
+from gemmrl.space.cutlass_sm90 import CutlassSpec, enumerate_specs, render, valid
+
+GOLDEN = Path(__file__).resolve().parent / "golden" / "cutlass_sm90"
+GOLDEN_SPECS = [
+    CutlassSpec(128, 256, 64, 2, 1, "cooperative", "persistent", 1, 0, "heuristic", 1, "NN", "fp16", "fp32"),
+    CutlassSpec(64, 128, 64, 1, 1, "pingpong", "persistent", 1, 0, "heuristic", 1, "TN", "fp16", "fp16"),
+    CutlassSpec(128, 128, 64, 1, 1, "cooperative", "streamk", 1, 0, "heuristic", 1, "TN", "bf16", "fp32"),
+]
+BASE = CutlassSpec()  # 128x128x64 cooperative persistent, TN fp16 -> fp32 accumulate
+
+
+# -- names and keys ------------------------------------------------------------------------------
+
+def test_name_encodes_every_field_and_parses_back():
+    s = GOLDEN_SPECS[0]
+    assert s.name == "sm90_coop_128x256x64_c2x1_persist_s0_rh_sw1_nn_f16_f32"
+    assert GOLDEN_SPECS[1].name == "sm90_pp_64x128x64_c1x1_persist_s0_rh_sw1_tn_f16_f16"
+    sk = replace(BASE, scheduler="splitk", splits=4, stages=3, raster="along_n", swizzle=8, dtype="bf16")
+    assert sk.name == "sm90_coop_128x128x64_c1x1_splitk4_s3_rn_sw8_tn_bf16_f32"
+    for spec in (*GOLDEN_SPECS, sk):
+        assert CutlassSpec.from_name(spec.name) == spec
+    with pytest.raises(ValueError, match="not a cutlass_sm90 kernel name"):
+        CutlassSpec.from_name("sm90_coop_128x128")
+
+
+def test_key_is_a_stable_content_hash():
+    assert BASE.key() == CutlassSpec().key()
+    assert len(BASE.key()) == 16 and int(BASE.key(), 16) >= 0
+    assert CutlassSpec.from_dict(BASE.to_dict()) == BASE
+    with pytest.raises(ValueError, match="unknown CutlassSpec fields"):
+        CutlassSpec.from_dict({**BASE.to_dict(), "warps": 4})
+
+
+# -- valid(): every rule has a case that breaks only that rule ------------------------------------
+
+RULES = [
+    ({"schedule": "warpspecialized"}, "schedule must be one of"),
+    ({"scheduler": "dynamic"}, "scheduler must be one of"),
+    ({"raster": "hilbert"}, "raster must be one of"),
+    ({"layout": "NT"}, "layout must be one of"),
+    ({"dtype": "fp8"}, "dtype must be one of"),
+    ({"acc": "fp64"}, "acc must be one of"),
+    ({"tile_n": 128.0}, "tile_n must be an integer"),
+    ({"stages": True}, "stages must be an integer"),
+    ({"dtype": "bf16", "acc": "fp16"}, "fp16 accumulator needs fp16 inputs"),
+    ({"tile_m": 96, "schedule": "pingpong"}, "tile_m must be 64, 128, 192 or 256"),
+    ({"tile_m": 320}, "tile_m must be 64, 128, 192 or 256"),
+    ({"tile_m": 64}, "cooperative schedule splits tile_m"),
+    ({"tile_m": 192}, "cooperative schedule splits tile_m"),
+    ({"tile_n": 24}, "tile_n must be a multiple of 16 in 16..256"),
+    ({"tile_n": 272}, "tile_n must be a multiple of 16 in 16..256"),
+    ({"tile_k": 48}, "tile_k must be one of 32, 64, 128"),
+    ({"tile_k": 256}, "tile_k must be one of 32, 64, 128"),
+    ({"cluster_m": 2, "cluster_n": 2}, "cluster must be 1x1, 2x1 or 1x2"),
+    ({"cluster_m": 4}, "cluster must be 1x1, 2x1 or 1x2"),
+    ({"schedule": "pingpong", "scheduler": "streamk"}, "ping-pong kernel supports only the persistent"),
+    ({"schedule": "pingpong", "scheduler": "splitk", "splits": 2}, "ping-pong kernel supports only"),
+    ({"scheduler": "splitk"}, "needs splits in 2..16"),
+    ({"scheduler": "splitk", "splits": 17}, "needs splits in 2..16"),
+    ({"splits": 2}, "needs scheduler 'splitk'"),
+    ({"scheduler": "streamk", "splits": 4}, "needs scheduler 'splitk'"),
+    ({"swizzle": 3}, "swizzle must be one of 1, 2, 4, 8"),
+    ({"tile_m": 256, "tile_n": 256}, "registers per MMA thread"),
+    ({"schedule": "pingpong", "tile_n": 256}, "registers per MMA thread"),
+    ({"stages": 1}, "stages must be 0 (auto) or at least 2"),
+    ({"stages": -2}, "stages must be 0 (auto) or at least 2"),
+    # 256x256x128 fp16-accumulate: registers fit, one 128 KiB stage does not leave room for two
+    ({"tile_m": 256, "tile_n": 256, "tile_k": 128, "acc": "fp16"}, "a pipeline needs at least 2"),
+    ({"tile_n": 256, "stages": 5}, "shared memory:"),
+]
+
+
+@pytest.mark.parametrize("changes,reason", RULES, ids=[r for _, r in RULES])
+def test_each_rule_rejects_with_its_reason(changes, reason):
+    assert valid(BASE) is None
+    why = valid(replace(BASE, **changes))
+    assert why is not None and reason in why, why
+
+
+@pytest.mark.parametrize("changes", [
+    {"tile_m": 64, "schedule": "pingpong"},
+    {"tile_m": 192, "tile_n": 80, "schedule": "pingpong"},  # odd but legal
+    {"tile_m": 256, "tile_n": 64},
+    {"tile_n": 16, "tile_k": 32},
+    {"tile_n": 256, "stages": 4},  # the auto count for 128x256x64, stated explicitly
+    {"tile_m": 256, "tile_n": 256, "acc": "fp16"},  # fp16 accumulators: half the registers
+    {"schedule": "pingpong", "tile_n": 256, "acc": "fp16"},
+    {"cluster_m": 2}, {"cluster_n": 2},
+    {"scheduler": "splitk", "splits": 16}, {"scheduler": "streamk", "raster": "along_m", "swizzle": 8},
+    {"layout": "NN", "dtype": "bf16"},
+])
+def test_legal_specs_are_accepted(changes):
+    assert valid(replace(BASE, **changes)) is None
+
+
+def test_problem_rules():
+    nn, tn = replace(BASE, layout="NN"), BASE
+    assert valid(tn, Problem(513, 768, 1024)) is None  # M is free: TMA clips rows
+    assert valid(nn, Problem(1, 8, 8)) is None
+    assert "K=1029 is not a multiple of 8" in valid(tn, Problem(512, 768, 1029))
+    assert "B [N,K]" in valid(tn, Problem(512, 768, 1029))
+    assert "K=1029" in valid(nn, Problem(512, 768, 1029)) and "B [N,K]" not in valid(nn, Problem(512, 768, 1029))
+    assert "N=771 is not a multiple of 8" in valid(nn, Problem(512, 771, 1024))
+    assert "B [K,N] and C" in valid(nn, Problem(512, 771, 1024))
+    assert "the problem is bf16" in valid(tn, Problem(512, 768, 1024, "bf16", "fp32"))
+    assert "the problem is fp16 with fp16" in valid(tn, Problem(512, 768, 1024, "fp16", "fp16"))
+    # a spec's own flaw is reported before anything about the problem
+    assert "swizzle" in valid(replace(BASE, swizzle=5), Problem(512, 768, 1029))
+
+
+# Measured with CUTLASS 4.2.0 (a host-only probe printing GemmKernel::SharedStorageSize and the
+# mainloop's stage count): (tile_m, tile_n, tile_k, schedule, stages asked) -> (bytes, stages)
+MEASURED_SMEM = {
+    (128, 256, 64, "cooperative", 0): (214016, 4),
+    (128, 256, 64, "cooperative", 3): (164864, 3),
+    (128, 128, 64, "cooperative", 0): (214016, 6),
+    (128, 16, 32, "cooperative", 0): (226048, 24),
+    (256, 48, 64, "cooperative", 0): (203264, 5),
+    (128, 192, 128, "cooperative", 0): (181248, 2),
+    (64, 256, 64, "pingpong", 0): (214016, 5),
+    (128, 128, 64, "pingpong", 2): (74752, 2),
+    (64, 64, 128, "pingpong", 0): (205824, 6),
+    (64, 16, 32, "pingpong", 0): (228608, 44),
+    (192, 80, 64, "pingpong", 0): (213504, 6),
+    (64, 128, 64, "pingpong", 0): (230400, 9),
+    (256, 192, 64, "cooperative", 2): (132096, 2),
+    (192, 80, 128, "pingpong", 0): (213504, 3),
+    (128, 48, 128, "cooperative", 0): (188928, 4),
+}
+
+
+@pytest.mark.parametrize("cfg", list(MEASURED_SMEM), ids=lambda c: "x".join(map(str, c[:3])) + f"-{c[3]}-s{c[4]}")
+def test_smem_model_matches_cutlass(cfg):
+    tm, tn, tk, schedule, stages = cfg
+    real_bytes, real_stages = MEASURED_SMEM[cfg]
+    spec = replace(BASE, tile_m=tm, tile_n=tn, tile_k=tk, schedule=schedule, stages=stages)
+    assert cs.pipeline_stages(spec) == real_stages
+    # the estimate may only err high (valid() must never accept what does not fit), by little
+    assert real_bytes <= cs.smem_bytes(spec) <= real_bytes + 1024
+
+
+# -- the space ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout,dtype,acc", [("NN", "fp16", "fp32"), ("TN", "fp16", "fp32"),
+                                              ("TN", "fp16", "fp16"), ("NN", "bf16", "fp32")])
+def test_enumerated_space_is_valid_and_unique(layout, dtype, acc):
+    specs = enumerate_specs(layout, dtype, acc)
+    assert 100 <= len(specs) <= 1000
+    assert all(valid(s) is None for s in specs)
+    assert all((s.layout, s.dtype, s.acc) == (layout, dtype, acc) for s in specs)
+    assert len({s.name for s in specs}) == len(specs)
+    assert len({s.key() for s in specs}) == len(specs)
+    assert {s.schedule for s in specs} == {"cooperative", "pingpong"}
+    assert {s.scheduler for s in specs} == {"persistent", "streamk", "splitk"}
+    assert {(s.cluster_m, s.cluster_n) for s in specs} == set(cs.CLUSTERS)
+    assert enumerate_specs(layout, dtype, acc) == specs  # deterministic order
+
+
+def test_golden_specs_are_in_the_space():
+    for s in GOLDEN_SPECS:
+        assert s in enumerate_specs(s.layout, s.dtype, s.acc)
+
+
+# -- render ----------------------------------------------------------------------------------------
+
+# for each field, a different legal value (from BASE, or from a split-K BASE for `splits`)
+MUTATIONS = {
+    "tile_m": 256, "tile_n": 256, "tile_k": 128, "cluster_m": 2, "cluster_n": 2,
+    "schedule": "pingpong", "scheduler": "streamk", "stages": 3, "raster": "along_m", "swizzle": 2,
+    "layout": "NN", "dtype": "bf16", "acc": "fp16",
+}
+
+
+def test_render_is_deterministic():
+    for s in GOLDEN_SPECS:
+        assert render(s) == render(s) == render(CutlassSpec(**s.to_dict()))
+
+
+@pytest.mark.parametrize("field", [f.name for f in fields(CutlassSpec)])
+def test_render_changes_when_any_field_changes(field):
+    if field == "splits":
+        base = replace(BASE, scheduler="splitk", splits=2)
+        other = replace(base, splits=4)
+    else:
+        base, other = BASE, replace(BASE, **{field: MUTATIONS[field]})
+    assert valid(other) is None, valid(other)
+    assert render(base) != render(other)
+    assert base.name != other.name and base.key() != other.key()
+
+
+def test_render_states_the_spec_in_cutlass_terms():
+    nn = render(GOLDEN_SPECS[0])
+    assert "using LayoutB = cutlass::layout::RowMajor;" in nn
+    assert "Shape<_128, _256, _64>" in nn and "Shape<_2, _1, _1>" in nn
+    assert "KernelTmaWarpSpecializedCooperative" in nn and "PersistentScheduler" in nn
+    assert "StageCountAutoCarveout" in nn
+    tn = render(GOLDEN_SPECS[1])
+    assert "using LayoutB = cutlass::layout::ColumnMajor;" in tn
+    assert "KernelTmaWarpSpecializedPingpong" in tn and "cutlass::epilogue::TmaWarpSpecialized;" in tn
+    assert "using ElementAccumulator = cutlass::half_t;" in tn
+    sk = render(replace(BASE, scheduler="splitk", splits=4, stages=3, raster="along_n", swizzle=8))
+    assert "StreamKScheduler" in sk and "splits = 4;" in sk and "DecompositionMode::SplitK" in sk
+    assert "StageCount<3>" in sk and "RasterOrderOptions::AlongN" in sk and "max_swizzle_size = 8" in sk
+    assert "DecompositionMode::Heuristic" in render(GOLDEN_SPECS[2])
+    for text in (nn, tn, sk):
+        assert "cutlass::bfloat16_t" not in text
+    assert "cutlass::bfloat16_t" in render(GOLDEN_SPECS[2])
+    # a tile_n without a base wgmma N (80) turns on cute's extended MMA shapes, only then
+    assert "CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED" not in nn + tn + sk
+    odd = render(replace(BASE, tile_m=192, tile_n=80, schedule="pingpong"))
+    assert odd.index("#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED 1") < odd.index("#include")
+
+
+def test_render_refuses_illegal_specs_and_unserved_problems():
+    with pytest.raises(ValueError, match="registers per MMA thread"):
+        render(replace(BASE, tile_m=256, tile_n=256))
+    assert render(BASE, Problem(513, 768, 1024)) == render(BASE)  # generic: the problem changes nothing
+    with pytest.raises(ValueError, match="K=1001"):
+        render(BASE, Problem(512, 768, 1001))
+
+
+@pytest.mark.parametrize("spec", GOLDEN_SPECS, ids=lambda s: s.name)
+def test_golden(spec):
+    path = GOLDEN / f"{spec.name}.cu"
+    text = render(spec)
+    if os.environ.get("GEMMRL_UPDATE_GOLDEN") == "1":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"{path} missing: run with GEMMRL_UPDATE_GOLDEN=1 to write it"
+    want = path.read_text()
+    if text != want:
+        a, b = want.splitlines(), text.splitlines()
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        pytest.fail(f"render({spec.name}) differs from {path.name} from line {first + 1}:\n"
+                    f"  golden:   {a[first] if first < len(a) else '<end>'}\n"
+                    f"  rendered: {b[first] if first < len(b) else '<end>'}\n"
+                    "If the change is intended, regenerate with GEMMRL_UPDATE_GOLDEN=1 and review the diff.")
+
+
+def test_no_stale_golden_files():
+    assert {p.name for p in GOLDEN.glob("*.cu")} == {f"{s.name}.cu" for s in GOLDEN_SPECS}
+
+
+# -- real builds (nvcc, no GPU) -----------------------------------------------------------------
+
+COMPILED = [GOLDEN_SPECS[0], GOLDEN_SPECS[1]]  # cooperative fp32-acc NN c2x1; ping-pong TN fp16-acc
+
+
+def _cutlass_dirs():
+    try:
+        return cs.include_dirs()
+    except FileNotFoundError as e:
+        return str(e)
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    """Both specs compiled at once (about 100 s each with two in parallel on 2 cores)."""
+    from gemmrl.build.nvcc import NvccNotFound, build_shared, nvcc_path
+
+    dirs = _cutlass_dirs()
+    if isinstance(dirs, str):
+        pytest.skip(f"CUTLASS headers not found ({dirs})")
+    try:
+        nvcc_path()
+    except NvccNotFound as e:
+        pytest.skip(str(e))
+    # a GEMMRL_CACHE the user set is reused across runs; else a fresh cache for this module
+    cache = None if os.environ.get("GEMMRL_CACHE") else tmp_path_factory.mktemp("cutlass-builds")
+
+    def one(spec):
+        return build_shared(render(spec), name=spec.name, include_dirs=dirs, extra_flags=cs.BUILD_FLAGS,
+                            cache_dir=cache)
+
+    with ThreadPoolExecutor(2) as ex:
+        return dict(zip((s.name for s in COMPILED), ex.map(one, COMPILED)))
+
+
+@pytest.mark.parametrize("spec", COMPILED, ids=lambda s: s.name)
+def test_build_is_clean(builds, spec):
+    r = builds[spec.name]
+    assert r.ok, r.log[-4000:]
+    assert "C7510" not in r.log, "ptxas serialized wgmma (C7510): an assert or call in the mainloop"
+    assert r.resources, "ptxas -v reported no kernel"
+    kernels = [k for k in r.resources if "GemmUniversal" in k.name]
+    assert len(kernels) == 1, [k.name for k in r.resources]
+    for k in r.resources:
+        assert k.spill_stores == 0 and k.spill_loads == 0, f"{k.name}: spills {k.spill_stores}/{k.spill_loads}"
+        assert 0 < k.registers <= 255
+    assert r.spills == 0
+    print(f"\n{spec.name}: {r.seconds:.0f} s, {kernels[0].registers} registers, "
+          f"{kernels[0].smem_bytes} bytes static smem")
+
+
+@pytest.mark.parametrize("spec", COMPILED, ids=lambda s: s.name)
+def test_build_exports_the_abi(builds, spec):
+    from gemmrl.runtime.abi import REQUIRED_SYMBOLS, AbiKernel, KernelMeta, kernel_names
+
+    r = builds[spec.name]
+    assert r.ok, r.log[-2000:]
+    out = subprocess.run(["nm", "-D", "--defined-only", r.path], capture_output=True, text=True,
+                         check=True).stdout
+    exported = {line.split()[-1] for line in out.splitlines() if line.strip()}
+    assert set(REQUIRED_SYMBOLS) <= exported
+    k = AbiKernel(r.path)
+    assert k.meta == KernelMeta(spec.layout, spec.dtype, spec.acc, spec.name)
+    assert any("GemmUniversal" in n for n in kernel_names(r.path))
+
+    info = json.loads(_info(r.path))
+    assert info["stages"] == cs.pipeline_stages(spec)
+    assert info["smem_bytes"] <= cs.smem_bytes(spec) <= cs.SMEM_CAPACITY
+    assert info["threads"] == 384
+    print(f"\n{spec.name}: {info}")
+
+
+def _info(path: str) -> str:
+    lib = ctypes.CDLL(path)
+    lib.gemmrl_cutlass_info.restype = ctypes.c_char_p
+    return lib.gemmrl_cutlass_info().decode()
+
+
+@pytest.mark.parametrize("spec", COMPILED, ids=lambda s: s.name)
+def test_abi_guards_refuse_before_touching_the_device(builds, spec):
+    """Unsupported calls return their distinct codes without a GPU (nothing is launched)."""
+    from gemmrl.runtime.abi import AbiKernel
+
+    r = builds[spec.name]
+    assert r.ok, r.log[-2000:]
+    k = AbiKernel(r.path)
+    buf = ctypes.create_string_buffer(4096 + 16)
+    p = (ctypes.addressof(buf) + 15) // 16 * 16  # a 16-byte aligned host address: never dereferenced
+    ldb = 64  # N = K = 64: the same minimum for NN and TN
+    assert k.run(p, p, p, 0, 64, 64, 64, ldb, 64, 0, 0) == 1  # M not positive
+    assert k.run(p, p, p, 64, 64, 64, 32, ldb, 64, 0, 0) == 2  # lda < K
+    assert k.run(p, p, p, 64, 64, 64, 64, ldb, 32, 0, 0) == 2  # ldc < N
+    assert k.run(p, p, p, 64, 64, 60, 64, ldb, 64, 0, 0) == 3  # K not a multiple of 8
+    assert k.run(p, p, p, 64, 60, 64, 64, ldb, 64, 0, 0) == 3  # N not a multiple of 8
+    assert k.run(p, p, p, 64, 64, 64, 68, ldb, 64, 0, 0) == 3  # lda not a multiple of 8
+    assert k.run(0, p, p, 64, 64, 64, 64, ldb, 64, 0, 0) == 4  # null A
+    assert k.run(p + 2, p, p, 64, 64, 64, 64, ldb, 64, 0, 0) == 4  # misaligned A
+    assert k.workspace_bytes(0, 64, 64) == 0
+
+
+def test_heuristic_ranks_valid_diverse_specs_and_prefers_full_waves():
+    from gemmrl.space.cutlass_sm90 import estimate_us, heuristic_specs
+
+    big = Problem(8192, 8192, 8192)
+    hs = heuristic_specs(big, "TN", limit=6)
+    assert len(hs) == 6 and all(valid(s, big) is None for s in hs)
+    assert len({(s.tile_m, s.tile_n, s.tile_k, s.schedule, s.scheduler) for s in hs}) == 6
+    times = [estimate_us(s, big) for s in hs]
+    assert times == sorted(times)
+    # a small problem has too few tiles for 132 SMs: stream-K or split-K must rank first
+    small = Problem(512, 768, 1024)
+    assert heuristic_specs(small, "NN", limit=1)[0].scheduler in ("streamk", "splitk")
+    # and a huge one is best served by plain persistent tiles
+    assert heuristic_specs(Problem(16384, 16384, 16384), "NN", limit=1)[0].scheduler == "persistent"
