@@ -41,51 +41,12 @@ def _modes(values: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def build_impls(specs: tuple[str, ...], store=None, device: str = "", include_dirs=()):
-    """Implementation specs: 'baselines' (torch + cuBLAS + cuBLASLt heuristic/auto-tuning, both
-    layouts), 'exhaustive', 'torch.compile', a baseline's own name, 'cuda-l2:DIR',
-    'kernel:FILE.cu|FILE.so', or gemmrl's own kernels: 'gemmrl:FAMILY[+FAMILY]' (the fastest of
-    each family's top candidates per shape; families: cutlass_sm90, raw) and 'ours' (both)."""
-    from gemmrl.baselines import impls as bl
+    from gemmrl.bench.select import impls_from_specs
 
-    all_named = {i.name: i for i in bl.baseline_impls(store, device, exhaustive=True, compile_=True)}
-    out = []
-    for spec in specs:
-        for s in (x.strip() for x in spec.split(",") if x.strip()):
-            if s == "baselines":
-                out += bl.baseline_impls(store, device)
-            elif s == "exhaustive":
-                out += [i for i in all_named.values() if "exhaustive" in i.name]
-            elif s in all_named:
-                out.append(all_named[s])
-            elif s.startswith("cuda-l2:"):
-                from gemmrl.baselines.cuda_l2 import CudaL2Impl
-
-                out.append(CudaL2Impl(s.split(":", 1)[1]))
-            elif s.startswith("gemmrl:") or s == "ours":
-                from gemmrl.search.best_of import BestOf
-                from gemmrl.space import registry
-
-                names = "cutlass_sm90+raw" if s == "ours" else s.split(":", 1)[1]
-                try:
-                    fams = [registry.get(n) for n in names.split("+")]
-                except ValueError as e:
-                    raise click.BadParameter(str(e), param_hint="--impl") from None
-                out.append(BestOf(fams, store=store, device=device))
-            elif s.startswith("kernel:"):
-                from gemmrl.runtime.abi import AbiImpl
-
-                out.append(AbiImpl(s.split(":", 1)[1], include_dirs=tuple(include_dirs)))
-            else:
-                raise click.BadParameter(
-                    f"unknown implementation {s!r}; known: baselines, exhaustive, "
-                    f"{', '.join(all_named)}, cuda-l2:DIR, kernel:FILE, gemmrl:FAMILY, ours",
-                    param_hint="--impl")
-    seen, unique = set(), []
-    for i in out:
-        if i.name not in seen:
-            seen.add(i.name)
-            unique.append(i)
-    return unique
+    try:
+        return impls_from_specs(specs, store, device, include_dirs)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--impl") from None
 
 
 @click.group()
@@ -123,8 +84,11 @@ def shapes(shape_spec, dtype, acc):
 @click.option("--no-verify", is_flag=True, help="skip the correctness checks (not for real results)")
 @click.option("--retime", is_flag=True, help="measure again what the store already has")
 @click.option("--no-report", is_flag=True, help="do not write CSVs, summary and plots at the end")
+@click.option("--isolate/--no-isolate", default=True, show_default=True,
+              help="run each shape in a worker process: a crashing or hanging kernel is quarantined, "
+                   "the run goes on")
 def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, budget_s, no_verify,
-          retime, no_report):
+          retime, no_report, isolate):
     """Verify and time implementations over a set of shapes; results go to the store."""
     problems = _problems(shape_spec, dtype, acc)
     modes = _modes(mode_opts)
@@ -169,10 +133,19 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, b
             impl.prebuild(problems, log=lambda m: click.echo(m, err=True))
     status = "done"
     try:
-        counts = _run_with_progress(runner, problems, impls, store, cfg, device, run_id)
+        if isolate:
+            def run_fn(progress, log):
+                return runner.run_isolated(problems, impl_opts, store, cfg, device=device, run_id=run_id,
+                                           db_path=str(db), progress=progress, log=log)
+        else:
+            def run_fn(progress, log):
+                return runner.run(problems, impls, store, cfg, device=device, run_id=run_id,
+                                  progress=progress, log=log)
+        counts = _run_with_progress(run_fn, len(problems))
         status = "partial" if counts["stopped"] else "done"
         click.echo(f"measured {counts['sessions']} (shape, mode) sessions, skipped "
-                   f"{counts['skipped']} already in the store, rejected {counts['rejected']}", err=True)
+                   f"{counts['skipped']} already in the store, rejected {counts['rejected']}, "
+                   f"quarantined {counts.get('quarantined', 0)}", err=True)
     finally:
         store.finish_run(run_id, status)
     if not no_report:
@@ -181,31 +154,30 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, b
     store.close()
 
 
-def _run_with_progress(runner, problems, impls, store, cfg, device, run_id):
+def _run_with_progress(run_fn, total: int):
+    """run_fn(progress, log) -> counts, with a live bar on a terminal and periodic lines in logs."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
         TimeRemainingColumn
 
     console = Console(stderr=True)
     if not console.is_terminal:  # logs: one line every few percent instead of a live bar
-        step = max(1, len(problems) // 50)
+        step = max(1, total // 50)
         t0 = time.monotonic()
 
         def progress(done, problem):
-            if done % step == 0 or done == len(problems):
+            if done % step == 0 or done == total:
                 el = time.monotonic() - t0
-                eta = el / done * (len(problems) - done)
-                console.print(f"[{done}/{len(problems)}] {problem.shape}  elapsed {el:.0f}s  eta {eta:.0f}s")
-        return runner.run(problems, impls, store, cfg, device=device, run_id=run_id,
-                          progress=progress, log=lambda m: console.print(m, markup=False))
+                eta = el / done * (total - done)
+                console.print(f"[{done}/{total}] {problem.shape}  elapsed {el:.0f}s  eta {eta:.0f}s")
+        return run_fn(progress, lambda m: console.print(m, markup=False))
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console) as bar:
-        task = bar.add_task("benchmark", total=len(problems))
+        task = bar.add_task("benchmark", total=total)
 
         def progress(done, problem):
             bar.update(task, completed=done, description=f"benchmark {problem.shape}")
-        return runner.run(problems, impls, store, cfg, device=device, run_id=run_id,
-                          progress=progress, log=lambda m: bar.console.print(m, markup=False))
+        return run_fn(progress, lambda m: bar.console.print(m, markup=False))
 
 
 def write_report(store, device, out, subject, dtype, acc):

@@ -36,3 +36,32 @@ def hang(seconds):
 
 def unpicklable():
     return lambda: None
+
+
+def fake_problem_task(problem, impl_specs, cfg, device, run_id, db_path, include_dirs=()):
+    """Stands in for runner.problem_task: 'segv' crashes, 'hang' hangs, 'search' crashes on its
+    candidate 'bad_spec' unless that is quarantined, anything else is measured."""
+    from gemmrl.bench.worker import beat
+    from gemmrl.store.db import Store
+
+    store = Store(db_path)
+    bad = store.quarantined(device, problem)
+    done = {}
+    for name in impl_specs:
+        if name in bad:
+            continue
+        beat(f"impl:{name}")
+        if name == "segv" and problem.M == 128:
+            segfault()
+        if name == "hang" and problem.M == 256:
+            time.sleep(60)
+        if name == "search":
+            if "bad_spec" not in bad:
+                beat("candidate:bad_spec")
+                segfault()
+            beat(f"impl:{name}")
+        done[name] = {"median_us": 1.0, "mean_us": 1.0, "min_us": 1.0, "p10_us": 1.0, "p90_us": 1.0,
+                      "std_us": 0.0, "n": 1, "status": "ok", "details": {}}
+    store.record_session(run_id, "s", device, problem, "kernel", "kernel:v1", done)
+    store.close()
+    return {"sessions": 1, "skipped": 0, "rejected": 0}

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gemmrl.bench import timing
+from gemmrl.bench.worker import HEARTBEAT_ENV, Worker, beat, last_beat
 from gemmrl.core.impl import UnsupportedProblem
 from gemmrl.verify.checks import clear_reference_cache, verify
 
@@ -86,10 +87,26 @@ def run(problems, impls, store, cfg: RunConfig, *, device: str, run_id: int, pro
     return counts
 
 
+def _usable(problem, impls, store, cfg, device) -> list:
+    """Implementations to run on a problem: those that serve it, minus the quarantined (crashed
+    or hung here before) and, unless re-timing, those already rejected on this device."""
+    bad = store.quarantined(device, problem)
+    out = []
+    for impl in impls:
+        if impl.name in bad or not impl.supports(problem):
+            continue
+        prior = store.verification(device, problem, impl.name) if cfg.do_verify else None
+        if prior is not None and not prior["passed"] and not cfg.retime:
+            continue
+        out.append(impl)
+    return out
+
+
 def _one_problem(problem, impls, store, cfg, device, run_id, l2, counts, log):
+    impls = _usable(problem, impls, store, cfg, device)
     todo_modes = []
     for mode in cfg.modes:
-        names = {i.name for i in impls if i.supports(problem)}
+        names = {i.name for i in impls}
         if cfg.repeat_impl in names:
             names.add(cfg.repeat_impl + REPEAT_SUFFIX)
         have = store.measured_impls(device, problem, mode, cfg.protocol(mode))
@@ -102,8 +119,7 @@ def _one_problem(problem, impls, store, cfg, device, run_id, l2, counts, log):
     calls = {}
     ref_fn = _fp16_acc_reference() if problem.acc == "fp16" else None
     for impl in impls:
-        if not impl.supports(problem):
-            continue
+        beat(f"impl:{impl.name}")
         try:
             fn = impl.prepare(problem)
         except UnsupportedProblem as e:
@@ -119,6 +135,7 @@ def _one_problem(problem, impls, store, cfg, device, run_id, l2, counts, log):
         if cfg.do_verify:
             prior = store.verification(device, problem, impl.name)
             if not (prior and prior["passed"] and not cfg.retime):
+                beat(f"impl:{impl.name}")
                 res = verify(impl, problem, fn=fn, ref_fn=ref_fn, seed=cfg.seed)
                 store.record_verification(run_id, device, problem, impl.name, res.passed,
                                           res.reason, {**res.details, "impl": impl.describe()})
@@ -133,6 +150,7 @@ def _one_problem(problem, impls, store, cfg, device, run_id, l2, counts, log):
     for mode in todo_modes:
         if not calls:
             break
+        beat(f"timing:{mode}")
         if mode == "kernel":
             res = timing.time_kernel(problem, calls, l2_bytes=l2, settings=cfg.kernel, seed=cfg.seed)
         else:
@@ -147,6 +165,96 @@ def _one_problem(problem, impls, store, cfg, device, run_id, l2, counts, log):
     gc.collect()
     if problem.min_bytes > (256 << 20):
         torch.cuda.empty_cache()
+
+
+_CHILD: dict = {}
+
+
+def problem_task(problem, impl_specs, cfg, device, run_id, db_path, include_dirs=()):
+    """One problem, in a worker process: implementations are rebuilt from their names once per
+    worker and kept (autotuning and candidate choices live in the store either way)."""
+    from gemmrl.bench.select import impls_from_specs
+    from gemmrl.store.db import Store
+
+    key = (tuple(impl_specs), str(db_path), tuple(include_dirs), device)
+    if _CHILD.get("key") != key:
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        store = Store(db_path)
+        _CHILD.clear()
+        _CHILD.update(key=key, store=store, impls=impls_from_specs(impl_specs, store, device, include_dirs),
+                      l2=torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size)
+    counts = {"sessions": 0, "skipped": 0, "rejected": 0}
+    _one_problem(problem, _CHILD["impls"], _CHILD["store"], cfg, device, run_id, _CHILD["l2"], counts,
+                 lambda m: print(m, flush=True))
+    return counts
+
+
+def run_isolated(problems, impl_specs, store, cfg: RunConfig, *, device: str, run_id: int,
+                 db_path: str, include_dirs=(), progress=None, log=print, task=None,
+                 timeout_s: float = 900.0, max_attempts: int = 3) -> dict:
+    """`run`, with every problem done in a worker process. A crash or hang kills only the worker;
+    what was running (the last heartbeat: an implementation or a candidate kernel) is
+    quarantined for that problem and recorded, and the problem is tried again without it."""
+    import os
+    import tempfile
+
+    task = task or problem_task
+    fd, hb = tempfile.mkstemp(prefix="gemmrl-heartbeat-")
+    os.close(fd)
+    counts = {"problems": len(problems), "sessions": 0, "skipped": 0, "rejected": 0, "quarantined": 0,
+              "errors": 0, "stopped": False}
+    worker = Worker(env={HEARTBEAT_ENV: hb})
+    prev_handler = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum, frame):
+        raise _Stop("SIGTERM")
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        for idx, problem in enumerate(problems):
+            if cfg.deadline is not None and time.monotonic() > cfg.deadline:
+                counts["stopped"] = True
+                log(f"deadline reached after {idx} of {len(problems)} problems; rerun to resume")
+                break
+            for _attempt in range(max_attempts):
+                beat_clear(hb)
+                r = worker.run(task, problem, list(impl_specs), cfg, device, run_id, db_path,
+                               tuple(include_dirs), timeout_s=timeout_s)
+                if r.ok:
+                    for k, v in r.value.items():
+                        counts[k] = counts.get(k, 0) + v
+                    break
+                if r.status == "error":  # an exception in gemmrl's own code: report, move on
+                    counts["errors"] += 1
+                    log(f"{problem.shape}: error: {r.reason}")
+                    break
+                culprit = last_beat(hb)
+                kind, _, name = culprit.partition(":")
+                if kind not in ("impl", "candidate") or not name:
+                    counts["errors"] += 1
+                    log(f"{problem.shape}: worker {r.status} ({r.reason}) during {culprit or 'setup'}; skipped")
+                    break
+                why = f"{r.status} on {problem.shape}: {r.reason}"
+                store.quarantine(device, problem, name, why)
+                if kind == "impl":
+                    store.record_verification(run_id, device, problem, name, False, why + "; quarantined", {})
+                counts["quarantined"] += 1
+                log(f"{problem.shape} {name}: {why}; quarantined, trying the problem again without it")
+            if progress is not None:
+                progress(idx + 1, problem)
+    except (_Stop, KeyboardInterrupt) as e:
+        counts["stopped"] = True
+        log(f"stopped ({type(e).__name__}); everything measured so far is in the store")
+    finally:
+        signal.signal(signal.SIGTERM, prev_handler)
+        worker.close()
+        os.unlink(hb)
+    return counts
+
+
+def beat_clear(path: str) -> None:
+    with open(path, "w"):
+        pass
 
 
 def require_gpu() -> None:

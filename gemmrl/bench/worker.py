@@ -18,6 +18,27 @@ import traceback
 from dataclasses import dataclass, field
 
 
+HEARTBEAT_ENV = "GEMMRL_HEARTBEAT"
+
+
+def beat(what: str) -> None:
+    """Say what the worker is about to run (an implementation, a candidate kernel), so that if
+    it dies the parent knows whom to blame. A no-op outside a worker."""
+    path = os.environ.get(HEARTBEAT_ENV)
+    if path:
+        with open(path, "w") as f:
+            f.write(what)
+            f.flush()
+
+
+def last_beat(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def _serve(conn, env: dict) -> None:
     os.environ.update(env)
     while True:

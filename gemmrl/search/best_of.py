@@ -24,10 +24,13 @@ class BestOf(Impl):
         self.log = log or (lambda m: None)
 
     def specs(self, problem) -> list:
+        """The top candidates of every family and layout, minus those quarantined on this
+        problem (they crashed or hung here before)."""
+        bad = self.store.quarantined(self.device, problem) if self.store is not None else {}
         out = []
         for fam in self.families:
             for lay in self.layouts:
-                out += fam.candidates(problem, lay, self.top)
+                out += [s for s in fam.candidates(problem, lay, self.top) if s.name not in bad]
         return out
 
     def prebuild(self, problems, jobs: int | None = None, log=print) -> None:
@@ -72,16 +75,26 @@ class BestOf(Impl):
         if spec is not None:
             self.chosen = SpecImpl(spec)
             return self.chosen.prepare(problem)
+        from gemmrl.bench.worker import beat
+        from gemmrl.verify.checks import verify
+
         impls, calls = {}, {}
         for spec in self.specs(problem):
             impl = SpecImpl(spec)
+            beat(f"candidate:{spec.name}")  # if this candidate kills the process, it is the one
             try:
-                calls[spec.name] = impl.prepare(problem)
-                impls[spec.name] = impl
+                fn = impl.prepare(problem)
+                r = verify(impl, problem, fn=fn, trace=False)
             except Exception as e:  # a candidate that does not build or load is skipped
                 self.log(f"{problem.shape} {spec.name}: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            if not r.passed:
+                self.log(f"{problem.shape} {spec.name}: rejected: {r.reason[:200]}")
+                continue
+            calls[spec.name], impls[spec.name] = fn, impl
+        beat(f"impl:{self.name}")
         if not calls:
-            raise UnsupportedProblem(f"{self.name}: no candidate built for {problem.shape}")
+            raise UnsupportedProblem(f"{self.name}: no candidate built and verified for {problem.shape}")
         try:
             best, res = pick_fastest(problem, calls)
         except RuntimeError as e:

@@ -37,6 +37,10 @@ CREATE TABLE IF NOT EXISTS measurements (
     p90_us REAL, std_us REAL, samples INTEGER NOT NULL, status TEXT NOT NULL, details TEXT NOT NULL,
     created REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS meas_key ON measurements (device, mode, protocol, M, N, K, dtype, acc, impl);
+CREATE TABLE IF NOT EXISTS quarantine (
+    device TEXT NOT NULL, M INTEGER NOT NULL, N INTEGER NOT NULL, K INTEGER NOT NULL,
+    dtype TEXT NOT NULL, acc TEXT NOT NULL, name TEXT NOT NULL, reason TEXT NOT NULL,
+    created REAL NOT NULL, PRIMARY KEY (device, M, N, K, dtype, acc, name));
 CREATE TABLE IF NOT EXISTS tuning (
     device TEXT NOT NULL, M INTEGER NOT NULL, N INTEGER NOT NULL, K INTEGER NOT NULL,
     dtype TEXT NOT NULL, acc TEXT NOT NULL, impl TEXT NOT NULL, choice BLOB NOT NULL,
@@ -179,6 +183,17 @@ class Store:
 
     def devices(self) -> list[str]:
         return [r[0] for r in self.db.execute("SELECT DISTINCT device FROM measurements ORDER BY device")]
+
+    # quarantine: implementations or candidate kernels that crashed or hung on a problem -------
+    def quarantine(self, device: str, problem: Problem, name: str, reason: str) -> None:
+        with self.tx():
+            self.db.execute("INSERT OR REPLACE INTO quarantine VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                            (device, *problem.key(), name, reason, time.time()))
+
+    def quarantined(self, device: str, problem: Problem) -> dict[str, str]:
+        rows = self.db.execute("SELECT name, reason FROM quarantine WHERE device=? AND M=? AND N=? AND "
+                               "K=? AND dtype=? AND acc=?", (device, *problem.key()))
+        return {r[0]: r[1] for r in rows}
 
     # tuning choices -------------------------------------------------------------------------
     def put_tuning(self, device: str, problem: Problem, impl: str, choice: bytes, info: str,

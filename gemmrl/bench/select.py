@@ -1,0 +1,47 @@
+"""Implementations from their command-line names (also how a worker process rebuilds them)."""
+
+from __future__ import annotations
+
+
+def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> list:
+    """Implementation specs: 'baselines' (torch + cuBLAS + cuBLASLt heuristic/auto-tuning, both
+    layouts), 'exhaustive', 'torch.compile', a baseline's own name, 'cuda-l2:DIR',
+    'kernel:FILE.cu|FILE.so', or gemmrl's own kernels: 'gemmrl:FAMILY[+FAMILY]' (the fastest of
+    each family's top candidates per shape; families: cutlass_sm90, raw) and 'ours' (both)."""
+    from gemmrl.baselines import impls as bl
+
+    all_named = {i.name: i for i in bl.baseline_impls(store, device, exhaustive=True, compile_=True)}
+    out = []
+    for spec in specs:
+        for s in (x.strip() for x in spec.split(",") if x.strip()):
+            if s == "baselines":
+                out += bl.baseline_impls(store, device)
+            elif s == "exhaustive":
+                out += [i for i in all_named.values() if "exhaustive" in i.name]
+            elif s in all_named:
+                out.append(all_named[s])
+            elif s.startswith("cuda-l2:"):
+                from gemmrl.baselines.cuda_l2 import CudaL2Impl
+
+                out.append(CudaL2Impl(s.split(":", 1)[1]))
+            elif s.startswith("gemmrl:") or s == "ours":
+                from gemmrl.search.best_of import BestOf
+                from gemmrl.space import registry
+
+                names = "cutlass_sm90+raw" if s == "ours" else s.split(":", 1)[1]
+                fams = [registry.get(n) for n in names.split("+")]
+                out.append(BestOf(fams, store=store, device=device))
+            elif s.startswith("kernel:"):
+                from gemmrl.runtime.abi import AbiImpl
+
+                out.append(AbiImpl(s.split(":", 1)[1], include_dirs=tuple(include_dirs)))
+            else:
+                raise ValueError(
+                    f"unknown implementation {s!r}; known: baselines, exhaustive, "
+                    f"{', '.join(all_named)}, cuda-l2:DIR, kernel:FILE, gemmrl:FAMILY, ours")
+    seen, unique = set(), []
+    for i in out:
+        if i.name not in seen:
+            seen.add(i.name)
+            unique.append(i)
+    return unique

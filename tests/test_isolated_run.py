@@ -1,0 +1,33 @@
+"""A whole isolated run on the CPU with a stand-in task: real worker processes that really
+segfault and hang; the run goes on, the culprits are quarantined and recorded, nothing is lost."""
+
+from gemmrl.bench.runner import RunConfig, run_isolated
+from gemmrl.core.problem import Problem
+from gemmrl.store.db import Store
+import worker_tasks
+
+
+def test_crash_and_hang_are_quarantined_and_the_run_goes_on(tmp_path):
+    db = tmp_path / "s.sqlite"
+    store = Store(db)
+    run = store.start_run("test", "cpu", {}, {})
+    problems = [Problem(64, 64, 64), Problem(128, 64, 64), Problem(256, 64, 64)]
+    logs = []
+    counts = run_isolated(problems, ["good", "segv", "hang", "search"], store, RunConfig(), device="cpu",
+                          run_id=run, db_path=str(db), log=logs.append, task=worker_tasks.fake_problem_task,
+                          timeout_s=8)
+    assert counts["sessions"] == 3 and counts["errors"] == 0
+    # 'search' crashed on its candidate for every problem; 'segv' on 128, 'hang' on 256
+    assert counts["quarantined"] == 5
+    q = {p.M: store.quarantined("cpu", p) for p in problems}
+    assert set(q[64]) == {"bad_spec"}
+    assert set(q[128]) == {"bad_spec", "segv"} and "SIGSEGV" in q[128]["segv"]
+    assert set(q[256]) == {"bad_spec", "hang"} and q[256]["hang"].startswith("timeout")
+    # a crashed implementation is a failed verification on record; a candidate is not an impl
+    assert store.verification("cpu", problems[1], "segv")["passed"] is False
+    assert store.verification("cpu", problems[0], "bad_spec") is None
+    # every problem was measured, without its culprits
+    measured = {(r["M"], r["impl"]) for r in store.measurements(device="cpu")}
+    assert (128, "segv") not in measured and (256, "hang") not in measured
+    assert {(m, "good") for m in (64, 128, 256)} <= measured and (64, "search") in measured
+    assert any("quarantined" in line for line in logs)
