@@ -26,6 +26,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from gemmrl.bench.stats import repeat_noise, roofline_floor_us
+from gemmrl.bench.stats import tflops as stats_tflops
 from gemmrl.core.problem import Problem, ProblemError, bucket_label, size_bucket
 
 MODES = ("kernel", "offline", "server")
@@ -268,10 +270,9 @@ def roofline(problem: Problem, median_us: float, peaks: dict) -> tuple[float, st
     """(fraction of the roofline reached, 'compute' | 'memory'): floor time / measured time,
     floor = max(flops / peak matrix rate, min_bytes / peak bandwidth)."""
     tf, bw = _check_peaks(peaks)
-    t_compute = problem.flops / (tf * 1e12)
-    t_memory = problem.min_bytes / (bw * 1e9)
-    floor = max(t_compute, t_memory)
-    return floor / (median_us * 1e-6), ("compute" if t_compute >= t_memory else "memory")
+    floor_us = roofline_floor_us(problem.flops, problem.min_bytes, tf, bw)
+    compute_bound = problem.flops / (tf * 1e12) >= problem.min_bytes / (bw * 1e9)
+    return floor_us / median_us, ("compute" if compute_bound else "memory")
 
 
 def _impl_sort_key(impl: str) -> tuple:
@@ -291,7 +292,7 @@ def times_rows(records: Iterable[dict], mode: str, peaks: dict | None) -> tuple[
     rows = []
     for r in recs:
         p = r.problem
-        tflops = p.flops / (r.median * 1e-6) / 1e12
+        tflops = stats_tflops(p.flops, r.median)
         frac, bound = (None, None) if pk is None else roofline(p, r.median, peaks)
         rows.append([p.mnk, p.M, p.N, p.K, r.impl, r.median, r.mean, r.p90, r.n,
                      tflops, frac, bound])
@@ -354,7 +355,7 @@ def _noise(recs: Sequence[_Rec]) -> dict:
     for mode in _sorted_modes(m for m, _ in pairs):
         out[mode] = {}
         for _, impl in [p for p in pairs if p[0] == mode]:
-            devs = [abs(t[impl + REPEAT_SUFFIX] / t[impl] - 1.0)
+            devs = [repeat_noise(t[impl], t[impl + REPEAT_SUFFIX])
                     for (m, _k), t in by.items()
                     if m == mode and impl in t and impl + REPEAT_SUFFIX in t]
             if not devs:
