@@ -215,7 +215,7 @@ def report(db, out, device, subject, dtype, acc):
 
     if not Path(db).exists():
         raise click.ClickException(f"no store at {db}")
-    store = Store(db)
+    store = Store(db, readonly=True)
     devices = store.devices()
     if device is None:
         if len(devices) != 1:

@@ -103,3 +103,19 @@ def test_close_folds_the_wal_into_one_file(tmp_path):
     only = tmp_path / "copy.sqlite"
     shutil.copy(tmp_path / "e.sqlite", only)  # the main file alone, as it travels
     assert len(Store(only).measurements()) == 1
+
+
+def test_readonly_store_reads_without_writing(tmp_path):
+    s = Store(tmp_path / "f.sqlite")
+    run = s.start_run("x", "H100", {}, {})
+    s.record_session(run, "s", "H100", P, "kernel", "kernel:v1", {"k": _st(2.0)})
+    s.close()
+    before = (tmp_path / "f.sqlite").read_bytes()
+    ro = Store(tmp_path / "f.sqlite", readonly=True)
+    assert ro.measurements()[0]["median_us"] == 2.0 and ro.quarantined("H100", P) == {}
+    with pytest.raises(sqlite3.OperationalError):
+        ro.start_run("y", "H100", {}, {})
+    ro.close()
+    assert (tmp_path / "f.sqlite").read_bytes() == before
+    with pytest.raises(StoreError, match="no store at"):
+        Store(tmp_path / "missing.sqlite", readonly=True)

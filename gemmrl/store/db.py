@@ -56,8 +56,14 @@ class StoreError(RuntimeError):
 
 
 class Store:
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, readonly: bool = False):
         self.path = Path(path)
+        if readonly:  # reports read a committed store without touching the file
+            if not self.path.exists():
+                raise StoreError(f"no store at {self.path}")
+            self.db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, isolation_level=None)
+            self.db.row_factory = sqlite3.Row
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(str(self.path), timeout=60, isolation_level=None)
         self.db.row_factory = sqlite3.Row
@@ -87,7 +93,12 @@ class Store:
 
     def close(self) -> None:
         """Fold the write-ahead log into the main file, so the one file is the whole store."""
-        self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        try:
+            self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            # leave a plain file behind: a later read-only open then creates no -wal/-shm files
+            self.db.execute("PRAGMA journal_mode=DELETE")
+        except sqlite3.OperationalError:
+            pass  # read-only, or another connection still has it open
         self.db.close()
 
     # runs ---------------------------------------------------------------------------------
@@ -191,6 +202,8 @@ class Store:
                             (device, *problem.key(), name, reason, time.time()))
 
     def quarantined(self, device: str, problem: Problem) -> dict[str, str]:
+        if not self.db.execute("SELECT 1 FROM sqlite_master WHERE name='quarantine'").fetchone():
+            return {}  # a read-only store from before the table existed
         rows = self.db.execute("SELECT name, reason FROM quarantine WHERE device=? AND M=? AND N=? AND "
                                "K=? AND dtype=? AND acc=?", (device, *problem.key()))
         return {r[0]: r[1] for r in rows}
