@@ -78,10 +78,15 @@ def parse_shape_file(path: str | Path, dtype: str = "fp16", acc: str = "fp32") -
 
 
 def resolve(spec: str, dtype: str = "fp16", acc: str = "fp32") -> list[Problem]:
-    """The CLI's --shapes: 'grid', 'subset', 'subset:N', a file path, or comma/space separated
+    """The CLI's --shapes: 'grid', 'subset', 'subset:N', 'preset:MODEL[@tokens=1,64][@fused]'
+    (an LLM's projections, gemmrl/core/presets.py), a file path, or comma/space separated
     MxNxK shapes. Duplicates are dropped, order kept."""
     spec = spec.strip()
-    if spec == "grid":
+    if spec.startswith("preset:"):
+        from gemmrl.core.presets import parse_spec, preset
+
+        out = [p for p, _layout, _label in preset(**parse_spec(spec), dtype=dtype, acc=acc)]
+    elif spec == "grid":
         out = grid(dtype, acc)
     elif spec == "subset":
         out = subset(100, dtype, acc)

@@ -1,0 +1,282 @@
+"""Shape -> kernel dispatch for a pack.
+
+`DispatchTable` is the pure part (no torch, no CUDA; tested on the CPU): a dict from
+(M, N, K, layout, dtype) to a pack entry, and `lookup`, which for a shape without an entry picks
+the nearest tuned entry whose spec serves that shape natively: its family is generic (one build
+serves every shape its spec accepts; raw kernels have their shape compiled in, so they serve
+only their own) and `family.valid(spec, problem)` is None, the same predicate the search used.
+Nothing is padded or copied. Nearest = smallest sum of |log2| ratios of M, N and K.
+
+`Dispatcher` adds the loading: each kernel source is built (build_shared, cached by content) and
+loaded on the first use of an entry, under a lock with a double check, from any thread. A small
+index under $GEMMRL_CACHE/runtime maps a source hash to its built .so, so a production process
+started with `never_compile=True` loads prebuilt kernels without nvcc, and raises
+NeverCompileError instead of compiling. Workspace is allocated once per (kernel, shape, device,
+stream) and kept: a split-K workspace must not be shared by launches that may overlap.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+from gemmrl.core.problem import Problem
+from gemmrl.space import registry
+
+NEAREST_CACHE_LIMIT = 1 << 16
+
+
+class NeverCompileError(RuntimeError):
+    """never_compile mode met a kernel that is not built yet."""
+
+
+def distance(a: tuple[int, int, int], b: tuple[int, int, int]) -> float:
+    return sum(abs(math.log2(x / y)) for x, y in zip(a, b))
+
+
+class DispatchTable:
+    """(M, N, K, layout, dtype) -> entry; nearest generic entry that serves an unseen shape."""
+
+    def __init__(self, entries, acc: str):
+        self.acc = acc
+        self.exact = {e.key: e for e in entries}
+        # per (layout, dtype): the generic entries, the only ones that can serve other shapes
+        self.generic: dict[tuple[str, str], list] = {}
+        for e in entries:
+            if registry.get(e.family).generic:
+                self.generic.setdefault((e.layout, e.problem.dtype), []).append(e)
+        self._nearest: dict = {}
+
+    def __len__(self) -> int:
+        return len(self.exact)
+
+    def lookup(self, M: int, N: int, K: int, layout: str, dtype: str):
+        """The exact entry, else the nearest generic entry that serves the shape, else None."""
+        key = (M, N, K, layout, dtype)
+        e = self.exact.get(key)
+        if e is not None:
+            return e
+        try:
+            return self._nearest[key]
+        except KeyError:
+            pass
+        found = self._find_nearest(M, N, K, layout, dtype)
+        if len(self._nearest) >= NEAREST_CACHE_LIMIT:
+            self._nearest.clear()
+        self._nearest[key] = found
+        return found
+
+    def _find_nearest(self, M, N, K, layout, dtype):
+        cands = self.generic.get((layout, dtype))
+        if not cands or min(M, N, K) <= 0:
+            return None
+        try:
+            problem = Problem(M, N, K, dtype, self.acc)
+        except ValueError:
+            return None
+        best, best_rank = None, None
+        verdicts: dict = {}  # entries sharing a spec share a verdict
+        for e in cands:
+            ok = verdicts.get(e.spec)
+            if ok is None:
+                ok = verdicts[e.spec] = registry.get(e.family).valid(e.spec, problem) is None
+            if not ok:
+                continue
+            p = e.problem
+            rank = (distance((M, N, K), (p.M, p.N, p.K)), p.M, p.N, p.K)
+            if best_rank is None or rank < best_rank:
+                best, best_rank = e, rank
+        return best
+
+
+def _index_dir() -> Path:
+    from gemmrl.build.nvcc import cache_root
+
+    return cache_root() / "runtime"
+
+
+class _Call:
+    """One (kernel, shape, device, stream): what the hot path needs, resolved once."""
+    __slots__ = ("run", "ws_ptr", "ldb", "ws", "entry")
+
+    def __init__(self, run, ws_ptr: int, ldb: int, ws, entry):
+        self.run, self.ws_ptr, self.ldb, self.ws, self.entry = run, ws_ptr, ldb, ws, entry
+
+
+class Dispatcher:
+    def __init__(self, pack, *, never_compile: bool = False, arch: str | None = None,
+                 force: bool = False):
+        self.pack = pack
+        self.force = force
+        self.table = DispatchTable(pack.entries, pack.acc)
+        self.never_compile = never_compile
+        self.arch = arch or pack.arch
+        self._lock = threading.RLock()
+        self._kernels: dict[str, object] = {}  # source sha -> AbiKernel
+        self._calls: dict[tuple, _Call | None] = {}
+        self.failures: dict[str, str] = {}  # source sha -> why it cannot be used here
+        self._refused: set[tuple] = set()  # (M, N, K, layout, dtype) a kernel refused at run time
+        self._device_ok: dict[int, bool] = {}
+
+    def lookup(self, M: int, N: int, K: int, layout: str, dtype: str):
+        return self.table.lookup(M, N, K, layout, dtype)
+
+    # ----------------------------------------------------------------------- building / loading
+    def _index_file(self, sha: str) -> Path:
+        return _index_dir() / f"{sha}-{self.arch}.json"
+
+    def built_path(self, entry) -> str | None:
+        """The built .so of an entry's source, when this machine's cache has it."""
+        f = self._index_file(entry.source_sha256)
+        try:
+            so = json.loads(f.read_text())["so"]
+        except (OSError, ValueError, KeyError):
+            return None
+        return so if os.path.exists(so) else None
+
+    def _remember(self, sha: str, so: str) -> None:
+        d = _index_dir()
+        d.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{sha[:16]}-", suffix=".tmp")
+        with os.fdopen(fd, "w") as fh:
+            json.dump({"so": so}, fh)
+        os.replace(tmp, self._index_file(sha))
+
+    def _build(self, entry) -> str:
+        from gemmrl.build.nvcc import build_shared
+
+        fam = registry.get(entry.family)
+        res = build_shared(self.pack.source(entry), name=entry.spec_name, arch=self.arch,
+                           **fam.build_kwargs())
+        if not res.ok:
+            raise RuntimeError(f"{entry.file} failed to build:\n{res.log[-2000:]}")
+        self._remember(entry.source_sha256, res.path)
+        return res.path
+
+    def kernel(self, entry):
+        """The loaded AbiKernel of an entry (built on first use unless never_compile)."""
+        sha = entry.source_sha256
+        k = self._kernels.get(sha)
+        if k is not None:
+            return k
+        with self._lock:
+            k = self._kernels.get(sha)
+            if k is not None:
+                return k
+            from gemmrl.runtime.abi import AbiKernel
+
+            so = self.built_path(entry)
+            if so is None:
+                if self.never_compile:
+                    raise NeverCompileError(
+                        f"{entry.file} ({entry.spec_name}) is not built on this machine and "
+                        f"never_compile is set: build the pack first (Dispatcher.build_all or "
+                        f"gemmrl.warmup)")
+                so = self._build(entry)
+            k = AbiKernel(so)
+            if (k.meta.layout, k.meta.dtype, k.meta.acc) != (entry.layout, entry.problem.dtype, entry.problem.acc):
+                raise RuntimeError(f"{entry.file}: the kernel says {k.meta}, the manifest says "
+                                   f"{entry.layout}/{entry.problem.dtype}/{entry.problem.acc}")
+            self._kernels[sha] = k
+            return k
+
+    def build_all(self, workers: int | None = None, log=None) -> dict[str, str]:
+        """Compile every kernel source of the pack not built yet, in parallel; returns
+        {file: why} for those that failed (also kept in self.failures)."""
+        from gemmrl.build.pool import build_many
+
+        todo, seen = [], set()
+        for e in self.pack.entries:
+            if e.source_sha256 in seen or self.built_path(e) is not None:
+                continue
+            seen.add(e.source_sha256)
+            fam = registry.get(e.family)
+            # named as the search names its builds (SpecImpl): the tuning machine's cache hits
+            todo.append((e, (e.spec_name, self.pack.source(e), {"arch": self.arch, **fam.build_kwargs()})))
+        if log and todo:
+            log(f"building {len(todo)} kernels of {self.pack.path}")
+        failed = {}
+        for (e, _), res in zip(todo, build_many([j for _, j in todo], workers=workers)):
+            if res.ok:
+                self._remember(e.source_sha256, res.path)
+            else:
+                failed[e.file] = self.failures[e.source_sha256] = res.log[-2000:]
+        return failed
+
+    # ------------------------------------------------------------------------------- calling
+    def call_for(self, M: int, N: int, K: int, layout: str, dtype: str, device: int, stream: int):
+        """The resolved call for a shape on (device, stream), or None to fall back. Cached, so
+        the hot path is one dict lookup after the first call."""
+        key = (M, N, K, layout, dtype, device, stream)
+        try:
+            return self._calls[key]
+        except KeyError:
+            pass
+        with self._lock:
+            if key in self._calls:
+                return self._calls[key]
+            call = self._resolve(M, N, K, layout, dtype, device)
+            self._calls[key] = call
+            return call
+
+    def device_ok(self, device: int) -> bool:
+        """Whether the pack's stamp accepts CUDA device `device` (checked once, warned once)."""
+        ok = self._device_ok.get(device)
+        if ok is None:
+            import torch
+
+            from gemmrl.runtime.pack import StampError
+
+            try:
+                self.pack.check_stamp(torch.cuda.get_device_name(device), cuda=torch.version.cuda,
+                                      force=self.force)
+                ok = True
+            except StampError as e:
+                warnings.warn(f"gemmrl: device {device}: {e}; using torch.matmul there",
+                              RuntimeWarning, stacklevel=4)
+                ok = False
+            self._device_ok[device] = ok
+        return ok
+
+    def _resolve(self, M, N, K, layout, dtype, device):
+        if (M, N, K, layout, dtype) in self._refused or not self.device_ok(device):
+            return None
+        entry = self.table.lookup(M, N, K, layout, dtype)
+        if entry is None or entry.source_sha256 in self.failures:
+            return None
+        try:
+            k = self.kernel(entry)
+        except NeverCompileError:
+            raise
+        except Exception as e:  # a kernel that does not build or load here: fall back, say so once
+            self.failures[entry.source_sha256] = f"{type(e).__name__}: {e}"
+            warnings.warn(f"gemmrl: {entry.file} cannot be used, falling back to torch.matmul: "
+                          f"{type(e).__name__}: {str(e)[:500]}", RuntimeWarning, stacklevel=3)
+            return None
+        import torch
+
+        nbytes = k.workspace_bytes(M, N, K)
+        ws = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}") if nbytes else None
+        return _Call(k.run, ws.data_ptr() if ws is not None else 0, K if layout == "TN" else N, ws, entry)
+
+    def disable(self, M, N, K, layout, dtype, device, stream, why: str) -> None:
+        """A kernel refused a call the table said it serves: never use it for this shape again."""
+        with self._lock:
+            call = self._calls.get((M, N, K, layout, dtype, device, stream))
+            self._refused.add((M, N, K, layout, dtype))
+            for key in [k for k in self._calls if k[:5] == (M, N, K, layout, dtype)]:
+                self._calls[key] = None
+        name = call.entry.file if call is not None else "?"
+        warnings.warn(f"gemmrl: {name} refused {M}x{N}x{K} {layout} {dtype} ({why}); "
+                      f"falling back to torch.matmul for it", RuntimeWarning, stacklevel=3)
+
+    def describe(self) -> dict:
+        return {"pack": str(self.pack.path), "device": self.pack.stamp.get("device"),
+                "entries": len(self.table), "loaded": len(self._kernels),
+                "never_compile": self.never_compile, "failures": dict(self.failures),
+                "refused": sorted(self._refused)}

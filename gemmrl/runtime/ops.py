@@ -1,0 +1,230 @@
+"""The runtime: `gemmrl.matmul`, the torch custom op `gemmrl::mm`, and `gemmrl.patch(model)`.
+
+    gemmrl.use_pack("packs/h100-fp16")            # process-wide; refuses a foreign pack
+    with torch.inference_mode():
+        c = gemmrl.matmul(a, b)                    # a [.., K] @ b [K, N]
+        c = gemmrl.matmul(x, w, b_layout="TN")     # x [.., K] @ w[N, K].T, as nn.Linear
+    model = gemmrl.patch(model)                    # every nn.Linear through gemmrl::mm
+
+A call runs a pack's kernel when one serves it, else it is exactly torch.matmul (a @ b, or
+a @ b.t() for TN). Falls back for: no active pack; CPU (non-CUDA) tensors; a tensor on another
+device than the current one; a dtype other than the pack's; a and b of different dtypes or
+devices; b not 2-D or a 1-D; a or b not row-major contiguous (a >2-D contiguous is viewed as
+[M, K] and served; a non-contiguous one falls back); empty or misaligned (not 16-byte) data;
+a shape no tuned kernel serves natively (exact entry, else the nearest generic kernel whose
+validity predicate accepts it); a kernel that cannot be built or loaded here, or that refuses
+the call at run time. A served call allocates only its output (and, the first time per
+(kernel, shape, device, stream), the kernel's workspace, which is kept) and enqueues on torch's
+current stream (torch._C._cuda_getCurrentRawStream), so it can be captured in a CUDA graph.
+Warm a shape up eagerly before capturing it, as with any CUDA graph: the first call builds or
+loads the kernel.
+
+Inference only: when autograd would record the call (grad mode on and an input requiring grad),
+`matmul` and patched layers use torch.matmul / F.linear instead; the op itself has no backward
+(calling it directly on tensors that need grad fails at backward with torch's clear error).
+
+Under torch.compile the op is opaque with a fake (meta) implementation that is torch.matmul's,
+so shapes and strides trace exactly; the dispatch decision is made when the compiled graph runs.
+
+NOT MET YET: issue #4 asks for "a C++ dispatch table with no more host overhead than
+torch.matmul". This dispatch is Python (a dict lookup per call plus a ctypes call), so its host
+overhead per call is higher than torch.matmul's; tests/test_runtime_gpu.py prints the
+difference. Moving the table and the launch into a C++ extension op is future work.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from gemmrl.core.problem import LAYOUTS
+from gemmrl.runtime.dispatch import Dispatcher
+from gemmrl.runtime.pack import Pack, load_pack
+
+_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_ACTIVE: Dispatcher | None = None
+
+
+# ------------------------------------------------------------------------------ activation
+
+def use_pack(pack=None, *, force: bool = False, never_compile: bool = False,
+             arch: str | None = None) -> Dispatcher | None:
+    """Activate a pack (a path or a loaded Pack) for the whole process; None deactivates.
+    The pack's stamp is checked against the current GPU (StampError unless force); other GPUs
+    of another model are checked on first use and fall back. Returns the Dispatcher."""
+    global _ACTIVE
+    if pack is None:
+        _ACTIVE = None
+        return None
+    if not isinstance(pack, Pack):
+        pack = load_pack(pack)
+    if torch.cuda.is_available():
+        for w in pack.check_stamp(torch.cuda.get_device_name(), cuda=torch.version.cuda, force=force):
+            warnings.warn(f"gemmrl: pack {pack.path}: {w}", RuntimeWarning, stacklevel=2)
+    d = Dispatcher(pack, never_compile=never_compile, arch=arch, force=force)
+    _ACTIVE = d
+    return d
+
+
+def active() -> Dispatcher | None:
+    return _ACTIVE
+
+
+def warmup(workers: int | None = None, log=None) -> dict[str, str]:
+    """Build every kernel of the active pack now (in parallel) and load them; returns the
+    kernels that failed, {file: log}. Afterwards never_compile mode finds them all."""
+    d = _ACTIVE
+    if d is None:
+        raise RuntimeError("gemmrl.warmup: no active pack (gemmrl.use_pack first)")
+    failed = d.build_all(workers=workers, log=log)
+    for e in d.pack.entries:
+        if e.file not in failed:
+            d.kernel(e)
+    return failed
+
+
+# ------------------------------------------------------------------------------ the decision
+
+def _plan(a, b, layout: str, d: Dispatcher | None, cuda: bool = True):
+    """(M, N, K, dtype) when a kernel of `d` serves the call, else the reason to fall back.
+    `cuda=False` skips the device checks (for testing the rest on CPU tensors)."""
+    if d is None:
+        return "no active pack"
+    if cuda and not a.is_cuda:
+        return "not a CUDA tensor"
+    dtype = _DTYPES.get(a.dtype)
+    if dtype is None or b.dtype is not a.dtype:
+        return f"dtype {a.dtype} x {b.dtype}: kernels take fp16 or bf16, both alike"
+    if dtype != d.pack.dtype:
+        return f"dtype {dtype} is not the pack's ({d.pack.dtype})"
+    if a.dim() < 2 or b.dim() != 2:
+        return f"a {a.dim()}-D, b {b.dim()}-D: kernels take a [.., K] and a 2-D b"
+    if b.device != a.device:
+        return "a and b on different devices"
+    if cuda and a.device.index != torch.cuda.current_device():
+        return "not on the current device"
+    if not (a.is_contiguous() and b.is_contiguous()):
+        return "not row-major contiguous"
+    K = a.shape[-1]
+    N, Kb = (b.shape[0], b.shape[1]) if layout == "TN" else (b.shape[1], b.shape[0])
+    if Kb != K:
+        return "inner sizes differ"
+    M = a.numel() // K if K else 0
+    if M == 0 or N == 0:
+        return "empty"
+    if (a.data_ptr() | b.data_ptr()) & 15:
+        return "data not 16-byte aligned"
+    if d.lookup(M, N, K, layout, dtype) is None:
+        return "no tuned kernel serves this shape"
+    return (M, N, K, dtype)
+
+
+def _fallback(a, b, layout: str):
+    if layout == "TN":
+        return torch.matmul(a, b.t() if b.dim() <= 2 else b.transpose(-2, -1))
+    return torch.matmul(a, b)
+
+
+def _mm_impl(a, b, layout: str):
+    d = _ACTIVE
+    plan = _plan(a, b, layout, d)
+    if plan.__class__ is str:
+        return _fallback(a, b, layout)
+    M, N, K, dtype = plan
+    dev = a.device.index
+    stream = _raw_stream(dev) if _raw_stream else torch.cuda.current_stream(dev).cuda_stream
+    call = d.call_for(M, N, K, layout, dtype, dev, stream)
+    if call is None:
+        return _fallback(a, b, layout)
+    c = torch.empty((*a.shape[:-1], N), dtype=a.dtype, device=a.device)
+    status = call.run(a.data_ptr(), b.data_ptr(), c.data_ptr(), M, N, K, K, call.ldb, N, call.ws_ptr, stream)
+    if status != 0:  # nothing was launched: the ABI checks before it enqueues
+        d.disable(M, N, K, layout, dtype, dev, stream, f"gemmrl_run returned {status}")
+        torch.matmul(a, b.t() if layout == "TN" else b, out=c)
+    return c
+
+
+def explain(a, b, b_layout: str = "NN") -> str:
+    """Why a call would run a kernel (which) or fall back, for people."""
+    d = _ACTIVE
+    plan = _plan(a, b, b_layout, d)
+    if plan.__class__ is str:
+        return f"torch.matmul: {plan}"
+    M, N, K, dtype = plan
+    e = d.lookup(M, N, K, b_layout, dtype)
+    how = "exact" if e.problem.M == M and e.problem.N == N and e.problem.K == K else f"nearest {e.problem.shape}"
+    return f"{e.file} ({how})"
+
+
+# ------------------------------------------------------------------------------ the op
+
+@torch.library.custom_op("gemmrl::mm", mutates_args=())
+def mm(a: torch.Tensor, b: torch.Tensor, b_layout: str = "NN") -> torch.Tensor:
+    """C = a @ b (NN, b [K, N]) or a @ b.T (TN, b [N, K]) with a pack's kernel when one serves
+    it, else torch.matmul. Inference only (no backward)."""
+    if b_layout not in LAYOUTS:
+        raise ValueError(f"b_layout must be one of {LAYOUTS}, got {b_layout!r}")
+    return _mm_impl(a, b, b_layout)
+
+
+@mm.register_fake
+def _mm_fake(a, b, b_layout="NN"):
+    if b_layout not in LAYOUTS:
+        raise ValueError(f"b_layout must be one of {LAYOUTS}, got {b_layout!r}")
+    return _fallback(a, b, b_layout)
+
+
+def _needs_grad(*ts) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, *, b_layout: str = "NN") -> torch.Tensor:
+    """a @ b (b_layout 'NN', b [K, N]) or a @ b.T ('TN', b [N, K], as nn.Linear's weight)."""
+    if b_layout not in LAYOUTS:
+        raise ValueError(f"b_layout must be one of {LAYOUTS}, got {b_layout!r}")
+    if _needs_grad(a, b):
+        return _fallback(a, b, b_layout)
+    if torch.compiler.is_compiling():
+        return torch.ops.gemmrl.mm(a, b, b_layout)
+    return _mm_impl(a, b, b_layout)  # eager: the same body, without the custom op's dispatch cost
+
+
+# ------------------------------------------------------------------------------ nn.Linear
+
+def _linear_forward(self, x):
+    w, bias = self.weight, self.bias
+    if (_needs_grad(x, w, bias) or not x.is_cuda or x.dtype is not w.dtype or x.dtype not in _DTYPES
+            or (bias is not None and bias.dtype is not x.dtype)
+            or (not torch.compiler.is_compiling() and _ACTIVE is None)):
+        return F.linear(x, w, bias)
+    y = matmul(x, w, b_layout="TN")
+    return y if bias is None else y.add_(bias)
+
+
+_PATCHED = "_gemmrl_patched_forward"  # the instance's own forward before patching (or None)
+
+
+def patch(model: torch.nn.Module) -> torch.nn.Module:
+    """Route every nn.Linear of `model` (exactly nn.Linear: subclasses such as quantized layers
+    keep their own forward) through gemmrl::mm with its weight as a TN operand, plus bias.
+    In place; returns the model. Idempotent; `unpatch` undoes it."""
+    for m in model.modules():
+        if type(m) is torch.nn.Linear and _PATCHED not in m.__dict__:
+            m.__dict__[_PATCHED] = m.__dict__.get("forward")
+            m.forward = types.MethodType(_linear_forward, m)
+    return model
+
+
+def unpatch(model: torch.nn.Module) -> torch.nn.Module:
+    for m in model.modules():
+        if _PATCHED in m.__dict__:
+            prev = m.__dict__.pop(_PATCHED)
+            if prev is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = prev
+    return model

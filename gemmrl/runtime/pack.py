@@ -1,0 +1,396 @@
+"""Packs: the tuned kernels of one (GPU, dtype, accumulator), as files another machine can use.
+
+A pack is a directory:
+    manifest.json   stamp (where and with what it was tuned) and one entry per (M, N, K, layout):
+                    the winning spec (family + fields), its source's sha256 and file, and the
+                    measured kernel time beside the best baseline's
+    kernels/*.cu    one source per distinct kernel; a generic (CUTLASS) spec that wins many
+                    shapes is one file shared by all of them, a raw kernel is one file per shape
+Sources, not binaries: the importing machine compiles each on first use (build_shared's content
+cache) or ahead of time (Dispatcher.build_all). A pack is written to a temp dir and moved into
+place with os.replace, so a reader sees a whole pack or none.
+
+What goes in: for every problem whose stored gemmrl winner (tuning rows of impls 'gemmrl-*')
+passed verification on the device, and, when kernel-mode measurements exist, was at least
+`min_speedup` times faster than the best baseline measured beside it. When several gemmrl impls
+won the same (problem, layout), the fastest measured one is kept.
+
+`load_pack` trusts nothing: every field, family, spec and file hash is checked, and all problems
+are reported together. `Pack.check_stamp` refuses a pack tuned on another GPU model (or another
+CUDA major, or another gemmrl minor version), unless forced: tuning data is only valid where it
+was measured.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gemmrl.core.problem import ACCS, DTYPES, LAYOUTS, Problem, ProblemError
+from gemmrl.space import registry
+
+FORMAT = "gemmrl-pack"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+KERNEL_DIR = "kernels"
+GEMMRL_IMPL_PREFIX = "gemmrl-"
+_ENTRY_KEYS = ("M", "N", "K", "dtype", "acc", "layout", "family", "spec", "spec_name",
+               "source_sha256", "file")
+
+
+class PackError(ValueError):
+    """A pack that cannot be written, read or used; the message names what is wrong."""
+
+
+class StampError(PackError):
+    """A pack tuned somewhere else (another GPU model, CUDA major or gemmrl version)."""
+
+
+@dataclass(frozen=True)
+class PackEntry:
+    problem: Problem
+    layout: str
+    family: str
+    spec: object
+    spec_name: str
+    source_sha256: str
+    file: str  # relative to the pack directory
+    impl: str = ""
+    kernel_us: float | None = None
+    baseline_us: float | None = None
+    baseline: str | None = None
+
+    @property
+    def key(self) -> tuple:
+        """The dispatch key: (M, N, K, layout, dtype)."""
+        p = self.problem
+        return (p.M, p.N, p.K, self.layout, p.dtype)
+
+    @property
+    def generic(self) -> bool:
+        """True when one build serves every shape the spec accepts (else only its own shape)."""
+        return registry.get(self.family).generic
+
+
+@dataclass
+class Pack:
+    path: Path
+    stamp: dict
+    dtype: str
+    acc: str
+    arch: str
+    entries: tuple[PackEntry, ...]
+    manifest: dict = field(repr=False, default_factory=dict)
+
+    def source(self, entry: PackEntry) -> str:
+        """The entry's kernel source, re-checked against its hash (files may change after load)."""
+        data = (self.path / entry.file).read_bytes()
+        got = hashlib.sha256(data).hexdigest()
+        if got != entry.source_sha256:
+            raise PackError(f"{self.path / entry.file}: sha256 {got} does not match the manifest's "
+                            f"{entry.source_sha256}: the file changed after the pack was made")
+        return data.decode()
+
+    def check_stamp(self, device_name: str, *, cuda: str | None = None, force: bool = False) -> list[str]:
+        """Refuse (StampError) a pack made on another GPU model, CUDA major or gemmrl minor
+        version, unless `force`; returns warnings (what differs but is tolerated, or forced)."""
+        from gemmrl import __version__
+
+        problems, warnings = [], []
+        made_on = str(self.stamp.get("device", ""))
+        if _norm_device(made_on) != _norm_device(device_name):
+            problems.append(f"made on {made_on!r}, this GPU is {device_name!r}: tuning is per GPU model")
+        theirs = self.stamp.get("cuda")
+        if cuda and theirs and str(cuda).split(".")[0] != str(theirs).split(".")[0]:
+            problems.append(f"tuned under CUDA {theirs}, this process has CUDA {cuda}")
+        if _minor(str(self.stamp.get("gemmrl", ""))) != _minor(__version__):
+            problems.append(f"made by gemmrl {self.stamp.get('gemmrl')!r}, this is gemmrl {__version__}")
+        if problems and not force:
+            raise StampError(f"pack {self.path} refused: " + "; ".join(problems)
+                             + " (force=True uses it anyway)")
+        return [f"forced: {p}" for p in problems] + warnings
+
+
+def _norm_device(name: str) -> str:
+    return re.sub(r"\s+", " ", name.strip()).casefold()
+
+
+def _minor(version: str) -> tuple:
+    return tuple(version.split(".")[:2])
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+# ----------------------------------------------------------------------------------- export
+
+def _latest_kernel_times(store, device: str, dtype: str, acc: str) -> dict:
+    """{(M, N, K): {impl: measurement record}} of kernel-mode timings that finished ok."""
+    from gemmrl.report.export import is_repeat  # pure; the report stage owns baseline naming
+
+    out: dict = {}
+    for r in store.measurements(device=device, mode="kernel", dtype=dtype, acc=acc):
+        if is_repeat(r["impl"]):
+            continue
+        out.setdefault((r["M"], r["N"], r["K"]), {})[r["impl"]] = r
+    return out
+
+
+def _best_baseline(records: dict, ours: dict) -> tuple[str | None, float | None]:
+    """The fastest baseline timed in the same session as `ours` (else the latest of any)."""
+    from gemmrl.report.export import is_baseline
+
+    ok = {i: r for i, r in records.items()
+          if is_baseline(i) and r.get("status") == "ok" and r.get("median_us")}
+    same = {i: r for i, r in ok.items() if r["session"] == ours.get("session")}
+    pool = same or ok
+    if not pool:
+        return None, None
+    name = min(pool, key=lambda i: (pool[i]["median_us"], i))
+    return name, float(pool[name]["median_us"])
+
+
+def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tuple[list, set, list]:
+    """(candidates, run ids, skipped reasons): one dict per verified gemmrl winner."""
+    rows = store.db.execute(
+        "SELECT M, N, K, impl, choice, time_us FROM tuning WHERE device=? AND dtype=? AND acc=? "
+        "AND impl LIKE ? ORDER BY M, N, K, impl", (device, dtype, acc, GEMMRL_IMPL_PREFIX + "%")).fetchall()
+    times = _latest_kernel_times(store, device, dtype, acc)
+    cands, runs, skipped = [], set(), []
+    for row in rows:
+        problem = Problem(row["M"], row["N"], row["K"], dtype, acc)
+        impl = row["impl"]
+        ver = store.verification(device, problem, impl)
+        if ver is None or not ver["passed"]:
+            skipped.append(f"{problem.shape} {impl}: {'not verified' if ver is None else 'failed verification'}")
+            continue
+        try:
+            choice = json.loads(bytes(row["choice"]).decode())
+            fam = registry.get(choice["family"])
+            spec = fam.spec_type()(**choice["spec"])
+        except (ValueError, KeyError, TypeError) as e:
+            skipped.append(f"{problem.shape} {impl}: unreadable choice: {e}")
+            continue
+        why = fam.valid(spec, problem)
+        if why is not None:
+            skipped.append(f"{problem.shape} {impl}: stored spec {spec.name} does not serve it: {why}")
+            continue
+        recs = times.get((problem.M, problem.N, problem.K), {})
+        ours = recs.get(impl)
+        kernel_us = baseline = baseline_us = None
+        if ours is not None:
+            if ours.get("status") != "ok" or not ours.get("median_us"):
+                skipped.append(f"{problem.shape} {impl}: kernel timing {ours.get('status')}")
+                continue
+            kernel_us = float(ours["median_us"])
+            baseline, baseline_us = _best_baseline(recs, ours)
+            if baseline_us is not None and baseline_us < min_speedup * kernel_us:
+                skipped.append(f"{problem.shape} {impl}: {kernel_us:.2f} us vs {baseline} "
+                               f"{baseline_us:.2f} us: under the {min_speedup}x speedup asked for")
+                continue
+            runs.add(ours["run_id"])
+        runs.add(ver["run_id"])
+        cands.append({"problem": problem, "impl": impl, "family": fam, "spec": spec,
+                      "kernel_us": kernel_us, "baseline": baseline, "baseline_us": baseline_us,
+                      "tuned_us": float(row["time_us"])})
+    return cands, runs, skipped
+
+
+def _stamp(store, device: str, run_ids: set) -> dict:
+    from gemmrl import __version__
+    from gemmrl.bench.env import gpu_slug
+
+    runs = [r for r in store.runs() if r["id"] in run_ids and r["device"] == device]
+    prov = max(runs, key=lambda r: r["id"])["provenance"] if runs else {}
+    stamp = {"device": device, "gpu": gpu_slug(device), "gemmrl": __version__,
+             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+             "runs": sorted(run_ids)}
+    for key in ("capability", "sm_count", "cuda", "driver", "torch", "cublas", "commit"):
+        if prov.get(key) not in (None, ""):
+            stamp[key] = prov[key]
+    cudas = sorted({str(r["provenance"].get("cuda")) for r in runs if r["provenance"].get("cuda")})
+    if len(cudas) > 1:
+        stamp["cuda_seen"] = cudas
+    return stamp
+
+
+def export_pack(store, device: str, out_dir, dtype: str = "fp16", acc: str = "fp32",
+                min_speedup: float = 1.0, arch: str = "sm_90a") -> Path:
+    """Write the verified gemmrl winners of `device` for (dtype, acc) as a pack at `out_dir`
+    (replacing a pack there). Raises PackError when there is nothing to export."""
+    if dtype not in DTYPES or acc not in ACCS:
+        raise PackError(f"dtype must be one of {DTYPES} and acc one of {ACCS}, got {dtype!r}, {acc!r}")
+    cands, run_ids, skipped = _winners(store, device, dtype, acc, min_speedup)
+    best: dict = {}
+    for c in cands:  # several gemmrl impls may have won a (problem, layout): keep the fastest
+        k = (c["problem"], c["spec"].layout)
+        rank = (c["kernel_us"] is None, c["kernel_us"] or c["tuned_us"], c["impl"])
+        if k not in best or rank < best[k][0]:
+            best[k] = (rank, c)
+    if not best:
+        why = "; ".join(skipped[:10]) or "the store holds no gemmrl tuning choices for it"
+        raise PackError(f"nothing to export for {device!r} ({dtype}, acc {acc}): {why}")
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        (tmp / KERNEL_DIR).mkdir()
+        files: dict[str, str] = {}  # sha -> relative file
+        entries = []
+        for (problem, layout), (_, c) in sorted(best.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+            spec, fam = c["spec"], c["family"]
+            source = fam.render(spec, problem)
+            sha = sha256_text(source)
+            if sha not in files:
+                stem = spec.name if fam.generic else f"{spec.name}_{problem.M}x{problem.N}x{problem.K}"
+                rel = f"{KERNEL_DIR}/{stem}.cu"
+                if rel in files.values():  # same name, other source: keep both
+                    rel = f"{KERNEL_DIR}/{stem}-{sha[:12]}.cu"
+                (tmp / rel).write_text(source)
+                files[sha] = rel
+            entries.append({
+                "M": problem.M, "N": problem.N, "K": problem.K, "dtype": dtype, "acc": acc,
+                "layout": layout, "family": fam.name, "spec": dict(spec.__dict__),
+                "spec_name": spec.name, "source_sha256": sha, "file": files[sha], "impl": c["impl"],
+                "kernel_us": c["kernel_us"], "baseline": c["baseline"], "baseline_us": c["baseline_us"],
+                "speedup": (round(c["baseline_us"] / c["kernel_us"], 4)
+                            if c["kernel_us"] and c["baseline_us"] else None),
+                "tuned_us": c["tuned_us"]})
+        manifest = {"format": FORMAT, "version": FORMAT_VERSION, "stamp": _stamp(store, device, run_ids),
+                    "dtype": dtype, "acc": acc, "arch": arch, "min_speedup": min_speedup,
+                    "entries": entries, "skipped": skipped}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        if out_dir.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-old-", dir=out_dir.parent))
+            os.replace(out_dir, old / "pack")  # a directory cannot be replaced by rename while full
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+# ------------------------------------------------------------------------------------- load
+
+def _entry(i: int, e, dtype: str, acc: str, root: Path, errors: list) -> PackEntry | None:
+    where = f"entry {i}"
+    if not isinstance(e, dict):
+        errors.append(f"{where}: not an object")
+        return None
+    missing = [k for k in _ENTRY_KEYS if k not in e]
+    if missing:
+        errors.append(f"{where}: missing fields {', '.join(missing)}")
+        return None
+    try:
+        problem = Problem(e["M"], e["N"], e["K"], e["dtype"], e["acc"])
+    except ProblemError as err:
+        errors.append(f"{where}: {err}")
+        return None
+    where = f"entry {i} ({problem.shape} {e['layout']})"
+    if (e["dtype"], e["acc"]) != (dtype, acc):
+        errors.append(f"{where}: {e['dtype']}/{e['acc']} in a {dtype}/{acc} pack")
+        return None
+    if e["layout"] not in LAYOUTS:
+        errors.append(f"{where}: layout must be one of {', '.join(LAYOUTS)}, got {e['layout']!r}")
+        return None
+    if e["family"] not in registry.FAMILIES:
+        errors.append(f"{where}: unknown family {e['family']!r}; known: {', '.join(registry.FAMILIES)}")
+        return None
+    fam = registry.get(e["family"])
+    if not isinstance(e["spec"], dict):
+        errors.append(f"{where}: spec must be an object of fields")
+        return None
+    try:
+        spec = fam.spec_type()(**e["spec"])
+    except TypeError as err:
+        errors.append(f"{where}: bad {fam.name} spec fields: {err}")
+        return None
+    if getattr(spec, "layout", None) != e["layout"]:
+        errors.append(f"{where}: spec layout {getattr(spec, 'layout', None)!r} is not the entry's")
+        return None
+    why = fam.valid(spec, problem)
+    if why is not None:
+        errors.append(f"{where}: spec {e['spec_name']} does not serve its own shape: {why}")
+        return None
+    if spec.name != e["spec_name"]:
+        errors.append(f"{where}: spec_name {e['spec_name']!r} but the fields name {spec.name!r}")
+        return None
+    rel = e["file"]
+    if not isinstance(rel, str) or Path(rel).is_absolute() or ".." in Path(rel).parts:
+        errors.append(f"{where}: file must be a path inside the pack, got {rel!r}")
+        return None
+    f = root / rel
+    if not f.is_file():
+        errors.append(f"{where}: missing file {rel}")
+        return None
+    got = hashlib.sha256(f.read_bytes()).hexdigest()
+    if got != e["source_sha256"]:
+        errors.append(f"{where}: hash mismatch for {rel}: sha256 {got}, manifest says {e['source_sha256']}")
+        return None
+    nums = {}
+    for k in ("kernel_us", "baseline_us"):
+        v = e.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            errors.append(f"{where}: {k} must be a number or null, got {v!r}")
+            return None
+        nums[k] = None if v is None else float(v)
+    return PackEntry(problem, e["layout"], fam.name, spec, e["spec_name"], e["source_sha256"], rel,
+                     str(e.get("impl", "")), nums["kernel_us"], nums["baseline_us"], e.get("baseline"))
+
+
+def load_pack(path) -> Pack:
+    """Read and check a pack directory (or its manifest.json); PackError lists every problem."""
+    path = Path(path)
+    if path.is_file() and path.name == MANIFEST:
+        path = path.parent
+    mf = path / MANIFEST
+    if not mf.is_file():
+        raise PackError(f"{path}: not a pack (missing file {MANIFEST})")
+    try:
+        m = json.loads(mf.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PackError(f"{mf}: not JSON: {e}") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise PackError(f"{mf}: not a {FORMAT} manifest (format field is {m.get('format') if isinstance(m, dict) else None!r})")
+    if m.get("version") != FORMAT_VERSION:
+        raise PackError(f"{mf}: pack format version {m.get('version')!r}; this gemmrl reads {FORMAT_VERSION}")
+    errors = []
+    stamp, dtype, acc, arch = m.get("stamp"), m.get("dtype"), m.get("acc"), m.get("arch", "sm_90a")
+    if not isinstance(stamp, dict) or not isinstance(stamp.get("device"), str) or not stamp["device"]:
+        errors.append("stamp: missing or without a device name")
+    elif not isinstance(stamp.get("gemmrl"), str):
+        errors.append("stamp: missing the gemmrl version")
+    if dtype not in DTYPES or acc not in ACCS:
+        errors.append(f"dtype/acc must be one of {DTYPES}/{ACCS}, got {dtype!r}/{acc!r}")
+    if not isinstance(arch, str) or not re.fullmatch(r"sm_\d+a?", arch):
+        errors.append(f"arch must look like sm_90a, got {arch!r}")
+    raw = m.get("entries")
+    if not isinstance(raw, list) or not raw:
+        errors.append("entries: missing or empty")
+        raw = []
+    entries, seen = [], {}
+    if not errors:
+        for i, e in enumerate(raw):
+            ent = _entry(i, e, dtype, acc, path, errors)
+            if ent is None:
+                continue
+            if ent.key in seen:
+                errors.append(f"entry {i}: duplicate of entry {seen[ent.key]} for {ent.key}")
+                continue
+            seen[ent.key] = i
+            entries.append(ent)
+    if errors:
+        shown = "\n  ".join(errors[:20]) + (f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else "")
+        raise PackError(f"pack {path} is invalid:\n  {shown}")
+    return Pack(path, stamp, dtype, acc, arch, tuple(entries), m)

@@ -1,0 +1,371 @@
+"""Packs, the dispatch table, the op's fallback decisions and LLM presets, on the CPU."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import gemmrl
+from gemmrl.core import shapes
+from gemmrl.core.presets import DEFAULT_TOKENS, preset
+from gemmrl.core.problem import Problem, ProblemError
+from gemmrl.runtime import ops
+from gemmrl.runtime.dispatch import Dispatcher, DispatchTable, NeverCompileError
+from gemmrl.runtime.pack import PackError, StampError, export_pack, load_pack
+from gemmrl.space import cutlass_sm90, raw
+from gemmrl.store.db import Store
+
+DEV = "NVIDIA H100 80GB HBM3"
+PROV = {"device": DEV, "gpu": "h100", "cuda": "12.8", "driver": "570.86.15", "torch": "2.13.0",
+        "gemmrl": gemmrl.__version__, "capability": "9.0", "sm_count": 132}
+
+P1 = Problem(256, 4096, 4096)     # cutlass TN, fast
+P2 = Problem(1024, 4096, 4096)    # the same cutlass spec: one shared source
+P3 = Problem(16, 4096, 14336)     # raw TN (shape compiled in)
+P4 = Problem(64, 1024, 4096)      # slower than the best baseline: left out
+P5 = Problem(512, 512, 512)       # failed verification: left out
+P6 = Problem(128, 2048, 2048)     # cutlass NN, verified, never timed in kernel mode
+CUT_TN = cutlass_sm90.heuristic_specs(P1, "TN")[0]
+CUT_NN = cutlass_sm90.heuristic_specs(P6, "NN")[0]
+RAW_TN = raw.heuristic_specs(P3, "TN")[0]
+RAW_P1 = raw.heuristic_specs(P1, "TN")[0]
+
+
+def _choice(spec, family):
+    return json.dumps({"family": family, "spec": dict(spec.__dict__)}, sort_keys=True).encode()
+
+
+def _win(store, run, p, impl, spec, family, passed=True, ours=None, baselines=None, device=DEV):
+    assert (cutlass_sm90 if family == "cutlass_sm90" else raw).valid(spec, p) is None
+    store.put_tuning(device, p, impl, _choice(spec, family), spec.name, 9.0)
+    store.record_verification(run, device, p, impl, passed, "ok" if passed else "wrong result", {})
+    if ours is not None:
+        res = {impl: {"median_us": ours, "n": 50}, "torch.matmul@repeat": {"median_us": 1.0, "n": 50}}
+        res.update({b: {"median_us": t, "n": 50} for b, t in (baselines or {}).items()})
+        store.record_session(run, f"s{p.M}{p.N}{p.K}{impl}", device, p, "kernel", "kp1", res)
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(tmp_path / "tune.sqlite")
+    run = s.start_run("gemmrl bench", DEV, PROV, {})
+    best = "gemmrl-cutlass_sm90+raw"
+    _win(s, run, P1, best, CUT_TN, "cutlass_sm90", ours=10.0,
+         baselines={"torch.matmul": 12.0, "cuBLAS-tn": 11.0})
+    _win(s, run, P1, "gemmrl-raw", RAW_P1, "raw", ours=13.0, baselines={"torch.matmul": 12.0})
+    _win(s, run, P2, best, CUT_TN, "cutlass_sm90", ours=30.0, baselines={"cuBLASLt-heuristic-tn": 31.0})
+    _win(s, run, P3, best, RAW_TN, "raw", ours=20.0, baselines={"torch.matmul": 25.0, "cuBLAS-nn": 24.0})
+    _win(s, run, P4, best, cutlass_sm90.heuristic_specs(P4, "TN")[0], "cutlass_sm90", ours=15.0,
+         baselines={"torch.matmul": 10.0})
+    _win(s, run, P5, best, cutlass_sm90.heuristic_specs(P5, "TN")[0], "cutlass_sm90", passed=False)
+    _win(s, run, P6, best, CUT_NN, "cutlass_sm90")
+    other = s.start_run("gemmrl bench", "NVIDIA H200", {**PROV, "device": "NVIDIA H200"}, {})
+    _win(s, other, Problem(2048, 2048, 2048), best, CUT_TN, "cutlass_sm90", device="NVIDIA H200")
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def pack_dir(store, tmp_path):
+    return export_pack(store, DEV, tmp_path / "packs" / "h100-fp16", "fp16", "fp32")
+
+
+def _manifest(pack_dir):
+    return json.loads((pack_dir / "manifest.json").read_text())
+
+
+# ------------------------------------------------------------------------------- export / load
+
+def test_export_writes_verified_winners_that_beat_the_baselines(pack_dir):
+    m = _manifest(pack_dir)
+    assert m["format"] == "gemmrl-pack" and m["dtype"] == "fp16" and m["acc"] == "fp32"
+    st = m["stamp"]
+    assert st["device"] == DEV and st["gpu"] == "h100" and st["gemmrl"] == gemmrl.__version__
+    assert (st["cuda"], st["driver"], st["torch"]) == ("12.8", "570.86.15", "2.13.0")
+    assert st["created"].startswith("20")
+    rows = {(e["M"], e["N"], e["K"], e["layout"]): e for e in m["entries"]}
+    assert set(rows) == {(256, 4096, 4096, "TN"), (1024, 4096, 4096, "TN"), (16, 4096, 14336, "TN"),
+                         (128, 2048, 2048, "NN")}
+    e1 = rows[(256, 4096, 4096, "TN")]
+    assert e1["family"] == "cutlass_sm90" and e1["spec_name"] == CUT_TN.name  # faster than gemmrl-raw's 13 us
+    assert e1["spec"] == dict(CUT_TN.__dict__) and e1["impl"] == "gemmrl-cutlass_sm90+raw"
+    assert (e1["kernel_us"], e1["baseline"], e1["baseline_us"]) == (10.0, "cuBLAS-tn", 11.0)
+    assert rows[(128, 2048, 2048, "NN")]["kernel_us"] is None  # verified, not timed: kept
+    # the generic spec is one source for both shapes it won; the raw kernel has its own
+    assert e1["file"] == rows[(1024, 4096, 4096, "TN")]["file"] == f"kernels/{CUT_TN.name}.cu"
+    assert rows[(16, 4096, 14336, "TN")]["file"] == f"kernels/{RAW_TN.name}_16x4096x14336.cu"
+    files = sorted(p.name for p in (pack_dir / "kernels").iterdir())
+    assert len(files) == 3
+    assert (pack_dir / e1["file"]).read_text() == cutlass_sm90.render(CUT_TN, P1)
+    assert any("64x1024x4096" in s and "speedup" in s for s in m["skipped"])
+    assert any("512x512x512" in s and "failed verification" in s for s in m["skipped"])
+
+
+def test_min_speedup_and_atomic_replace(store, pack_dir):
+    again = export_pack(store, DEV, pack_dir, "fp16", "fp32", min_speedup=1.2)
+    assert again == pack_dir
+    keys = {(e["M"], e["N"], e["K"]) for e in _manifest(pack_dir)["entries"]}
+    assert keys == {(16, 4096, 14336), (128, 2048, 2048)}  # 25/20 = 1.25x; untimed kept
+    assert sorted(p.name for p in pack_dir.parent.iterdir()) == ["h100-fp16"]  # no temp dirs left
+    with pytest.raises(PackError, match="nothing to export"):
+        export_pack(store, DEV, pack_dir.parent / "bf16", "bf16", "fp32")
+
+
+def test_load_pack_round_trips(pack_dir):
+    pack = load_pack(pack_dir)
+    assert len(pack.entries) == 4 and pack.stamp["device"] == DEV
+    e = next(e for e in pack.entries if e.problem == P3)
+    assert e.spec == RAW_TN and e.layout == "TN" and not e.generic
+    assert pack.source(e) == raw.render(RAW_TN, P3)
+    assert load_pack(pack_dir / "manifest.json").entries == pack.entries
+
+
+def _cut(m):
+    return next(e for e in m["entries"] if e["family"] == "cutlass_sm90")
+
+
+def _edit(pack_dir, fn):
+    m = _manifest(pack_dir)
+    fn(m)
+    (pack_dir / "manifest.json").write_text(json.dumps(m))
+
+
+def test_load_pack_names_what_is_wrong(pack_dir):
+    raw_file = pack_dir / f"kernels/{RAW_TN.name}_16x4096x14336.cu"
+    raw_file.write_text(raw_file.read_text() + "// tampered\n")
+    with pytest.raises(PackError, match=r"hash mismatch for kernels/raw_.*16x4096x14336\.cu"):
+        load_pack(pack_dir)
+    raw_file.unlink()
+    with pytest.raises(PackError, match="missing file kernels/raw_"):
+        load_pack(pack_dir)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m["entries"][0].update(family="nope"), "unknown family 'nope'; known: cutlass_sm90, raw"),
+    (lambda m: _cut(m)["spec"].update(tile_mm=128), "bad cutlass_sm90 spec fields: .*'tile_mm'"),
+    (lambda m: m["entries"][0].pop("source_sha256"), "missing fields source_sha256"),
+    (lambda m: m["entries"][0].update(M=0), "M must be positive"),
+    (lambda m: m["entries"][0].update(layout="NT"), "layout must be one of NN, TN"),
+    (lambda m: m["entries"][0].update(file="../x.cu"), "file must be a path inside the pack"),
+    (lambda m: _cut(m)["spec"].update(tile_n=8), "does not serve its own shape: tile_n"),
+    (lambda m: m["entries"].append(dict(m["entries"][0])), "entry 4: duplicate of entry 0"),
+    (lambda m: m.update(version=99), "pack format version 99"),
+    (lambda m: m["stamp"].pop("device"), "stamp: missing or without a device name"),
+])
+def test_load_pack_rejects_bad_manifests(pack_dir, edit, message):
+    _edit(pack_dir, edit)
+    with pytest.raises(PackError, match=message):
+        load_pack(pack_dir)
+
+
+def test_foreign_stamp_is_refused_unless_forced(pack_dir):
+    pack = load_pack(pack_dir)
+    assert pack.check_stamp(DEV, cuda="12.4") == []
+    assert pack.check_stamp("nvidia h100 80gb  hbm3") == []  # case and spacing do not matter
+    with pytest.raises(StampError, match="made on 'NVIDIA H100 80GB HBM3', this GPU is 'NVIDIA H200'"):
+        pack.check_stamp("NVIDIA H200")
+    with pytest.raises(StampError, match="CUDA 12.8, this process has CUDA 13.0"):
+        pack.check_stamp(DEV, cuda="13.0")
+    assert pack.check_stamp("NVIDIA H200", force=True)[0].startswith("forced: made on")
+    _edit(pack_dir, lambda m: m["stamp"].update(gemmrl="0.0.9"))
+    with pytest.raises(StampError, match="made by gemmrl '0.0.9'"):
+        load_pack(pack_dir).check_stamp(DEV)
+
+
+# ------------------------------------------------------------------------------- dispatch table
+
+def test_lookup_exact_then_nearest_generic_never_a_foreign_raw(pack_dir):
+    pack = load_pack(pack_dir)
+    t = DispatchTable(pack.entries, pack.acc)
+    assert t.lookup(16, 4096, 14336, "TN", "fp16").family == "raw"  # its own shape
+    e = t.lookup(300, 4096, 4096, "TN", "fp16")  # unseen: nearest generic that serves it
+    assert e.family == "cutlass_sm90" and e.problem == P1
+    assert t.lookup(900, 4096, 4096, "TN", "fp16").problem == P2
+    near_raw = t.lookup(32, 4096, 14336, "TN", "fp16")  # closest entry is the raw 16x4096x14336
+    assert near_raw.family == "cutlass_sm90" and near_raw.generic
+    assert t.lookup(256, 4096, 4096, "NN", "fp16").spec == CUT_NN  # NN: the NN kernel
+    assert t.lookup(32, 4096, 14340, "TN", "fp16") is None  # K % 8: no TMA kernel serves it
+    assert t.lookup(256, 4096, 4096, "TN", "bf16") is None
+    assert t.lookup(0, 4096, 4096, "TN", "fp16") is None
+    assert t._nearest[(300, 4096, 4096, "TN", "fp16")] is e  # cached
+    only_raw = DispatchTable([x for x in pack.entries if x.family == "raw"], pack.acc)
+    assert only_raw.lookup(17, 4096, 14336, "TN", "fp16") is None
+
+
+def test_never_compile_raises_and_a_built_kernel_loads_without_nvcc(pack_dir, monkeypatch):
+    from gemmrl.build.nvcc import NvccNotFound, nvcc_path
+
+    pack = load_pack(pack_dir)
+    e = next(x for x in pack.entries if x.family == "raw")
+    with pytest.raises(NeverCompileError, match="not built on this machine"):
+        Dispatcher(pack, never_compile=True).kernel(e)
+    try:
+        nvcc_path()
+    except NvccNotFound:
+        pytest.skip("nvcc not found")
+    k = Dispatcher(pack).kernel(e)  # builds (raw: seconds) and loads; loading needs no GPU
+    assert (k.meta.layout, k.meta.acc) == ("TN", "fp32")
+    def no_nvcc(*a, **kw):
+        raise AssertionError("compiled although the kernel is built")
+
+    monkeypatch.setattr("gemmrl.build.nvcc.build_shared", no_nvcc)
+    monkeypatch.setattr("gemmrl.build.nvcc.nvcc_version", no_nvcc)
+    for never in (True, False):  # both find the built kernel through the index, without nvcc
+        d = Dispatcher(pack, never_compile=never)
+        assert d.built_path(e) == k.path and d.kernel(e).path == k.path
+
+
+# ------------------------------------------------------------------------------- op decisions
+
+@pytest.fixture
+def active(pack_dir):
+    d = ops.use_pack(pack_dir)  # no CUDA here: the stamp is checked per device on first use
+    yield d
+    ops.use_pack(None)
+
+
+def _t(*shape, dtype=torch.float16):
+    return torch.empty(*shape, dtype=dtype)
+
+
+def test_fallback_decisions(active):
+    d = active
+    a, w = _t(256, 4096), _t(4096, 4096)
+    assert ops._plan(a, w, "TN", d, cuda=False) == (256, 4096, 4096, "fp16")
+    assert ops._plan(a, w, "TN", d) == "not a CUDA tensor"
+    assert ops._plan(a, w, "TN", None) == "no active pack"
+    assert ops._plan(a.t(), _t(256, 4096), "NN", d, cuda=False) == "not row-major contiguous"
+    assert ops._plan(a, w.t(), "TN", d, cuda=False) == "not row-major contiguous"
+    assert ops._plan(a.float(), w.float(), "TN", d, cuda=False).startswith("dtype torch.float32")
+    assert ops._plan(a, w.bfloat16(), "TN", d, cuda=False).startswith("dtype torch.float16 x torch.bfloat16")
+    assert ops._plan(a.bfloat16(), w.bfloat16(), "TN", d, cuda=False) == "dtype bf16 is not the pack's (fp16)"
+    x3 = _t(2, 128, 4096)
+    assert ops._plan(x3, w, "TN", d, cuda=False) == (256, 4096, 4096, "fp16")  # batch dims folded
+    assert ops._plan(x3.transpose(0, 1), w, "TN", d, cuda=False) == "not row-major contiguous"
+    assert ops._plan(_t(4096), w, "TN", d, cuda=False).startswith("a 1-D")
+    assert ops._plan(a, _t(4100, 4096), "TN", d, cuda=False) == "no tuned kernel serves this shape"
+    assert ops._plan(a, _t(4096, 4095), "TN", d, cuda=False) == "inner sizes differ"
+    assert ops._plan(_t(0, 4096), w, "TN", d, cuda=False) == "empty"
+    off = _t(256 * 4096 + 1)[1:].view(256, 4096)
+    assert ops._plan(off, w, "TN", d, cuda=False) == "data not 16-byte aligned"
+    assert ops.explain(a, w, "TN") == "torch.matmul: not a CUDA tensor"
+
+
+@pytest.mark.parametrize("layout", ["NN", "TN"])
+def test_op_on_cpu_is_exactly_torch_matmul(active, layout):
+    g = torch.Generator().manual_seed(0)
+    for a_shape, b_shape, dtype in [((8, 16), (16, 24), torch.float32), ((2, 3, 16), (16, 24), torch.float32),
+                                    ((8, 16), (16, 24), torch.bfloat16), ((8, 16), (16, 24), torch.float16)]:
+        a = torch.randn(*a_shape, generator=g).to(dtype)
+        b = torch.randn(*b_shape, generator=g).to(dtype)
+        if layout == "TN":
+            b = b.t().contiguous()
+        ref = torch.matmul(a, b) if layout == "NN" else a.matmul(b.t())
+        assert torch.equal(gemmrl.matmul(a, b, b_layout=layout), ref)
+        assert torch.equal(torch.ops.gemmrl.mm(a, b, layout), ref)
+    with pytest.raises(ValueError, match="b_layout must be one of"):
+        gemmrl.matmul(a, b, b_layout="NT")
+    x = torch.randn(4, 16, requires_grad=True)  # training: plain torch.matmul, gradients flow
+    gemmrl.matmul(x, torch.randn(16, 8)).sum().backward()
+    assert x.grad is not None
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8, bias=False))
+
+
+def test_patch_and_unpatch_keep_outputs(active):
+    model, x = _model(), torch.randn(5, 16)
+    with torch.no_grad():
+        ref = model(x)
+        assert gemmrl.patch(model) is model
+        lins = [m for m in model if isinstance(m, torch.nn.Linear)]
+        assert all("forward" in m.__dict__ for m in lins)
+        assert gemmrl.patch(model) is model  # idempotent
+        assert torch.equal(model(x), ref)
+        assert torch.equal(model(x.view(5, 1, 16)).view(5, 8), ref)
+    y = model(x)  # grad mode, weights need grad: F.linear, autograd works
+    y.sum().backward()
+    assert model[0].weight.grad is not None
+    gemmrl.unpatch(model)
+    assert not any("forward" in m.__dict__ for m in lins)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref)
+
+
+def test_op_traces_under_torch_compile_and_runs_its_fallback(active):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda a, b: gemmrl.matmul(a, b, b_layout="TN") * 2, backend=backend, fullgraph=True)
+    a, b = torch.randn(8, 16), torch.randn(24, 16)
+    assert torch.equal(fn(a, b), a.matmul(b.t()) * 2)
+    ops_in_graph = {n.target for n in graphs[0].graph.nodes if n.op == "call_function"}
+    assert ops_in_graph & {torch.ops.gemmrl.mm, torch.ops.gemmrl.mm.default}, ops_in_graph
+    model = gemmrl.patch(_model())
+    with torch.no_grad():
+        ref = gemmrl.unpatch(_model())(a)
+        out = torch.compile(model, backend="aot_eager")(a)
+    assert torch.equal(out, ref)
+    torch._dynamo.reset()
+
+
+def test_import_gemmrl_stays_light():
+    code = ("import sys, gemmrl; assert 'torch' not in sys.modules, 'torch imported'; "
+            "f = gemmrl.matmul; assert 'torch' in sys.modules; print(f.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "gemmrl.runtime.ops"
+
+
+# ------------------------------------------------------------------------------- presets
+
+def _proj(label):
+    return label.rsplit("@", 1)[0].rsplit(".", 1)[1]  # 'qwen2.5-7b.k_proj+v_proj@16' -> 'k_proj+v_proj'
+
+
+def test_llama3_8b_preset_shapes():
+    rows = preset("llama3-8b", tokens=(16,))
+    by = {_proj(label): (p, layout) for p, layout, label in rows}
+    assert by["down_proj"] == (Problem(16, 4096, 14336), "TN")
+    assert by["q_proj+o_proj"][0] == Problem(16, 4096, 4096)
+    assert by["k_proj+v_proj"][0] == Problem(16, 1024, 4096)  # 8 KV heads x 128
+    assert by["gate_proj+up_proj"][0] == Problem(16, 14336, 4096)
+    assert by["lm_head"][0] == Problem(16, 128256, 4096)
+    assert len(rows) == 5
+    full = preset("llama3-8b")
+    assert {p.M for p, _, _ in full} == set(DEFAULT_TOKENS) and len(full) == 5 * len(DEFAULT_TOKENS)
+    fused = {_proj(lab): p for p, _, lab in preset("llama3-8b", tokens=(1,), fused=True)}
+    assert fused["qkv_proj"] == Problem(1, 6144, 4096) and fused["gate_up_proj"] == Problem(1, 28672, 4096)
+
+
+def test_qwen25_7b_preset_shapes():
+    rows = {_proj(lab): p for p, _, lab in preset("Qwen/Qwen2.5-7B", tokens=(64,), dtype="bf16")}
+    assert rows["q_proj+o_proj"] == Problem(64, 3584, 3584, "bf16")
+    assert rows["k_proj+v_proj"] == Problem(64, 512, 3584, "bf16")  # 4 KV heads x 128
+    assert rows["gate_proj+up_proj"] == Problem(64, 18944, 3584, "bf16")
+    assert rows["down_proj"] == Problem(64, 3584, 18944, "bf16")
+    assert rows["lm_head"] == Problem(64, 152064, 3584, "bf16")
+
+
+def test_presets_through_resolve_and_errors():
+    got = shapes.resolve("preset:qwen2.5-7b@tokens=1,64")
+    assert {p.M for p in got} == {1, 64} and len(got) == 10 == len(set(got))
+    assert Problem(1, 512, 3584) in got
+    assert len(shapes.resolve("preset:llama3-8b")) == 5 * len(DEFAULT_TOKENS)
+    assert Problem(8, 6144, 4096) in shapes.resolve("preset:llama3-8b@tokens=8@fused")
+    with pytest.raises(ProblemError, match="unknown preset 'gpt5'; known: llama3-8b, qwen2.5-7b"):
+        shapes.resolve("preset:gpt5")
+    with pytest.raises(ProblemError, match="bad token counts"):
+        shapes.resolve("preset:llama3-8b@tokens=a")
+    with pytest.raises(ProblemError, match="unknown preset option 'batch=2'"):
+        shapes.resolve("preset:llama3-8b@batch=2")
+    with pytest.raises(ProblemError, match="token counts must be positive"):
+        preset("llama3-8b", tokens=(0,))

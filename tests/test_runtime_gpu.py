@@ -1,0 +1,170 @@
+"""The runtime on a GPU: a tiny pack of two real specs (a CUTLASS kernel, generic, and a raw
+kernel for one shape) served through gemmrl.matmul, a captured CUDA graph, torch.compile and a
+patched model; the host overhead per call beside torch.matmul's is printed."""
+
+import json
+import os
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import gemmrl  # noqa: E402
+from gemmrl.core.problem import Problem  # noqa: E402
+from gemmrl.runtime import ops  # noqa: E402
+from gemmrl.runtime.dispatch import Dispatcher  # noqa: E402
+from gemmrl.runtime.pack import export_pack, load_pack  # noqa: E402
+from gemmrl.space import cutlass_sm90, raw  # noqa: E402
+from gemmrl.store.db import Store  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+P_CUT = Problem(256, 1024, 512)   # served by a CUTLASS kernel (and every shape near it it accepts)
+P_RAW = Problem(16, 1024, 4096)   # served by a raw kernel built for this shape only
+
+
+def _rel_err(c, ref):
+    return ((c.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the pack's kernels are sm_90a (Hopper)")
+    try:
+        from gemmrl.build.cutlass import cutlass_include_dirs
+        from gemmrl.build.nvcc import nvcc_path
+
+        nvcc_path()
+        cutlass_include_dirs()
+    except Exception as e:
+        pytest.skip(f"cannot build kernels here: {e}")
+    cache = os.environ.get("GEMMRL_CACHE") or str(tmp_path_factory.getbasetemp() / "gemmrl-cache")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("GEMMRL_CACHE", cache)  # the same cache conftest gives each test
+    from gemmrl.bench.env import provenance
+
+    root = tmp_path_factory.mktemp("runtime")
+    dev = torch.cuda.get_device_name()
+    store = Store(root / "s.sqlite")
+    run = store.start_run("test_runtime_gpu", dev, provenance(), {})
+    for p, fam, spec in ((P_CUT, "cutlass_sm90", cutlass_sm90.heuristic_specs(P_CUT, "TN")[0]),
+                         (P_RAW, "raw", raw.heuristic_specs(P_RAW, "TN")[0])):
+        store.put_tuning(dev, p, "gemmrl-ours", json.dumps({"family": fam, "spec": dict(spec.__dict__)}).encode(),
+                         spec.name, 1.0)
+        store.record_verification(run, dev, p, "gemmrl-ours", True, "ok", {})
+    path = export_pack(store, dev, root / "pack", "fp16", "fp32")
+    store.close()
+    d = ops.use_pack(path)
+    t0 = time.monotonic()
+    failed = gemmrl.warmup()
+    print(f"\nbuilt and loaded {len(d.pack.entries)} kernels in {time.monotonic() - t0:.0f} s")
+    assert not failed, failed
+    yield load_pack(path)
+    ops.use_pack(None)
+    mp.undo()
+
+
+def _inputs(M, N, K, seed=0, batch=None):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shape = (*batch, K) if batch else (M, K)
+    a = torch.randn(*shape, device="cuda", dtype=torch.float16, generator=g)
+    w = torch.randn(N, K, device="cuda", dtype=torch.float16, generator=g) / K ** 0.5
+    return a, w
+
+
+@pytest.mark.parametrize("M, N, K, batch, how", [
+    (256, 1024, 512, None, "exact"),
+    (300, 1024, 512, None, "nearest 256x1024x512"),
+    (2000, 2048, 1024, None, "nearest 256x1024x512"),
+    (256, 1024, 512, (2, 128), "exact"),
+    (16, 1024, 4096, None, "exact"),
+])
+def test_served_shapes_match_torch(pack, M, N, K, batch, how):
+    a, w = _inputs(M, N, K, batch=batch)
+    with torch.inference_mode():
+        assert ops.explain(a, w, "TN").endswith(f"({how})"), ops.explain(a, w, "TN")
+        c = gemmrl.matmul(a, w, b_layout="TN")
+        ref = torch.matmul(a, w.t())
+        c_nn = gemmrl.matmul(a, w.t().contiguous())  # NN: no NN kernel in the pack: fallback
+    torch.cuda.synchronize()
+    assert c.shape == ref.shape and c.dtype == ref.dtype
+    assert _rel_err(c, ref) < 1e-3
+    assert torch.equal(c_nn, torch.matmul(a, w.t().contiguous()))
+
+
+def test_unserved_shapes_are_exactly_torch_matmul(pack):
+    with torch.inference_mode():
+        for M, N, K in ((17, 1024, 4096), (256, 1024, 516)):  # raw is per shape; K % 8 for TMA
+            a, w = _inputs(M, N, K)
+            assert ops.explain(a, w, "TN").startswith("torch.matmul")
+            assert torch.equal(gemmrl.matmul(a, w, b_layout="TN"), torch.matmul(a, w.t()))
+
+
+def test_inside_a_captured_cuda_graph(pack):
+    d = ops.active()
+    cases = [_inputs(256, 1024, 512), _inputs(16, 1024, 4096)]
+    with torch.inference_mode():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm up (builds, loads) before capture, as for any graph
+            for a, w in cases:
+                gemmrl.matmul(a, w, b_layout="TN")
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs = [gemmrl.matmul(a, w, b_layout="TN") for a, w in cases]
+            capture_stream = torch.cuda.current_stream().cuda_stream
+        for i, (a, w) in enumerate(cases):
+            a.copy_(torch.randn_like(a) * (i + 2))
+        g.replay()
+        torch.cuda.synchronize()
+        for (a, w), c in zip(cases, outs):
+            assert _rel_err(c, torch.matmul(a, w.t())) < 1e-3
+    captured = [k for k, v in d._calls.items() if k[6] == capture_stream and v is not None]
+    assert len(captured) == 2, "the graph holds gemmrl's kernels, not the fallback"
+
+
+def test_under_torch_compile_and_patched_model(pack):
+    torch._dynamo.reset()
+    fn = torch.compile(lambda a, w: gemmrl.matmul(a, w, b_layout="TN").relu(), fullgraph=True)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU()).cuda().half()
+    x = torch.randn(256, 512, device="cuda", dtype=torch.float16)
+    with torch.inference_mode():
+        a, w = _inputs(256, 1024, 512)
+        assert _rel_err(fn(a, w), torch.matmul(a, w.t()).relu()) < 1e-3
+        ref = model(x)
+        gemmrl.patch(model)
+        assert _rel_err(model(x), ref) < 1e-3
+        assert _rel_err(torch.compile(model)(x), ref) < 1e-3
+        gemmrl.unpatch(model)
+    torch._dynamo.reset()
+
+
+def test_never_compile_finds_the_warmed_up_kernels(pack):
+    d = Dispatcher(pack, never_compile=True)
+    for e in pack.entries:
+        assert d.kernel(e).meta.layout == "TN"
+
+
+def test_host_overhead_per_call(pack):
+    a, w = _inputs(16, 1024, 4096)
+    calls = {"torch.matmul": lambda: torch.matmul(a, w.t()),
+             "gemmrl.matmul": lambda: gemmrl.matmul(a, w, b_layout="TN"),
+             "torch.ops.gemmrl.mm": lambda: torch.ops.gemmrl.mm(a, w, "TN")}
+    n, res = 2000, {}
+    with torch.inference_mode():
+        for name, fn in calls.items():
+            for _ in range(50):
+                fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            host = (time.perf_counter() - t0) / n * 1e6  # enqueue time: the GPU work is ~us
+            torch.cuda.synchronize()
+            res[name] = host
+    print("\nhost us per call, 16x1024x4096 TN fp16: " + ", ".join(f"{k} {v:.2f}" for k, v in res.items())
+          + f"; gemmrl.matmul overhead over torch.matmul: {res['gemmrl.matmul'] - res['torch.matmul']:+.2f} us")
+    assert all(v > 0 for v in res.values())
