@@ -1,0 +1,318 @@
+"""The tuning loop: a policy proposes, an evaluator builds/verifies/times, the policy learns.
+
+    tune(problems, policy, evaluate, per_shape_candidates=..., batch=..., device_budget_s=...)
+
+`evaluate(problem, candidates) -> list[Trial]` is injected: `gpu_evaluate(...)` on a GPU, a
+simulation in the tests. Budgets: candidates per shape (history included, so a resumed run
+finishes the same budget) and device seconds for the whole run (the sum of the trials'
+details['device_s']; near the end a batch is shrunk to what the remaining budget affords at the
+highest cost per candidate seen so far, so the overshoot is about one candidate). Resumable: trials of an
+earlier run (`history`) are fed to the policy first and never proposed again.
+
+Reported: the best trial per problem and two curves. `TuneResult.curve` is the run as it went
+(candidates timed so far -> mean best reward over the problems visited so far);
+`TuneResult.per_shape_curve()` is the sample-efficiency curve (n -> mean over all problems of
+the best reward among each problem's first n candidates), the one `sample_efficiency` and the
+report compare between policies.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+from gemmrl.core.problem import Problem
+from gemmrl.search.policy import Candidate, Policy, Trial
+from gemmrl.search.reward import reward
+from gemmrl.space import registry
+
+Evaluate = Callable[[Problem, list[Candidate]], list[Trial]]
+
+
+def _better(t: Trial, than: Trial | None) -> bool:
+    if than is None:
+        return True
+    return (t.reward, -(t.time_us or math.inf)) > (than.reward, -(than.time_us or math.inf))
+
+
+@dataclass
+class TuneResult:
+    problems: list[Problem]
+    trials: list[Trial]  # this run's, in the order they were evaluated
+    history: list[Trial]  # the earlier trials on these problems that the run started from
+    best: dict[Problem, Trial]  # highest reward per problem (history included)
+    curve: list[tuple[int, float]]  # (candidates timed so far, mean best reward over problems so far)
+    device_s: float  # this run's
+    stopped: str = ""  # '' or why the run ended early ('device budget')
+    dropped: int = 0  # proposals tune refused: already tried, repeated in a batch, or invalid
+    counts: dict = field(default_factory=dict)  # candidates per problem (history included)
+
+    def best_reward(self, problem: Problem) -> float:
+        t = self.best.get(problem)
+        return t.reward if t is not None else 0.0
+
+    def mean_best_reward(self) -> float:
+        return sum(self.best_reward(p) for p in self.problems) / max(1, len(self.problems))
+
+    def per_shape_curve(self, max_n: int | None = None) -> list[tuple[int, float]]:
+        """n -> mean over every problem of the best reward in its first n candidates (a problem
+        keeps its best once its candidates run out; one never visited counts 0)."""
+        seqs: dict[Problem, list[float]] = {p: [] for p in self.problems}
+        for t in [*self.history, *self.trials]:
+            if t.problem in seqs:
+                seqs[t.problem].append(t.reward)
+        longest = max((len(s) for s in seqs.values()), default=0)
+        max_n = longest if max_n is None else max_n
+        running = {p: 0.0 for p in seqs}
+        out = []
+        for n in range(1, max_n + 1):
+            for p, s in seqs.items():
+                if n <= len(s):
+                    running[p] = max(running[p], s[n - 1])
+            out.append((n, sum(running.values()) / max(1, len(running))))
+        return out
+
+
+def tune(problems: Iterable[Problem], policy: Policy, evaluate: Evaluate, *, per_shape_candidates: int,
+         batch: int = 8, device_budget_s: float = math.inf, history: Iterable[Trial] = (),
+         on_trial: Callable[[Trial], None] | None = None) -> TuneResult:
+    problems = list(dict.fromkeys(problems))
+    wanted = set(problems)
+    history = [t for t in history if t.problem in wanted]
+    policy.observe(history)
+    tried: dict[Problem, set] = {p: set() for p in problems}
+    counts = {p: 0 for p in problems}
+    best: dict[Problem, Trial] = {}
+    costs: list[float] = []
+    for t in history:
+        tried[t.problem].add(t.key())
+        counts[t.problem] += 1
+        costs.append(float(t.details.get("device_s", 0.0)))
+        if _better(t, best.get(t.problem)):
+            best[t.problem] = t
+
+    trials: list[Trial] = []
+    curve: list[tuple[int, float]] = []
+    spent, dropped, stopped = 0.0, 0, ""
+
+    def point():
+        visited = [p for p in problems if counts[p]]
+        mean = sum(best[p].reward if p in best else 0.0 for p in visited) / max(1, len(visited))
+        curve.append((sum(counts.values()), mean))
+
+    if history:
+        point()
+    for problem in problems:
+        while counts[problem] < per_shape_candidates and not stopped:
+            remaining = device_budget_s - spent
+            if remaining <= 0:
+                stopped = "device budget"
+                break
+            k = min(batch, per_shape_candidates - counts[problem])
+            per = max(costs, default=0.0)
+            if per > 0 and math.isfinite(remaining):
+                k = max(1, min(k, int(remaining / per)))
+            fresh, keys = [], set()
+            for c in policy.propose(problem, k)[:k]:
+                key = c.key()
+                if key in tried[problem] or key in keys or registry.get(c.family).valid(c.spec, problem):
+                    dropped += 1
+                    continue
+                keys.add(key)
+                fresh.append(c)
+            if not fresh:
+                break  # the policy has nothing new for this problem
+            got = evaluate(problem, fresh)
+            for t in got:
+                trials.append(t)
+                tried[problem].add(t.key())
+                counts[problem] += 1
+                cost = float(t.details.get("device_s", 0.0))
+                spent += cost
+                costs.append(cost)
+                if _better(t, best.get(problem)):
+                    best[problem] = t
+                if on_trial is not None:
+                    on_trial(t)
+            policy.observe(got)
+            point()
+            if not got:
+                break
+        if stopped:
+            break
+    return TuneResult(problems, trials, history, best, curve, spent, stopped, dropped, counts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reporting
+
+def sample_efficiency(curve_a: list[tuple[int, float]], curve_b: list[tuple[int, float]],
+                      levels: tuple = (0.9, 0.95, 0.99)) -> dict:
+    """Compare policy A's curve with reference B's (e.g. the exhaustive sweep), both (x, y) with
+    x candidates timed. For each level, the first x at which each curve reaches level x B's best;
+    'saving' is B's x over A's x. Also each final value, A's final as a share of B's, and B's
+    value at A's budget (what the reference achieves with as many candidates)."""
+    def first(curve, y):
+        return next((x for x, v in curve if v >= y), None)
+
+    target = max((v for _, v in curve_b), default=0.0)
+    final_a = curve_a[-1][1] if curve_a else 0.0
+    final_b = curve_b[-1][1] if curve_b else 0.0
+    budget_a = curve_a[-1][0] if curve_a else 0
+    at_budget = max((v for x, v in curve_b if x <= budget_a), default=0.0)
+    out = {"target": target, "final_a": final_a, "final_b": final_b,
+           "final_ratio": final_a / final_b if final_b else math.nan,
+           "budget_a": budget_a, "budget_b": curve_b[-1][0] if curve_b else 0,
+           "b_at_budget_a": at_budget, "levels": {}}
+    for level in levels:
+        xa, xb = first(curve_a, level * target), first(curve_b, level * target)
+        out["levels"][level] = {"a": xa, "b": xb, "saving": (xb / xa) if xa and xb else None}
+    return out
+
+
+def write_curves(curves: dict[str, list[tuple[int, float]]], path_stem: str | Path, *,
+                 xlabel: str = "candidates timed per shape", ylabel: str = "mean best reward",
+                 title: str = "") -> tuple[Path, Path]:
+    """`<stem>.csv` (policy, candidates, mean_best_reward) and `<stem>.png`, each written to a
+    temporary name and moved into place."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stem = Path(path_stem)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    csv_path, png_path = stem.with_suffix(".csv"), stem.with_suffix(".png")
+    tmp = csv_path.with_suffix(".csv.tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["policy", "candidates", "mean_best_reward"])
+        for name, curve in curves.items():
+            for x, y in curve:
+                w.writerow([name, x, f"{y:.6f}"])
+    os.replace(tmp, csv_path)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, curve in curves.items():
+        if curve:
+            ax.plot([x for x, _ in curve], [y for _, y in curve], label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = png_path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, png_path)
+    return csv_path, png_path
+
+
+# ---------------------------------------------------------------------------------------------
+# The real evaluator (GPU)
+
+def best_baseline_from_store(store, device: str, mode: str = "kernel") -> Callable[[Problem], float]:
+    """baseline_us_fn for gpu_evaluate: the fastest correctly timed baseline in the store for
+    the problem on `device` in `mode` (gemmrl's own implementations and repeats excluded)."""
+    table: dict = {}
+    for m in store.measurements(device=device, mode=mode):
+        if m["status"] != "ok" or m["median_us"] is None or m["impl"].startswith("gemmrl"):
+            continue
+        if m["impl"].endswith("@repeat"):
+            continue
+        key = (m["M"], m["N"], m["K"], m["dtype"], m["acc"])
+        table[key] = min(table.get(key, math.inf), m["median_us"])
+
+    def baseline_us(problem: Problem) -> float:
+        if problem.key() not in table:
+            raise KeyError(f"no {mode}-mode baseline for {problem.shape} on {device} in the store")
+        return table[problem.key()]
+    return baseline_us
+
+
+def gpu_evaluate(store, device: str, baseline_us_fn: Callable[[Problem], float], *,
+                 run_id: int | None = None, settings=None, seed: int = 0) -> Evaluate:
+    """The evaluator for a GPU: for each candidate, render and build it (host time), verify it
+    (trace off, for speed), then time every verified one together in kernel mode with the
+    short protocol; the reward is against `baseline_us_fn(problem)` (the best baseline's time
+    in the same mode). A candidate that does not build, fails a check or times wrong is a
+    'rejected' trial with the reason, never an exception. One that kills the process cannot be
+    recorded here: run this inside a bench.worker.Worker; the heartbeat ('candidate:<name>')
+    names the culprit, the runner quarantines it, and the policy never proposes it again.
+    device_s = verification wall time + an equal share of the timing session. With `store`:
+    quarantined candidates are refused unrun, and with a `run_id` verifications are recorded."""
+
+    def evaluate(problem: Problem, candidates: list[Candidate]) -> list[Trial]:
+        import torch
+
+        from gemmrl.bench import timing
+        from gemmrl.bench.worker import beat
+        from gemmrl.runtime.spec_impl import SpecImpl
+        from gemmrl.verify.checks import verify
+
+        out: dict[str, Trial] = {}
+        calls, info = {}, {}
+        bad = store.quarantined(device, problem) if store is not None else {}
+        for c in candidates:
+            name = c.name
+            if name in bad:
+                out[name] = Trial(problem, c, "rejected", details={"stage": "quarantine", "reason": bad[name],
+                                                                  "device_s": 0.0})
+                continue
+            beat("candidate:" + name)  # if this candidate kills the process, it is the one
+            impl, stage, t0 = SpecImpl(c.spec), "build", time.perf_counter()
+            try:
+                source_len = len(impl.source(problem).encode())
+                fn = impl.prepare(problem)
+                stage, t0 = "verify", time.perf_counter()
+                r = verify(impl, problem, fn=fn, trace=False)
+            except Exception as e:
+                out[name] = Trial(problem, c, "rejected", details={
+                    "stage": stage, "reason": f"{type(e).__name__}: {e}"[:2000],
+                    "device_s": time.perf_counter() - t0 if stage == "verify" else 0.0})
+                continue
+            verify_s = time.perf_counter() - t0
+            if store is not None and run_id is not None:
+                store.record_verification(run_id, device, problem, name, r.passed, r.reason, r.details)
+            if not r.passed:
+                out[name] = Trial(problem, c, "rejected", details={"stage": "verify", "reason": r.reason,
+                                                                  "device_s": verify_s})
+                continue
+            calls[name] = fn
+            info[name] = {"source_len": source_len, "rel_err": r.details.get("rel_err"),
+                          "ref_err": r.details.get("ref_err"), "verify_s": verify_s}
+        if calls:
+            beat("search:timing")
+            base_us = float(baseline_us_fn(problem))
+            t0 = time.perf_counter()
+            try:
+                l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+                res = timing.time_kernel(problem, calls, l2_bytes=l2, settings=settings or timing.QUICK,
+                                         seed=seed)
+            except Exception as e:
+                res = {n: {"status": "error", "details": {"reason": f"{type(e).__name__}: {e}"[:500]}}
+                       for n in calls}
+            share = (time.perf_counter() - t0) / len(calls)
+            by_name = {c.name: c for c in candidates}
+            for name, meta in info.items():
+                r = res.get(name, {"status": "error", "details": {"reason": "not timed"}})
+                details = {**meta, "device_s": meta["verify_s"] + share, "baseline_us": base_us,
+                           "timing": {k: v for k, v in r.items() if k != "details"}, **r.get("details", {})}
+                if r.get("status") != "ok":
+                    out[name] = Trial(problem, by_name[name], "rejected",
+                                      details={**details, "stage": "time"})
+                    continue
+                t_us = float(r["median_us"])
+                score = reward(base_us, t_us, True, meta["rel_err"], meta["ref_err"], meta["source_len"])
+                out[name] = Trial(problem, by_name[name], "ok", t_us, score, {**details, "stage": "time"})
+        beat("search:done")
+        return [out[c.name] for c in candidates]
+
+    return evaluate
