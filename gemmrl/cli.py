@@ -229,6 +229,84 @@ def report(db, out, device, subject, dtype, acc):
         click.echo(p)
 
 
+@main.command()
+@click.option("--shapes", "shape_spec", default="subset", show_default=True,
+              help="grid | subset | subset:N | preset:NAME | FILE | MxNxK[,MxNxK...]")
+@click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "bf16"]))
+@click.option("--acc", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16"]))
+@click.option("--candidates", default=32, show_default=True, type=click.IntRange(1, 10000),
+              help="candidate kernels per shape, the earlier runs' included")
+@click.option("--batch", default=8, show_default=True, type=click.IntRange(1, 256))
+@click.option("--budget-s", default=None, type=float, help="device seconds for the search (default: none)")
+@click.option("--layouts", default="NN,TN", show_default=True)
+@click.option("--db", default=DEFAULT_DB, show_default=True)
+@click.option("--out", default="results", show_default=True)
+def tune(shape_spec, dtype, acc, candidates, batch, budget_s, layouts, db, out):
+    """Search kernels per shape with speed over the best baseline as the reward; keep the winners.
+
+    Baselines are measured first (kernel mode) where the store lacks them; then the model-free
+    policy proposes candidates, each batch built, verified and timed in a worker process; every
+    trial is stored and the run resumes from them; finally the winners ('gemmrl-tuned') are
+    verified in full and timed beside the baselines, and the report is written."""
+    problems = _problems(shape_spec, dtype, acc)
+    lays = tuple(x.strip().upper() for x in layouts.split(",") if x.strip())
+    if not lays or any(x not in ("NN", "TN") for x in lays):
+        raise click.BadParameter("layouts are NN and/or TN", param_hint="--layouts")
+    from gemmrl.bench import runner
+
+    runner.require_gpu()
+    import torch
+
+    from gemmrl.bench import env
+    from gemmrl.search.run import TUNED, isolated_evaluator, run_tune
+    from gemmrl.search.tune import best_baseline_from_store, write_curves
+    from gemmrl.store.db import Store
+
+    store = Store(db)
+    device = torch.cuda.get_device_name()
+    prov = env.provenance()
+    run_id = store.start_run(" ".join(["gemmrl"] + sys.argv[1:]), device, prov,
+                             {"candidates": candidates, "batch": batch, "budget_s": budget_s, "layouts": lays})
+    kernel_only = runner.RunConfig(modes=("kernel",))
+
+    def measure(specs, what):
+        click.echo(what, err=True)
+        return _run_with_progress(lambda progress, log: runner.run_isolated(
+            problems, specs, store, kernel_only, device=device, run_id=run_id, db_path=str(db),
+            progress=progress, log=log), len(problems))
+
+    status = "partial"
+    try:
+        measure(("baselines",), "baselines (the reward's yardstick), kernel mode")
+        baseline_fn = best_baseline_from_store(store, device, "kernel")
+        evaluate, close = isolated_evaluator(store, device, str(db), baseline_fn,
+                                             log=lambda m: click.echo(m, err=True))
+        best: dict = {}
+
+        def on_trial(t):
+            if t.reward > best.get(t.problem, 0.0):
+                best[t.problem] = t.reward
+                click.echo(f"{t.problem.shape:>20}  best {t.reward:6.3f}x  {t.candidate.name}", err=True)
+        try:
+            res = run_tune(problems, store, device, evaluate, candidates=candidates, batch=batch,
+                           budget_s=budget_s or float("inf"), layouts=lays, run_id=run_id, on_trial=on_trial)
+        finally:
+            close()
+        won = sum(1 for t in res.best.values() if t.reward > 1.0)
+        click.echo(f"tuned {len(res.best)} shapes with {len(res.trials)} new candidates "
+                   f"({res.device_s:.0f} device s); faster than the best baseline on {won}"
+                   + (f"; stopped: {res.stopped}" if res.stopped else ""), err=True)
+        slug = env.gpu_slug(device)
+        write_curves({"model-free": res.per_shape_curve()}, Path(out) / slug / "tune_curve")
+        measure(("baselines", "tuned"), "the winners, verified in full and timed beside the baselines")
+        status = "done"
+    finally:
+        store.finish_run(run_id, status)
+    paths = write_report(store, device, out, TUNED, dtype, acc)
+    click.echo(f"wrote {len(paths)} files under {Path(out) / env.gpu_slug(device)}", err=True)
+    store.close()
+
+
 @main.command(name="verify")
 @click.option("--impl", "impl_opts", multiple=True, required=True)
 @click.option("--shapes", "shape_spec", default="256x384x512", show_default=True)

@@ -65,3 +65,18 @@ def fake_problem_task(problem, impl_specs, cfg, device, run_id, db_path, include
     store.record_session(run_id, "s", device, problem, "kernel", "kernel:v1", done)
     store.close()
     return {"sessions": 1, "skipped": 0, "rejected": 0}
+
+
+def fake_evaluate_task(problem, candidates, device, db_path, baseline_us):
+    """Stands in for search.run.evaluate_task: the candidate named in $GEMMRL_TEST_BAD crashes
+    its worker; the others time at baseline_us / 1.25 and earn reward 1.25."""
+    from gemmrl.bench.worker import beat
+    from gemmrl.search.policy import Trial
+
+    out = []
+    for c in candidates:
+        beat("candidate:" + c.name)
+        if c.name == os.environ.get("GEMMRL_TEST_BAD"):
+            segfault()
+        out.append(Trial(problem, c, "ok", baseline_us / 1.25, 1.25, {"device_s": 0.01}))
+    return out

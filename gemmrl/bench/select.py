@@ -7,7 +7,8 @@ def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> li
     """Implementation specs: 'baselines' (torch + cuBLAS + cuBLASLt heuristic/auto-tuning, both
     layouts), 'exhaustive', 'torch.compile', a baseline's own name, 'cuda-l2:DIR',
     'kernel:FILE.cu|FILE.so', or gemmrl's own kernels: 'gemmrl:FAMILY[+FAMILY]' (the fastest of
-    each family's top candidates per shape; families: cutlass_sm90, raw) and 'ours' (both)."""
+    each family's top candidates per shape; families: cutlass_sm90, raw), 'ours' (both) and
+    'tuned' (the winners `gemmrl tune` stored)."""
     from gemmrl.baselines import impls as bl
 
     all_named = {i.name: i for i in bl.baseline_impls(store, device, exhaustive=True, compile_=True)}
@@ -31,6 +32,13 @@ def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> li
                 names = "cutlass_sm90+raw" if s == "ours" else s.split(":", 1)[1]
                 fams = [registry.get(n) for n in names.split("+")]
                 out.append(BestOf(fams, store=store, device=device))
+            elif s == "tuned":
+                from gemmrl.search.best_of import BestOf
+                from gemmrl.search.run import TUNED
+                from gemmrl.space import registry
+
+                out.append(BestOf(list(registry.FAMILIES.values()), store=store, device=device,
+                                  name=TUNED, search=False))
             elif s.startswith("kernel:"):
                 from gemmrl.runtime.abi import AbiImpl
 

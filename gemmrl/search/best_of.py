@@ -15,13 +15,14 @@ class BestOf(Impl):
     trusted = False
 
     def __init__(self, families: list[Family], layouts=("NN", "TN"), top: int = 4, store=None,
-                 device: str = "", name: str | None = None, log=None):
+                 device: str = "", name: str | None = None, log=None, search: bool = True):
         self.families, self.layouts, self.top = families, tuple(layouts), top
         self.store, self.device = store, device
         self.name = name or "gemmrl-" + "+".join(f.name for f in families)
         self.layout = "both"
         self.chosen: SpecImpl | None = None
         self.log = log or (lambda m: None)
+        self.search = search  # False: only the stored choice (e.g. the tuner's winner), never a new search
 
     def specs(self, problem) -> list:
         """The top candidates of every family and layout, minus those quarantined on this
@@ -40,9 +41,8 @@ class BestOf(Impl):
 
         seen, work = set(), []
         for p in problems:
-            if self._stored(p) is not None:
-                continue
-            for spec in self.specs(p):
+            stored = self._stored(p)
+            for spec in ([stored] if stored is not None else [] if not self.search else self.specs(p)):
                 impl = SpecImpl(spec)
                 src = impl.source(p)
                 if src in seen:
@@ -75,6 +75,8 @@ class BestOf(Impl):
         if spec is not None:
             self.chosen = SpecImpl(spec)
             return self.chosen.prepare(problem)
+        if not self.search:
+            raise UnsupportedProblem(f"{self.name}: nothing tuned for {problem.shape} on this device")
         from gemmrl.bench.worker import beat
         from gemmrl.verify.checks import verify
 

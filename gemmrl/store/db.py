@@ -37,6 +37,12 @@ CREATE TABLE IF NOT EXISTS measurements (
     p90_us REAL, std_us REAL, samples INTEGER NOT NULL, status TEXT NOT NULL, details TEXT NOT NULL,
     created REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS meas_key ON measurements (device, mode, protocol, M, N, K, dtype, acc, impl);
+CREATE TABLE IF NOT EXISTS trials (
+    id INTEGER PRIMARY KEY, run_id INTEGER, device TEXT NOT NULL, M INTEGER NOT NULL,
+    N INTEGER NOT NULL, K INTEGER NOT NULL, dtype TEXT NOT NULL, acc TEXT NOT NULL,
+    candidate TEXT NOT NULL, status TEXT NOT NULL, reward REAL NOT NULL, time_us REAL,
+    record TEXT NOT NULL, created REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS trials_key ON trials (device, M, N, K, dtype, acc);
 CREATE TABLE IF NOT EXISTS quarantine (
     device TEXT NOT NULL, M INTEGER NOT NULL, N INTEGER NOT NULL, K INTEGER NOT NULL,
     dtype TEXT NOT NULL, acc TEXT NOT NULL, name TEXT NOT NULL, reason TEXT NOT NULL,
@@ -194,6 +200,27 @@ class Store:
 
     def devices(self) -> list[str]:
         return [r[0] for r in self.db.execute("SELECT DISTINCT device FROM measurements ORDER BY device")]
+
+    # search trials: every candidate a policy proposed, with its outcome and reward -----------
+    def record_trial(self, run_id: int | None, device: str, problem: Problem, candidate: str,
+                     status: str, reward: float, time_us: float | None, record: dict) -> None:
+        with self.tx():
+            self.db.execute(
+                "INSERT INTO trials (run_id, device, M, N, K, dtype, acc, candidate, status, reward, "
+                "time_us, record, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (run_id, device, *problem.key(), candidate, status, float(reward), time_us,
+                 json.dumps(record, sort_keys=True, default=str), time.time()))
+
+    def trials(self, device: str, problems=None) -> list[dict]:
+        if not self.db.execute("SELECT 1 FROM sqlite_master WHERE name='trials'").fetchone():
+            return []
+        rows = self.db.execute("SELECT * FROM trials WHERE device=? ORDER BY id", (device,)).fetchall()
+        keys = {p.key() for p in problems} if problems is not None else None
+        out = []
+        for r in rows:
+            if keys is None or (r["M"], r["N"], r["K"], r["dtype"], r["acc"]) in keys:
+                out.append(dict(r, record=json.loads(r["record"])))
+        return out
 
     # quarantine: implementations or candidate kernels that crashed or hung on a problem -------
     def quarantine(self, device: str, problem: Problem, name: str, reason: str) -> None:

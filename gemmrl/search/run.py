@@ -1,0 +1,99 @@
+"""The tuning job: every candidate a policy proposes is built, verified and timed in a worker
+process (a crash or hang quarantines that candidate and the batch goes on without it), every
+trial is stored, and each shape's winner is kept as the implementation 'gemmrl-tuned'."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+from gemmrl.bench.worker import HEARTBEAT_ENV, Worker, last_beat
+from gemmrl.search.policy import ModelFreePolicy, Trial
+from gemmrl.search.tune import TuneResult, gpu_evaluate, tune
+
+TUNED = "gemmrl-tuned"
+_CHILD: dict = {}
+
+
+def evaluate_task(problem, candidates, device, db_path, baseline_us):
+    """In the worker: evaluate one batch on the GPU against the given baseline time."""
+    from gemmrl.store.db import Store
+
+    if _CHILD.get("db") != db_path:
+        import torch
+
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+        _CHILD.update(db=db_path, store=Store(db_path))
+    return gpu_evaluate(_CHILD["store"], device, lambda p: baseline_us)(problem, candidates)
+
+
+def isolated_evaluator(store, device: str, db_path: str, baseline_fn, *, timeout_s: float = 900.0,
+                       log=print, task=evaluate_task):
+    """An evaluate(problem, candidates) -> trials that runs each batch in a worker process.
+    Returns (evaluate, close)."""
+    fd, hb = tempfile.mkstemp(prefix="gemmrl-tune-heartbeat-")
+    os.close(fd)
+    worker = Worker(env={HEARTBEAT_ENV: hb})
+
+    def evaluate(problem, candidates):
+        pending, out = list(candidates), []
+        while pending:
+            open(hb, "w").close()
+            r = worker.run(task, problem, pending, device, db_path, baseline_fn(problem), timeout_s=timeout_s)
+            if r.ok:
+                out += r.value
+                break
+            kind, _, name = last_beat(hb).partition(":")
+            if r.status == "error" or kind != "candidate":
+                why = f"evaluation {r.status}: {r.reason}"
+                log(f"{problem.shape}: {why}")
+                out += [Trial(problem, c, "rejected", details={"reason": why, "device_s": 0.0}) for c in pending]
+                break
+            why = f"{r.status}: {r.reason}"
+            store.quarantine(device, problem, name, why)
+            log(f"{problem.shape} {name}: {why}; quarantined")
+            out += [Trial(problem, c, "crashed", details={"reason": why, "device_s": r.seconds})
+                    for c in pending if c.name == name]
+            pending = [c for c in pending if c.name != name]
+        return out
+
+    def close():
+        worker.close()
+        os.unlink(hb)
+
+    return evaluate, close
+
+
+def stored_history(store, device: str, problems) -> list[Trial]:
+    out = []
+    for row in store.trials(device, problems):
+        try:
+            out.append(Trial.from_dict(row["record"]))
+        except (KeyError, TypeError, ValueError):
+            continue  # a record from an older spec layout: not a reason to stop tuning
+    return out
+
+
+def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, batch: int = 8,
+             budget_s: float = float("inf"), layouts=("NN", "TN"), run_id: int | None = None,
+             policy=None, on_trial=None) -> TuneResult:
+    """Tune, resuming from the trials already in the store; store every trial and the winners."""
+    history = stored_history(store, device, problems)
+    policy = policy or ModelFreePolicy(layouts=tuple(layouts))
+
+    def record(t: Trial):
+        store.record_trial(run_id, device, t.problem, t.candidate.name, t.status, t.reward, t.time_us,
+                           t.to_dict())
+        if on_trial is not None:
+            on_trial(t)
+
+    res = tune(problems, policy, evaluate, per_shape_candidates=candidates, batch=batch,
+               device_budget_s=budget_s, history=history, on_trial=record)
+    for problem, t in res.best.items():
+        if t.reward > 0 and t.status == "ok":
+            choice = json.dumps({"family": t.candidate.family, "spec": t.to_dict()["spec"]},
+                                sort_keys=True).encode()
+            store.put_tuning(device, problem, TUNED, choice,
+                             f"{t.candidate.name} (reward {t.reward:.3f})", float(t.time_us))
+    return res

@@ -1,0 +1,71 @@
+"""The tuning job on the CPU: trials stored and resumed, winners kept for the runtime, and a
+candidate that kills its worker quarantined while the rest of its batch is still evaluated."""
+
+import json
+
+from gemmrl.core.problem import Problem
+from gemmrl.search.best_of import BestOf
+from gemmrl.search.policy import ModelFreePolicy, Trial
+from gemmrl.search.run import TUNED, isolated_evaluator, run_tune
+from gemmrl.space import registry
+from gemmrl.store.db import Store
+import worker_tasks
+
+P1, P2 = Problem(512, 768, 1024), Problem(4096, 4096, 1024)
+
+
+def fake_evaluate(problem, candidates):
+    # a made-up speed: bigger CTA tiles are better on big problems, smaller on small ones
+    out = []
+    for c in candidates:
+        tile = getattr(c.spec, "tile_m", getattr(c.spec, "block_m", 64))
+        r = 1.0 + (tile / 256 if problem.M >= 4096 else 64 / tile) * 0.2
+        out.append(Trial(problem, c, "ok", 10.0 / r, r, {"device_s": 0.01}))
+    return out
+
+
+def test_trials_are_stored_resumed_and_winners_kept(tmp_path):
+    store = Store(tmp_path / "s.sqlite")
+    res = run_tune([P1, P2], store, "H100", fake_evaluate, candidates=6, batch=3, layouts=("TN",),
+                   policy=ModelFreePolicy(layouts=("TN",), seed=0))
+    assert len(res.trials) == 12 and len(store.trials("H100")) == 12
+    # resume with a larger budget: only the difference is evaluated, nothing twice
+    res2 = run_tune([P1, P2], store, "H100", fake_evaluate, candidates=9, batch=3, layouts=("TN",),
+                    policy=ModelFreePolicy(layouts=("TN",), seed=1))
+    assert len(res2.trials) == 6
+    rows = store.trials("H100")
+    assert len(rows) == 18
+    per = {}
+    for r in rows:
+        per.setdefault((r["M"], r["N"], r["K"]), []).append(r["candidate"])
+    assert all(len(v) == len(set(v)) == 9 for v in per.values())
+    # the winner is kept as 'gemmrl-tuned' and the runtime implementation reads it back
+    for p in (P1, P2):
+        t = store.get_tuning("H100", p, TUNED)
+        assert t is not None
+        d = json.loads(bytes(t["choice"]).decode())
+        spec = registry.get(d["family"]).spec_type()(**d["spec"])
+        tuned = BestOf(list(registry.FAMILIES.values()), store=store, device="H100", name=TUNED, search=False)
+        assert tuned._stored(p) == spec
+        best = max((r for r in rows if (r["M"], r["N"], r["K"]) == (p.M, p.N, p.K)), key=lambda r: r["reward"])
+        assert best["candidate"] == spec.name
+
+
+def test_a_crashing_candidate_is_quarantined_and_its_batch_goes_on(tmp_path, monkeypatch):
+    store = Store(tmp_path / "s.sqlite")
+    cands = ModelFreePolicy(layouts=("TN",), seed=0).propose(P1, 3)
+    monkeypatch.setenv("GEMMRL_TEST_BAD", cands[1].name)
+    logs = []
+    evaluate, close = isolated_evaluator(store, "H100", str(tmp_path / "s.sqlite"), lambda p: 5.0,
+                                         log=logs.append, task=worker_tasks.fake_evaluate_task, timeout_s=60)
+    try:
+        trials = evaluate(P1, cands)
+    finally:
+        close()
+    by = {t.candidate.name: t for t in trials}
+    assert set(by) == {c.name for c in cands}
+    assert by[cands[1].name].status == "crashed" and "SIGSEGV" in by[cands[1].name].details["reason"]
+    assert by[cands[0].name].status == by[cands[2].name].status == "ok"
+    assert by[cands[2].name].time_us == 4.0
+    assert cands[1].name in store.quarantined("H100", P1)
+    assert any("quarantined" in m for m in logs)
