@@ -31,3 +31,17 @@ def test_crash_and_hang_are_quarantined_and_the_run_goes_on(tmp_path):
     assert (128, "segv") not in measured and (256, "hang") not in measured
     assert {(m, "good") for m in (64, 128, 256)} <= measured and (64, "search") in measured
     assert any("quarantined" in line for line in logs)
+
+
+def test_a_passed_deadline_starts_nothing_and_says_so(tmp_path):
+    import time
+
+    db = tmp_path / "s.sqlite"
+    store = Store(db)
+    run = store.start_run("test", "cpu", {}, {})
+    logs = []
+    counts = run_isolated([Problem(64, 64, 64)], ["good"], store, RunConfig(deadline=time.monotonic() - 1),
+                          device="cpu", run_id=run, db_path=str(db), log=logs.append,
+                          task=worker_tasks.fake_problem_task)
+    assert counts["stopped"] is True and counts["sessions"] == 0
+    assert store.measurements() == [] and "deadline reached after 0 of 1" in logs[0]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import signal
+from contextlib import contextmanager
 import sys
 import time
 import uuid
@@ -59,31 +60,45 @@ def _fp16_acc_reference():
     return ref
 
 
+@contextmanager
+def _stoppable(counts: dict, log):
+    """SIGTERM or Ctrl-C ends the loop inside between problems' store writes, never mid-write:
+    everything finished is in the store and a rerun resumes."""
+    prev = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum, frame):
+        raise _Stop("SIGTERM")
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    except (_Stop, KeyboardInterrupt) as e:
+        counts["stopped"] = True
+        log(f"stopped ({type(e).__name__}); everything measured so far is in the store")
+    finally:
+        signal.signal(signal.SIGTERM, prev)
+
+
+def _until_deadline(problems, cfg, counts: dict, log, progress):
+    """The problems in turn, until the deadline passes (checked before each, so none is cut)."""
+    for idx, problem in enumerate(problems):
+        if cfg.deadline is not None and time.monotonic() > cfg.deadline:
+            counts["stopped"] = True
+            log(f"deadline reached after {idx} of {len(problems)} problems; rerun to resume")
+            return
+        yield problem
+        if progress is not None:
+            progress(idx + 1, problem)
+
+
 def run(problems, impls, store, cfg: RunConfig, *, device: str, run_id: int, progress=None,
         log=print) -> dict:
     """Returns counts: measured, skipped, failed verifications, stopped early."""
     l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
     counts = {"problems": len(problems), "sessions": 0, "skipped": 0, "rejected": 0,
               "stopped": False}
-    prev_handler = signal.getsignal(signal.SIGTERM)
-
-    def on_term(signum, frame):
-        raise _Stop("SIGTERM")
-    signal.signal(signal.SIGTERM, on_term)
-    try:
-        for idx, problem in enumerate(problems):
-            if cfg.deadline is not None and time.monotonic() > cfg.deadline:
-                counts["stopped"] = True
-                log(f"deadline reached after {idx} of {len(problems)} problems; rerun to resume")
-                break
+    with _stoppable(counts, log):
+        for problem in _until_deadline(problems, cfg, counts, log, progress):
             _one_problem(problem, impls, store, cfg, device, run_id, l2, counts, log)
-            if progress is not None:
-                progress(idx + 1, problem)
-    except (_Stop, KeyboardInterrupt) as e:
-        counts["stopped"] = True
-        log(f"stopped ({type(e).__name__}); everything measured so far is in the store")
-    finally:
-        signal.signal(signal.SIGTERM, prev_handler)
     return counts
 
 
@@ -205,51 +220,43 @@ def run_isolated(problems, impl_specs, store, cfg: RunConfig, *, device: str, ru
     counts = {"problems": len(problems), "sessions": 0, "skipped": 0, "rejected": 0, "quarantined": 0,
               "errors": 0, "stopped": False}
     worker = Worker(env={HEARTBEAT_ENV: hb})
-    prev_handler = signal.getsignal(signal.SIGTERM)
-
-    def on_term(signum, frame):
-        raise _Stop("SIGTERM")
-    signal.signal(signal.SIGTERM, on_term)
     try:
-        for idx, problem in enumerate(problems):
-            if cfg.deadline is not None and time.monotonic() > cfg.deadline:
-                counts["stopped"] = True
-                log(f"deadline reached after {idx} of {len(problems)} problems; rerun to resume")
-                break
-            for _attempt in range(max_attempts):
-                beat_clear(hb)
-                r = worker.run(task, problem, list(impl_specs), cfg, device, run_id, db_path,
-                               tuple(include_dirs), timeout_s=timeout_s)
-                if r.ok:
-                    for k, v in r.value.items():
-                        counts[k] = counts.get(k, 0) + v
-                    break
-                if r.status == "error":  # an exception in gemmrl's own code: report, move on
-                    counts["errors"] += 1
-                    log(f"{problem.shape}: error: {r.reason}")
-                    break
-                culprit = last_beat(hb)
-                kind, _, name = culprit.partition(":")
-                if kind not in ("impl", "candidate") or not name:
-                    counts["errors"] += 1
-                    log(f"{problem.shape}: worker {r.status} ({r.reason}) during {culprit or 'setup'}; skipped")
-                    break
-                why = f"{r.status} on {problem.shape}: {r.reason}"
-                store.quarantine(device, problem, name, why)
-                if kind == "impl":
-                    store.record_verification(run_id, device, problem, name, False, why + "; quarantined", {})
-                counts["quarantined"] += 1
-                log(f"{problem.shape} {name}: {why}; quarantined, trying the problem again without it")
-            if progress is not None:
-                progress(idx + 1, problem)
-    except (_Stop, KeyboardInterrupt) as e:
-        counts["stopped"] = True
-        log(f"stopped ({type(e).__name__}); everything measured so far is in the store")
+        with _stoppable(counts, log):
+            for problem in _until_deadline(problems, cfg, counts, log, progress):
+                _isolated_problem(problem, worker, hb, task, impl_specs, store, cfg, device, run_id,
+                                  db_path, include_dirs, timeout_s, max_attempts, counts, log)
     finally:
-        signal.signal(signal.SIGTERM, prev_handler)
         worker.close()
         os.unlink(hb)
     return counts
+
+
+def _isolated_problem(problem, worker, hb, task, impl_specs, store, cfg, device, run_id, db_path,
+                      include_dirs, timeout_s, max_attempts, counts, log) -> None:
+    for _attempt in range(max_attempts):
+        beat_clear(hb)
+        r = worker.run(task, problem, list(impl_specs), cfg, device, run_id, db_path,
+                       tuple(include_dirs), timeout_s=timeout_s)
+        if r.ok:
+            for k, v in r.value.items():
+                counts[k] = counts.get(k, 0) + v
+            return
+        if r.status == "error":  # an exception in gemmrl's own code: report, move on
+            counts["errors"] += 1
+            log(f"{problem.shape}: error: {r.reason}")
+            return
+        culprit = last_beat(hb)
+        kind, _, name = culprit.partition(":")
+        if kind not in ("impl", "candidate") or not name:
+            counts["errors"] += 1
+            log(f"{problem.shape}: worker {r.status} ({r.reason}) during {culprit or 'setup'}; skipped")
+            return
+        why = f"{r.status} on {problem.shape}: {r.reason}"
+        store.quarantine(device, problem, name, why)
+        if kind == "impl":
+            store.record_verification(run_id, device, problem, name, False, why + "; quarantined", {})
+        counts["quarantined"] += 1
+        log(f"{problem.shape} {name}: {why}; quarantined, trying the problem again without it")
 
 
 def beat_clear(path: str) -> None:
