@@ -52,6 +52,13 @@ CREATE TABLE IF NOT EXISTS tuning (
     dtype TEXT NOT NULL, acc TEXT NOT NULL, impl TEXT NOT NULL, choice BLOB NOT NULL,
     info TEXT NOT NULL, time_us REAL NOT NULL, created REAL NOT NULL,
     PRIMARY KEY (device, M, N, K, dtype, acc, impl));
+CREATE TABLE IF NOT EXISTS trajectories (
+    id INTEGER PRIMARY KEY, run_id INTEGER, device TEXT NOT NULL, M INTEGER NOT NULL,
+    N INTEGER NOT NULL, K INTEGER NOT NULL, dtype TEXT NOT NULL, acc TEXT NOT NULL,
+    turn INTEGER NOT NULL, sample INTEGER NOT NULL, prompt TEXT NOT NULL, reply TEXT NOT NULL,
+    source TEXT, kernel_sha256 TEXT, status TEXT NOT NULL, reason TEXT NOT NULL, time_us REAL,
+    reward REAL NOT NULL, checks TEXT NOT NULL, created REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS traj_key ON trajectories (device, M, N, K, dtype, acc);
 """
 
 STAT_FIELDS = ("median_us", "mean_us", "min_us", "p10_us", "p90_us", "std_us")
@@ -247,3 +254,27 @@ class Store:
                             "N=? AND K=? AND dtype=? AND acc=? AND impl=?",
                             (device, *problem.key(), impl)).fetchone()
         return dict(r) if r else None
+
+    # LLM trajectories: one row per sampled reply (prompt, reply, kernel, checks, time, reward) --
+    def record_trajectory(self, run_id: int | None, device: str, problem: Problem, turn: int,
+                          sample: int, prompt: list, reply: str, source: str | None,
+                          kernel_sha256: str | None, status: str, reason: str,
+                          time_us: float | None, reward: float, checks: dict) -> int:
+        with self.tx():
+            cur = self.db.execute(
+                "INSERT INTO trajectories (run_id, device, M, N, K, dtype, acc, turn, sample, prompt, "
+                "reply, source, kernel_sha256, status, reason, time_us, reward, checks, created) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (run_id, device, *problem.key(), int(turn), int(sample),
+                 json.dumps(prompt, default=str), reply, source, kernel_sha256, status, reason,
+                 time_us, float(reward), json.dumps(checks, sort_keys=True, default=str), time.time()))
+            return int(cur.lastrowid)
+
+    def trajectories(self, device: str | None = None) -> list[dict]:
+        if not self.db.execute("SELECT 1 FROM sqlite_master WHERE name='trajectories'").fetchone():
+            return []  # a read-only store from before the table existed
+        q, args = "SELECT * FROM trajectories", ()
+        if device:
+            q, args = q + " WHERE device=?", (device,)
+        return [dict(r, prompt=json.loads(r["prompt"]), checks=json.loads(r["checks"]))
+                for r in self.db.execute(q + " ORDER BY id", args)]
