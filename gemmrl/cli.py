@@ -241,7 +241,10 @@ def report(db, out, device, subject, dtype, acc):
 @click.option("--layouts", default="NN,TN", show_default=True)
 @click.option("--db", default=DEFAULT_DB, show_default=True)
 @click.option("--out", default="results", show_default=True)
-def tune(shape_spec, dtype, acc, candidates, batch, budget_s, layouts, db, out):
+@click.option("--ray", "ray_address", default=None, metavar="ADDRESS",
+              help="evaluate candidates on a Ray cluster, one worker per GPU of the same model as "
+                   "this one ('auto', or host:port); needs pip install 'gemmrl[distributed]'")
+def tune(shape_spec, dtype, acc, candidates, batch, budget_s, layouts, db, out, ray_address):
     """Search kernels per shape with speed over the best baseline as the reward; keep the winners.
 
     Baselines are measured first (kernel mode) where the store lacks them; then the model-free
@@ -252,6 +255,11 @@ def tune(shape_spec, dtype, acc, candidates, batch, budget_s, layouts, db, out):
     lays = tuple(x.strip().upper() for x in layouts.split(",") if x.strip())
     if not lays or any(x not in ("NN", "TN") for x in lays):
         raise click.BadParameter("layouts are NN and/or TN", param_hint="--layouts")
+    if ray_address is not None:
+        from gemmrl.distributed import ray_backend
+
+        if not ray_backend.available():
+            raise click.ClickException(f"--ray needs Ray, which is not installed: {ray_backend.INSTALL_HINT}")
     from gemmrl.bench import runner
 
     runner.require_gpu()
@@ -279,8 +287,15 @@ def tune(shape_spec, dtype, acc, candidates, batch, budget_s, layouts, db, out):
     try:
         measure(("baselines",), "baselines (the reward's yardstick), kernel mode")
         baseline_fn = best_baseline_from_store(store, device, "kernel")
-        evaluate, close = isolated_evaluator(store, device, str(db), baseline_fn,
-                                             log=lambda m: click.echo(m, err=True))
+        if ray_address is not None:
+            import ray
+
+            ray.init(address=ray_address)
+            evaluate, close = ray_backend.ray_evaluator(ray_address, store, device, str(db), baseline_fn,
+                                                        log=lambda m: click.echo(m, err=True))
+        else:
+            evaluate, close = isolated_evaluator(store, device, str(db), baseline_fn,
+                                                 log=lambda m: click.echo(m, err=True))
         best: dict = {}
 
         def on_trial(t):

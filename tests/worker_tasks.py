@@ -80,3 +80,20 @@ def fake_evaluate_task(problem, candidates, device, db_path, baseline_us):
             segfault()
         out.append(Trial(problem, c, "ok", baseline_us / 1.25, 1.25, {"device_s": 0.01}))
     return out
+
+
+def fake_hang_or_evaluate_task(problem, candidates, device, db_path, baseline_us):
+    """fake_evaluate_task, but the candidate named in $GEMMRL_TEST_HANG sleeps for a minute."""
+    from gemmrl.bench.worker import beat
+
+    for c in candidates:
+        if c.name == os.environ.get("GEMMRL_TEST_HANG"):
+            beat("candidate:" + c.name)
+            time.sleep(60)
+    return fake_evaluate_task(problem, candidates, device, db_path, baseline_us)
+
+
+def fake_gpu_name():
+    """The GPU name of the worker: item $GEMMRL_ACTOR_INDEX of $GEMMRL_TEST_GPU_NAMES (comma-separated)."""
+    names = os.environ.get("GEMMRL_TEST_GPU_NAMES", "cpu").split(",")
+    return names[int(os.environ.get("GEMMRL_ACTOR_INDEX", "0")) % len(names)]

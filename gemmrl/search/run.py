@@ -28,6 +28,34 @@ def evaluate_task(problem, candidates, device, db_path, baseline_us):
     return gpu_evaluate(_CHILD["store"], device, lambda p: baseline_us)(problem, candidates)
 
 
+def run_batch(worker, hb: str, problem, candidates, device: str, db_path: str, baseline_us: float, *,
+              timeout_s: float, task, log, quarantine) -> list[Trial]:
+    """Evaluate one batch in `worker` (heartbeat file `hb`): when the worker dies or hangs on a
+    candidate (named by the heartbeat), that candidate is a 'crashed' trial and is reported to
+    `quarantine(problem, name, why)`; the rest of the batch is tried again in a fresh process.
+    Shared by isolated_evaluator and the Ray actors (gemmrl.distributed.ray_backend)."""
+    pending, out = list(candidates), []
+    while pending:
+        open(hb, "w").close()
+        r = worker.run(task, problem, pending, device, db_path, baseline_us, timeout_s=timeout_s)
+        if r.ok:
+            out += r.value
+            break
+        kind, _, name = last_beat(hb).partition(":")
+        if r.status == "error" or kind != "candidate":
+            why = f"evaluation {r.status}: {r.reason}"
+            log(f"{problem.shape}: {why}")
+            out += [Trial(problem, c, "rejected", details={"reason": why, "device_s": 0.0}) for c in pending]
+            break
+        why = f"{r.status}: {r.reason}"
+        quarantine(problem, name, why)
+        log(f"{problem.shape} {name}: {why}; quarantined")
+        out += [Trial(problem, c, "crashed", details={"reason": why, "device_s": r.seconds})
+                for c in pending if c.name == name]
+        pending = [c for c in pending if c.name != name]
+    return out
+
+
 def isolated_evaluator(store, device: str, db_path: str, baseline_fn, *, timeout_s: float = 900.0,
                        log=print, task=evaluate_task):
     """An evaluate(problem, candidates) -> trials that runs each batch in a worker process.
@@ -37,26 +65,9 @@ def isolated_evaluator(store, device: str, db_path: str, baseline_fn, *, timeout
     worker = Worker(env={HEARTBEAT_ENV: hb})
 
     def evaluate(problem, candidates):
-        pending, out = list(candidates), []
-        while pending:
-            open(hb, "w").close()
-            r = worker.run(task, problem, pending, device, db_path, baseline_fn(problem), timeout_s=timeout_s)
-            if r.ok:
-                out += r.value
-                break
-            kind, _, name = last_beat(hb).partition(":")
-            if r.status == "error" or kind != "candidate":
-                why = f"evaluation {r.status}: {r.reason}"
-                log(f"{problem.shape}: {why}")
-                out += [Trial(problem, c, "rejected", details={"reason": why, "device_s": 0.0}) for c in pending]
-                break
-            why = f"{r.status}: {r.reason}"
-            store.quarantine(device, problem, name, why)
-            log(f"{problem.shape} {name}: {why}; quarantined")
-            out += [Trial(problem, c, "crashed", details={"reason": why, "device_s": r.seconds})
-                    for c in pending if c.name == name]
-            pending = [c for c in pending if c.name != name]
-        return out
+        return run_batch(worker, hb, problem, candidates, device, db_path, baseline_fn(problem),
+                         timeout_s=timeout_s, task=task, log=log,
+                         quarantine=lambda p, name, why: store.quarantine(device, p, name, why))
 
     def close():
         worker.close()
