@@ -42,7 +42,7 @@ def run_batch(worker, hb: str, problem, candidates, device: str, db_path: str, b
             out += r.value
             break
         kind, _, name = last_beat(hb).partition(":")
-        if r.status == "error" or kind != "candidate":
+        if r.status == "error" or kind != "candidate" or name not in {c.name for c in pending}:
             why = f"evaluation {r.status}: {r.reason}"
             log(f"{problem.shape}: {why}")
             out += [Trial(problem, c, "rejected", details={"reason": why, "device_s": 0.0}) for c in pending]
