@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
 # The GPU half of the test suite, as run on the lent GPU machine:
 #   scripts/gpu-tests.sh [LOG_DIR]
-# Needs torch with CUDA and nvcc. If a CUDA-L2 kernel directory is given in GEMMRL_CUDA_L2_DIR
-# (their kernels/h100_F32F16F16F32), one of its kernels is built and measured too (needs the
-# nvidia-cutlass wheel installed, or GEMMRL_CUTLASS_DIR).
+# Needs torch with CUDA and nvcc; pytest-xdist for the parallel part (present on the lent
+# machines). CUTLASS headers: the nvidia-cutlass wheel installed, or GEMMRL_CUTLASS_DIR. If
+# GEMMRL_CUDA_L2_DIR names CUDA-L2's kernels/h100_F32F16F16F32, one of them is measured too.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 log_dir=${1:-/tmp}
 mkdir -p "$log_dir"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export GEMMRL_CACHE=${GEMMRL_CACHE:-/tmp/gemmrl-cache}  # one build cache for every test process
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv | tee "$log_dir/gpu.txt"
-python3 -m pytest -m gpu -v -s -p no:cacheprovider tests 2>&1 | tee "$log_dir/gpu-tests.log"
-exit "${PIPESTATUS[0]}"
+timing=tests/test_gpu_harness.py::test_timing_modes_agree_and_catch_wrong_outputs
+# correctness tests, one test file per process, so the kernel builds run in parallel
+python3 -m pytest -m gpu -v -s -p no:cacheprovider -n "${GEMMRL_TEST_PROCS:-6}" --dist loadfile \
+  --deselect "$timing" tests 2>&1 | tee "$log_dir/gpu-tests.log"
+rc=${PIPESTATUS[0]}
+# timing assertions alone on the GPU
+python3 -m pytest -m gpu -v -s -p no:cacheprovider "$timing" 2>&1 | tee -a "$log_dir/gpu-tests.log"
+rc2=${PIPESTATUS[0]}
+exit $(( rc != 0 ? rc : rc2 ))
