@@ -322,6 +322,73 @@ def tune(shape_spec, dtype, acc, candidates, batch, budget_s, layouts, db, out, 
     store.close()
 
 
+@main.command(name="llm")
+@click.option("--shapes", "shape_spec", required=True, help="MxNxK[,...] | subset:N | preset:NAME | FILE")
+@click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "bf16"]))
+@click.option("--acc", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16"]))
+@click.option("--layout", default="NN", show_default=True, type=click.Choice(["NN", "TN"]))
+@click.option("--turns", default=3, show_default=True, type=click.IntRange(1, 50))
+@click.option("--samples", default=4, show_default=True, type=click.IntRange(1, 64))
+@click.option("--token-budget", default=None, type=int, help="stop once the model has used this many tokens")
+@click.option("--db", default=DEFAULT_DB, show_default=True)
+@click.option("--export", "export_path", default=None, help="write every trajectory as JSONL here")
+def llm_cmd(shape_spec, dtype, acc, layout, turns, samples, token_budget, db, export_path):
+    """Let a language model write and rewrite kernels from measured feedback.
+
+    The endpoint is any OpenAI-compatible server: GEMMRL_LLM_BASE_URL, GEMMRL_LLM_MODEL and
+    GEMMRL_LLM_API_KEY (never written to the store or logs). Every sample is static-checked,
+    built in a sandbox, verified and timed in a worker process without credentials, rewarded
+    against the best baseline, and stored as a trajectory."""
+    problems = _problems(shape_spec, dtype, acc)
+    from gemmrl.llm.client import LLMClient, LLMError
+
+    try:
+        client = LLMClient.from_env(token_budget=token_budget)
+    except LLMError as e:
+        raise click.ClickException(str(e)) from None
+    from gemmrl.bench import runner
+
+    runner.require_gpu()
+    import torch
+
+    from gemmrl.bench import env
+    from gemmrl.llm.evaluate import gpu_source_evaluator
+    from gemmrl.llm.loop import export_trajectories, refine
+    from gemmrl.search.tune import best_baseline_from_store
+    from gemmrl.store.db import Store
+
+    store = Store(db)
+    device = torch.cuda.get_device_name()
+    run_id = store.start_run(" ".join(["gemmrl"] + sys.argv[1:]), device, env.provenance(),
+                             {"turns": turns, "samples": samples, "layout": layout, "model": client.model})
+    click.echo("baselines (the reward's yardstick), kernel mode", err=True)
+    runner.run_isolated(problems, ("baselines",), store, runner.RunConfig(modes=("kernel",)), device=device,
+                        run_id=run_id, db_path=str(db), log=lambda m: click.echo(m, err=True))
+    baseline_fn = best_baseline_from_store(store, device, "kernel")
+    evaluate_source, close = gpu_source_evaluator(baseline_fn)
+    status = "partial"
+    try:
+        for p in problems:
+            res = refine(p, client, evaluate_source, turns=turns, samples=samples, store=store, device=device,
+                         run_id=run_id, layout=layout,
+                         on_outcome=lambda o, p=p: click.echo(
+                             f"{p.shape} turn {o.turn} sample {o.sample}: {o.status}"
+                             + (f" {o.time_us:.2f} us, reward {o.reward:.3f}" if o.status == "ok" else
+                                f" ({o.reason[:120]})"), err=True))
+            best = f"{res.best.reward:.3f}x" if res.best else "none"
+            click.echo(f"{p.shape}: best {best} after {res.turns_done} turns ({res.stopped})", err=True)
+            if res.stopped == "budget":
+                break
+        status = "done"
+    finally:
+        close()
+        store.finish_run(run_id, status)
+    if export_path:
+        n = export_trajectories(store, export_path, device)
+        click.echo(f"wrote {n} trajectories to {export_path}", err=True)
+    store.close()
+
+
 @main.command(name="verify")
 @click.option("--impl", "impl_opts", multiple=True, required=True)
 @click.option("--shapes", "shape_spec", default="256x384x512", show_default=True)

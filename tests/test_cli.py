@@ -77,3 +77,25 @@ def test_report_errors(tmp_path):
     _fill(Store(db))
     r = CliRunner().invoke(main, ["report", "--db", str(db), "--device", "H200"])
     assert r.exit_code == 1 and "no measurements for 'H200'" in r.output
+
+
+def test_llm_needs_an_endpoint_then_a_gpu(monkeypatch):
+    for name in ("GEMMRL_LLM_BASE_URL", "GEMMRL_LLM_MODEL", "GEMMRL_LLM_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    r = CliRunner().invoke(main, ["llm", "--shapes", "64x64x64"])
+    assert r.exit_code == 1 and "GEMMRL_LLM_BASE_URL" in r.output
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("GEMMRL_LLM_BASE_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("GEMMRL_LLM_MODEL", "tiny")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    r = CliRunner().invoke(main, ["llm", "--shapes", "64x64x64"])
+    assert r.exit_code == 2 and "no CUDA GPU" in r.output
+
+
+def test_tune_checks_layouts_and_refuses_without_gpu(monkeypatch):
+    r = CliRunner().invoke(main, ["tune", "--shapes", "64x64x64", "--layouts", "NT"])
+    assert r.exit_code == 2 and "layouts are NN and/or TN" in r.output
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    r = CliRunner().invoke(main, ["tune", "--shapes", "64x64x64"])
+    assert r.exit_code == 2 and "no CUDA GPU" in r.output

@@ -97,3 +97,15 @@ def fake_gpu_name():
     """The GPU name of the worker: item $GEMMRL_ACTOR_INDEX of $GEMMRL_TEST_GPU_NAMES (comma-separated)."""
     names = os.environ.get("GEMMRL_TEST_GPU_NAMES", "cpu").split(",")
     return names[int(os.environ.get("GEMMRL_ACTOR_INDEX", "0")) % len(names)]
+
+
+def fake_source_task(problem, source, baseline_us):
+    """Stands in for llm.evaluate.source_task: scrubs the environment as it does, reports
+    whether the API key is still visible, crashes on a source containing CRASH_ME."""
+    from gemmrl.llm.evaluate import _scrub_environment
+
+    _scrub_environment()
+    if "CRASH_ME" in source:
+        segfault()
+    return {"status": "ok", "time_us": baseline_us / 2, "reward": 2.0,
+            "key_visible": "GEMMRL_LLM_API_KEY" in os.environ or "OPENAI_API_KEY" in os.environ}
