@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One step of a GPU session on the lent machine, everything it writes packed under OUT:
+#   GEMMRL_COMMIT=<hash> scripts/device-session.sh OUT STEP [BUDGET_S]
+# Carry .ext/carry (the nvidia-cutlass wheel; CUDA-L2 kernels under .ext/carry/cuda_l2 if wanted).
+# STEP:
+#   tests      every GPU test (scripts/gpu-tests.sh)
+#   subset     kernel mode on the 100-shape subset: baselines, exhaustive cuBLASLt, torch.compile,
+#              gemmrl's own families (ours)
+#   hostmodes  offline and server modes on the grid, baselines (protocol v2: more samples)
+#   tune       gemmrl tune on the subset, 16 candidates per shape
+# Each step resumes from results/gemmrl.sqlite, and stops starting new shapes after BUDGET_S
+# seconds (default 500), so a 10-minute device call always returns its store.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=$1; step=$2; budget=${3:-500}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 GEMMRL_CACHE=${GEMMRL_CACHE:-/tmp/gemmrl-cache}
+if ls .ext/carry/nvidia_cutlass-*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/cutlass_library ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .ext/carry/nvidia_cutlass-*.whl
+fi
+export PYTHONPATH=$PWD:/tmp/site
+[ -d .ext/carry/cuda_l2 ] && export GEMMRL_CUDA_L2_DIR=$PWD/.ext/carry/cuda_l2
+db=results/gemmrl.sqlite
+case "$step" in
+  tests) scripts/gpu-tests.sh "$out"; rc=$? ;;
+  subset) timeout $((budget + 80)) python3 -m gemmrl.cli bench --db "$db" --out "$out/results" --shapes subset \
+            --mode kernel --impl baselines --impl exhaustive --impl torch.compile --impl ours \
+            --subject gemmrl-cutlass_sm90+raw --budget-s "$budget" 2>&1 | tee "$out/bench.log"; rc=${PIPESTATUS[0]} ;;
+  hostmodes) timeout $((budget + 80)) python3 -m gemmrl.cli bench --db "$db" --out "$out/results" --shapes grid \
+            --mode offline,server --impl baselines --budget-s "$budget" 2>&1 | tee "$out/bench.log"; rc=${PIPESTATUS[0]} ;;
+  tune) timeout $((budget + 80)) python3 -m gemmrl.cli tune --db "$db" --out "$out/results" --shapes subset \
+            --candidates 16 --budget-s "$budget" 2>&1 | tee "$out/tune.log"; rc=${PIPESTATUS[0]} ;;
+  *) echo "unknown step $step: tests | subset | hostmodes | tune" >&2; exit 2 ;;
+esac
+cp "$db" "$out/" 2>/dev/null
+[ -d "$out/results" ] && tar czf "$out/results.tgz" -C "$out" results && rm -rf "$out/results"
+exit "$rc"
