@@ -389,6 +389,36 @@ def llm_cmd(shape_spec, dtype, acc, layout, turns, samples, token_budget, db, ex
     store.close()
 
 
+@main.command()
+@click.option("--db", default=DEFAULT_DB, show_default=True)
+@click.option("--device", default=None, help="device name in the store (default: the only one)")
+@click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "bf16"]))
+@click.option("--acc", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16"]))
+@click.option("--min-speedup", default=1.0, show_default=True, type=float,
+              help="export a winner only if it beat the best baseline by this factor in kernel mode")
+@click.option("--out", "out_dir", required=True, help="the pack directory (replaced if it exists)")
+def pack(db, device, dtype, acc, min_speedup, out_dir):
+    """Export the verified winners for one GPU as a pack (manifest + kernel sources); load it
+    anywhere with gemmrl.use_pack(DIR). No GPU needed."""
+    from gemmrl.runtime.pack import PackError, export_pack
+    from gemmrl.store.db import Store
+
+    if not Path(db).exists():
+        raise click.ClickException(f"no store at {db}")
+    store = Store(db, readonly=True)
+    devices = store.devices()
+    if device is None:
+        if len(devices) != 1:
+            raise click.ClickException(f"the store holds {len(devices)} devices ({', '.join(devices)}): "
+                                       "name one with --device")
+        device = devices[0]
+    try:
+        path = export_pack(store, device, out_dir, dtype, acc, min_speedup=min_speedup)
+    except PackError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(str(path))
+
+
 @main.command(name="verify")
 @click.option("--impl", "impl_opts", multiple=True, required=True)
 @click.option("--shapes", "shape_spec", default="256x384x512", show_default=True)

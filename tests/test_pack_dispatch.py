@@ -369,3 +369,20 @@ def test_presets_through_resolve_and_errors():
         shapes.resolve("preset:llama3-8b@batch=2")
     with pytest.raises(ProblemError, match="token counts must be positive"):
         preset("llama3-8b", tokens=(0,))
+
+
+def test_pack_command_exports_from_a_store(store, tmp_path):
+    from click.testing import CliRunner
+
+    from gemmrl.cli import main
+
+    store.close()
+    db = str(tmp_path / "tune.sqlite")
+    r = CliRunner().invoke(main, ["pack", "--db", db, "--device", DEV, "--out", str(tmp_path / "p")])
+    assert r.exit_code == 0, r.output
+    m = json.loads((tmp_path / "p" / "manifest.json").read_text())
+    assert m["entries"] and all(e["M"] > 0 for e in m["entries"])
+    r = CliRunner().invoke(main, ["pack", "--db", db, "--device", DEV, "--dtype", "bf16", "--out", str(tmp_path / "q")])
+    assert r.exit_code == 1 and "Error" in r.output
+    r = CliRunner().invoke(main, ["pack", "--db", str(tmp_path / "none.sqlite"), "--out", str(tmp_path / "q")])
+    assert r.exit_code == 1 and "no store at" in r.output

@@ -105,7 +105,11 @@ class Store:
         self.db.execute("COMMIT")
 
     def close(self) -> None:
-        """Fold the write-ahead log into the main file, so the one file is the whole store."""
+        """Fold the write-ahead log into the main file, so the one file is the whole store.
+        Closing twice is harmless."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         try:
             self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             # leave a plain file behind: a later read-only open then creates no -wal/-shm files
