@@ -202,15 +202,8 @@ def write_report(store, device, out, subject, dtype, acc):
     return write_results(records, Path(out) / slug, subj, peaks, prov, prefix)
 
 
-@main.command()
-@click.option("--db", default=DEFAULT_DB, show_default=True)
-@click.option("--out", default="results", show_default=True)
-@click.option("--device", default=None, help="device name in the store (default: the only one)")
-@click.option("--subject", default=None, help="implementation whose speedups are reported")
-@click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "bf16"]))
-@click.option("--acc", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16"]))
-def report(db, out, device, subject, dtype, acc):
-    """Write CSVs (CUDA-L2's layout), summary.json and plots from the store (no GPU needed)."""
+def _open_for_reading(db, device, *, require_measured: bool):
+    """The store, read-only, and the device to read: the one named, or the only one measured."""
     from gemmrl.store.db import Store
 
     if not Path(db).exists():
@@ -222,8 +215,21 @@ def report(db, out, device, subject, dtype, acc):
             raise click.ClickException(f"the store holds {len(devices)} devices ({', '.join(devices)}): "
                                        "name one with --device")
         device = devices[0]
-    elif device not in devices:
+    elif require_measured and device not in devices:
         raise click.ClickException(f"no measurements for {device!r}; the store has: {', '.join(devices)}")
+    return store, device
+
+
+@main.command()
+@click.option("--db", default=DEFAULT_DB, show_default=True)
+@click.option("--out", default="results", show_default=True)
+@click.option("--device", default=None, help="device name in the store (default: the only one)")
+@click.option("--subject", default=None, help="implementation whose speedups are reported")
+@click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "bf16"]))
+@click.option("--acc", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16"]))
+def report(db, out, device, subject, dtype, acc):
+    """Write CSVs (CUDA-L2's layout), summary.json and plots from the store (no GPU needed)."""
+    store, device = _open_for_reading(db, device, require_measured=True)
     paths = write_report(store, device, out, subject, dtype, acc)
     for p in paths:
         click.echo(p)
@@ -401,17 +407,8 @@ def pack(db, device, dtype, acc, min_speedup, out_dir):
     """Export the verified winners for one GPU as a pack (manifest + kernel sources); load it
     anywhere with gemmrl.use_pack(DIR). No GPU needed."""
     from gemmrl.runtime.pack import PackError, export_pack
-    from gemmrl.store.db import Store
 
-    if not Path(db).exists():
-        raise click.ClickException(f"no store at {db}")
-    store = Store(db, readonly=True)
-    devices = store.devices()
-    if device is None:
-        if len(devices) != 1:
-            raise click.ClickException(f"the store holds {len(devices)} devices ({', '.join(devices)}): "
-                                       "name one with --device")
-        device = devices[0]
+    store, device = _open_for_reading(db, device, require_measured=False)
     try:
         path = export_pack(store, device, out_dir, dtype, acc, min_speedup=min_speedup)
     except PackError as e:
