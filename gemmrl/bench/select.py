@@ -31,7 +31,7 @@ def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> li
 
                 names = "cutlass_sm90+raw" if s == "ours" else s.split(":", 1)[1]
                 fams = [registry.get(n) for n in names.split("+")]
-                out.append(BestOf(fams, store=store, device=device))
+                out.append(BestOf(fams, store=store, device=device, log=_log_stderr))
             elif s == "tuned":
                 from gemmrl.search.best_of import BestOf
                 from gemmrl.search.run import TUNED
@@ -53,3 +53,10 @@ def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> li
             seen.add(i.name)
             unique.append(i)
     return unique
+
+
+def _log_stderr(msg: str) -> None:
+    import sys
+
+    print(msg, file=sys.stderr, flush=True)
+

@@ -101,6 +101,9 @@ class BestOf(Impl):
             best, res = pick_fastest(problem, calls)
         except RuntimeError as e:
             raise UnsupportedProblem(f"{self.name}: {e}") from None
+        self.log(f"{problem.shape} candidates (median us): " + ", ".join(
+            f"{n}={r['median_us']:.2f}" if r.get("status") == "ok" else f"{n}={r.get('status')}"
+            for n, r in sorted(res.items(), key=lambda kv: kv[1].get("median_us") or 1e18)))
         self.chosen = impls[best]
         if self.store is not None:
             choice = json.dumps({"family": self.chosen.family.name, "spec": dict(self.chosen.spec.__dict__)},
