@@ -17,6 +17,13 @@ DEFAULT_DB = os.environ.get("GEMMRL_DB", "results/gemmrl.sqlite")
 MODES = ("kernel", "offline", "server")
 
 
+def _layouts(text: str) -> tuple[str, ...]:
+    lays = tuple(x.strip().upper() for x in text.split(",") if x.strip())
+    if not lays or any(x not in ("NN", "TN") for x in lays):
+        raise click.BadParameter("layouts are NN and/or TN", param_hint="--layouts")
+    return lays
+
+
 def _problems(spec: str, dtype: str, acc: str):
     try:
         return shapes_mod.resolve(spec, dtype, acc)
@@ -258,9 +265,7 @@ def tune(shape_spec, dtype, acc, candidates, batch, budget_s, layouts, db, out, 
     trial is stored and the run resumes from them; finally the winners ('gemmrl-tuned') are
     verified in full and timed beside the baselines, and the report is written."""
     problems = _problems(shape_spec, dtype, acc)
-    lays = tuple(x.strip().upper() for x in layouts.split(",") if x.strip())
-    if not lays or any(x not in ("NN", "TN") for x in lays):
-        raise click.BadParameter("layouts are NN and/or TN", param_hint="--layouts")
+    lays = _layouts(layouts)
     if ray_address is not None:
         from gemmrl.distributed import ray_backend
 
@@ -414,6 +419,55 @@ def pack(db, device, dtype, acc, min_speedup, out_dir):
     except PackError as e:
         raise click.ClickException(str(e)) from None
     click.echo(str(path))
+
+
+@main.command(name="build")
+@click.option("--shapes", "shape_spec", default="subset", show_default=True,
+              help="grid | subset | subset:N | preset:NAME | FILE | MxNxK[,MxNxK...]")
+@click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "bf16"]))
+@click.option("--acc", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16"]))
+@click.option("--family", "family_opts", multiple=True, default=("cutlass_sm90",), show_default=True,
+              help="kernel family (repeat for several)")
+@click.option("--layouts", default="NN,TN", show_default=True)
+@click.option("--top", default=4, show_default=True, type=click.IntRange(1, 1000),
+              help="candidates per family, layout and shape")
+@click.option("--jobs", default=None, type=click.IntRange(1, 1024), help="parallel nvcc processes (default: CPUs)")
+@click.option("--dry-run", is_flag=True, help="list what would be compiled, compile nothing")
+def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, jobs, dry_run):
+    """Compile the kernels a set of shapes will try into the build cache ($GEMMRL_CACHE), ahead of
+    time and without a GPU; copy the cache to the GPU machine to save its time."""
+    from gemmrl.build import ahead
+    from gemmrl.build.pool import build_many
+    from gemmrl.space import registry
+
+    problems = _problems(shape_spec, dtype, acc)
+    lays = _layouts(layouts)
+    try:
+        fams = [registry.get(f) for f in family_opts]
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--family") from None
+    jobs_all = ahead.plan(problems, fams, lays, top)
+    todo = ahead.pending(jobs_all)
+    click.echo(f"{len(jobs_all)} distinct kernels for {len(problems)} shapes; {len(jobs_all) - len(todo)} "
+               f"already built, {len(todo)} to compile", err=True)
+    if dry_run:
+        for j in todo:
+            click.echo(j.name)
+        return
+    t0, failed = time.monotonic(), []
+
+    def progress(done, total, name, r):
+        el = time.monotonic() - t0
+        eta = el / done * (total - done)
+        click.echo(f"[{done}/{total}] {'ok  ' if r.ok else 'FAIL'} {name} ({r.seconds:.0f} s)  "
+                   f"elapsed {el:.0f}s eta {eta:.0f}s", err=True)
+        if not r.ok:
+            failed.append((name, r.log[-1500:]))
+    build_many([j.as_tuple() for j in todo], workers=jobs, progress=progress)
+    for name, log in failed:
+        click.echo(f"--- {name} failed:\n{log}", err=True)
+    if failed:
+        raise click.ClickException(f"{len(failed)} of {len(todo)} builds failed")
 
 
 @main.command(name="verify")

@@ -14,8 +14,10 @@ def test_kernel_names_are_the_demangled_names_the_profiler_reports(tmp_path):
                      cache_dir=tmp_path)
     assert r.ok, r.log
     names = kernel_names(r.path)
-    assert len(names) == 1
-    (name,) = names
+    # the demangled form, and the mangled one (kineto reports long CUTLASS names mangled)
+    (name,) = {n for n in names if not n.startswith("_Z")}
+    (mangled,) = {n for n in names if n.startswith("_Z")}
+    assert mangled.startswith("_Z23gemmrl_test_gemm_kernel")
     # the form kineto prints: return type, template arguments, parameter list
     assert name.startswith("void gemmrl_test_gemm_kernel<(gemmrl_test::Layout)1,") and name.endswith(")")
     assert base_name(name) == "gemmrl_test_gemm_kernel"
@@ -29,7 +31,7 @@ def test_extern_c_kernel_name(tmp_path):
     assert r.ok, r.log
     # nvcc mangles the stub's name even for C linkage, so the name carries a parameter list;
     # the trace check matches such names by their base name
-    assert {base_name(n) for n in kernel_names(r.path)} == {"plain_kernel"}
+    assert {base_name(n) for n in kernel_names(r.path) if not n.startswith("_Z")} == {"plain_kernel"}
 
 
 def test_meta_validation():

@@ -326,7 +326,10 @@ def test_build_exports_the_abi(builds, spec):
     assert set(REQUIRED_SYMBOLS) <= exported
     k = AbiKernel(r.path)
     assert k.meta == KernelMeta(spec.layout, spec.dtype, spec.acc, spec.name)
-    assert any("GemmUniversal" in n for n in kernel_names(r.path))
+    names = kernel_names(r.path)
+    assert any("GemmUniversal" in n for n in names)
+    # on the H200 the profiler named these kernels by their mangled names
+    assert any(n.startswith("_ZN7cutlass13device_kernelINS_4gemm6kernel13GemmUniversal") for n in names)
 
     info = json.loads(_info(r.path))
     assert info["stages"] == cs.pipeline_stages(spec)

@@ -96,7 +96,9 @@ def test_served_shapes_match_torch(pack, M, N, K, batch, how):
 
 def test_unserved_shapes_are_exactly_torch_matmul(pack):
     with torch.inference_mode():
-        for M, N, K in ((17, 1024, 4096), (256, 1024, 516)):  # raw is per shape; K % 8 for TMA
+        # raw kernels serve their own shape only; CUTLASS ones need K % 8 == 0 (TMA), so no
+        # kernel of the pack serves these (17x1024x4096 is served: by the CUTLASS kernel)
+        for M, N, K in ((17, 1024, 4100), (256, 1024, 516)):
             a, w = _inputs(M, N, K)
             assert ops.explain(a, w, "TN").startswith("torch.matmul")
             assert torch.equal(gemmrl.matmul(a, w, b_layout="TN"), torch.matmul(a, w.t()))

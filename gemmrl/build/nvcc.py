@@ -135,12 +135,8 @@ def build_key(source: str, flags: list[str], headers: list[tuple[str, str]] = ()
     return h.hexdigest()[:24]
 
 
-def build_shared(source: str, *, name: str = "kernel", arch: str = "sm_90a",
-                 include_dirs: tuple[str, ...] = (), libraries: tuple[str, ...] = (),
-                 library_dirs: tuple[str, ...] = (), extra_flags: tuple[str, ...] = (),
-                 cache_dir: str | Path | None = None, timeout_s: float = 900,
-                 object_only: bool = False) -> BuildResult:
-    """Compile one .cu source into a shared object (or an object file), cached by content."""
+def _flags(arch: str, include_dirs: tuple[str, ...], libraries: tuple[str, ...],
+           library_dirs: tuple[str, ...], extra_flags: tuple[str, ...], object_only: bool):
     flags = ["-O3", "-std=c++17", "-DNDEBUG", "-Xptxas", "-v", "-Xcompiler", "-fPIC",
              "--expt-relaxed-constexpr", *gencode(arch)]
     include_dirs = tuple(str(Path(d).resolve()) for d in include_dirs)  # nvcc runs elsewhere
@@ -151,11 +147,37 @@ def build_shared(source: str, *, name: str = "kernel", arch: str = "sm_90a",
     else:
         flags += ["-shared"] + [f"-L{d}" for d in library_dirs]
         flags += [f"-Xlinker=-rpath={d}" for d in library_dirs] + [f"-l{lib}" for lib in libraries]
+    return flags, include_dirs
+
+
+def _artifact(source: str, name: str, flags: list[str], include_dirs: tuple[str, ...],
+              cache_dir, object_only: bool):
     key = build_key(source, flags, local_headers(source, include_dirs))
     root = Path(cache_dir) if cache_dir else cache_root() / "builds"
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:60]
     final_dir = root / f"{safe}-{key}"
-    artifact = final_dir / ("kernel.o" if object_only else "kernel.so")
+    return key, root, safe, final_dir, final_dir / ("kernel.o" if object_only else "kernel.so")
+
+
+def is_built(source: str, *, name: str = "kernel", arch: str = "sm_90a",
+             include_dirs: tuple[str, ...] = (), libraries: tuple[str, ...] = (),
+             library_dirs: tuple[str, ...] = (), extra_flags: tuple[str, ...] = (),
+             cache_dir: str | Path | None = None, object_only: bool = False) -> bool:
+    """Whether build_shared with these arguments would find its result in the cache (no nvcc
+    run beyond `nvcc --version`, once)."""
+    flags, include_dirs = _flags(arch, include_dirs, libraries, library_dirs, extra_flags, object_only)
+    return _artifact(source, name, flags, include_dirs, cache_dir, object_only)[4].exists()
+
+
+def build_shared(source: str, *, name: str = "kernel", arch: str = "sm_90a",
+                 include_dirs: tuple[str, ...] = (), libraries: tuple[str, ...] = (),
+                 library_dirs: tuple[str, ...] = (), extra_flags: tuple[str, ...] = (),
+                 cache_dir: str | Path | None = None, timeout_s: float = 900,
+                 object_only: bool = False) -> BuildResult:
+    """Compile one .cu source into a shared object (or an object file), cached by content."""
+    flags, include_dirs = _flags(arch, include_dirs, libraries, library_dirs, extra_flags, object_only)
+    key, root, safe, final_dir, artifact = _artifact(source, name, flags, include_dirs, cache_dir,
+                                                     object_only)
     if artifact.exists():
         log = (final_dir / "build.log").read_text() if (final_dir / "build.log").exists() else ""
         return BuildResult(True, key, str(artifact), log, 0.0, True, parse_ptxas(log))

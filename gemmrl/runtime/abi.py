@@ -83,7 +83,7 @@ class AbiKernel:
 
 
 def kernel_names(so_path: str) -> set[str]:
-    """Demangled names of the __global__ functions defined in a shared object. nvcc emits host
+    """Names (demangled, and mangled where C++ mangles them) of the __global__ functions defined in a shared object. nvcc emits host
     symbols named after each kernel's launch stub (`__device_stub__<mangled kernel name>`: the
     stub function, or its static variables when the stub is inlined); the mangled name in them
     is demangled with c++filt."""
@@ -94,6 +94,8 @@ def kernel_names(so_path: str) -> set[str]:
     tokens = set(re.findall(r"__device_stub__([A-Za-z0-9_]+)", out))
     mangled = sorted("_" + t for t in tokens if t.startswith("Z"))
     names = {t for t in tokens if not t.startswith("Z")}  # extern "C" kernels: not mangled
+    # the profiler reports some kernels (long CUTLASS templates) by their mangled name: keep both
+    names.update(mangled)
     if mangled:
         dem = subprocess.run(["c++filt"], input="\n".join(mangled), capture_output=True, text=True,
                              check=True).stdout.splitlines()

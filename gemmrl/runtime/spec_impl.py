@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gemmrl.build.nvcc import build_shared
+from gemmrl.build.nvcc import build_shared, is_built
 from gemmrl.core.impl import Impl, UnsupportedProblem
 from gemmrl.runtime.abi import AbiError, AbiKernel, abi_call, kernel_names
 from gemmrl.space.registry import family_of
@@ -25,6 +25,10 @@ class SpecImpl(Impl):
 
     def source(self, problem) -> str:
         return self.family.render(self.spec, problem)
+
+    def is_built(self, problem) -> bool:
+        """Whether this spec's build for the problem is already in the cache."""
+        return is_built(self.source(problem), name=self.name, arch=self.arch, **self.family.build_kwargs())
 
     def prepare(self, problem):
         why = self.family.valid(self.spec, problem)

@@ -1,0 +1,44 @@
+"""Compile ahead of time, on any machine with nvcc and no GPU: the candidate kernels a set of
+shapes will try, deduplicated by source (a generic family's spec is one build for every shape),
+into the content-hash cache. A cache built here and copied to the GPU machine (same nvcc, same
+header paths) saves the GPU's time: CUTLASS kernels take about a minute each to compile."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BuildJob:
+    name: str
+    source: str
+    kwargs: dict  # build_shared keyword arguments: arch, include_dirs, extra_flags
+
+    def as_tuple(self) -> tuple[str, str, dict]:
+        return self.name, self.source, self.kwargs
+
+
+def plan(problems, families, layouts=("NN", "TN"), top: int = 4) -> list[BuildJob]:
+    """The builds for each family's top `top` candidates per problem and layout, each source
+    once, in first-seen order."""
+    from gemmrl.runtime.spec_impl import SpecImpl
+
+    seen, out = set(), []
+    for p in problems:
+        for fam in families:
+            for layout in layouts:
+                for spec in fam.candidates(p, layout, top):
+                    impl = SpecImpl(spec)
+                    src = impl.source(p)
+                    if src in seen:
+                        continue
+                    seen.add(src)
+                    out.append(BuildJob(spec.name, src, {"arch": impl.arch, **fam.build_kwargs()}))
+    return out
+
+
+def pending(jobs: list[BuildJob]) -> list[BuildJob]:
+    """The jobs whose result is not in the cache yet."""
+    from gemmrl.build.nvcc import is_built
+
+    return [j for j in jobs if not is_built(j.source, name=j.name, **j.kwargs)]
