@@ -251,13 +251,19 @@ def report(db, out, device, subject, dtype, acc):
               help="candidate kernels per shape, the earlier runs' included")
 @click.option("--batch", default=8, show_default=True, type=click.IntRange(1, 256))
 @click.option("--budget-s", default=None, type=float, help="device seconds for the search (default: none)")
+@click.option("--wall-s", default=None, type=float,
+              help="stop starting new batches after this many seconds of wall time (then the winners are "
+                   "timed and reported; a rerun resumes)")
+@click.option("--built-only", is_flag=True,
+              help="propose CUTLASS (generic) kernels only where the build cache already holds them "
+                   "(see gemmrl build); per-shape kernels are always built")
 @click.option("--layouts", default="NN,TN", show_default=True)
 @click.option("--db", default=DEFAULT_DB, show_default=True)
 @click.option("--out", default="results", show_default=True)
 @click.option("--ray", "ray_address", default=None, metavar="ADDRESS",
               help="evaluate candidates on a Ray cluster, one worker per GPU of the same model as "
                    "this one ('auto', or host:port); needs pip install 'gemmrl[distributed]'")
-def tune(shape_spec, dtype, acc, candidates, batch, budget_s, layouts, db, out, ray_address):
+def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only, layouts, db, out, ray_address):
     """Search kernels per shape with speed over the best baseline as the reward; keep the winners.
 
     Baselines are measured first (kernel mode) where the store lacks them; then the model-free
@@ -315,7 +321,9 @@ def tune(shape_spec, dtype, acc, candidates, batch, budget_s, layouts, db, out, 
                 click.echo(f"{t.problem.shape:>20}  best {t.reward:6.3f}x  {t.candidate.name}", err=True)
         try:
             res = run_tune(problems, store, device, evaluate, candidates=candidates, batch=batch,
-                           budget_s=budget_s or float("inf"), layouts=lays, run_id=run_id, on_trial=on_trial)
+                           budget_s=budget_s or float("inf"), layouts=lays, run_id=run_id, on_trial=on_trial,
+                           deadline=time.monotonic() + wall_s if wall_s else None,
+                           generic_built_only=built_only)
         finally:
             close()
         won = sum(1 for t in res.best.values() if t.reward > 1.0)

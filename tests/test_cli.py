@@ -99,3 +99,22 @@ def test_tune_checks_layouts_and_refuses_without_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     r = CliRunner().invoke(main, ["tune", "--shapes", "64x64x64"])
     assert r.exit_code == 2 and "no CUDA GPU" in r.output
+
+
+def test_build_compiles_ahead_without_a_gpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("GEMMRL_CACHE", str(tmp_path))
+    args = ["build", "--shapes", "64x64x64", "--family", "raw", "--layouts", "TN", "--top", "2"]
+    r = CliRunner().invoke(main, args + ["--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert "2 distinct kernels for 1 shapes; 0 already built, 2 to compile" in r.output
+    names = [ln for ln in r.output.splitlines() if ln.startswith("raw_tn_")]
+    assert len(names) == 2
+    r = CliRunner().invoke(main, args + ["--jobs", "1"])
+    assert r.exit_code == 0, r.output
+    assert "[2/2] ok" in r.output
+    r = CliRunner().invoke(main, args + ["--dry-run"])
+    assert "2 already built, 0 to compile" in r.output
+    bad = CliRunner().invoke(main, ["build", "--shapes", "64x64x64", "--family", "nope"])
+    assert bad.exit_code == 2 and "unknown kernel family 'nope'" in bad.output
+    bad = CliRunner().invoke(main, ["build", "--shapes", "64x64x64", "--layouts", "NT"])
+    assert bad.exit_code == 2 and "layouts are NN and/or TN" in bad.output

@@ -370,6 +370,36 @@ def test_budgets_are_respected():
     assert len(sim.evaluated) == len(result.trials) < 32 * len(PROBLEMS)
 
 
+def test_wall_clock_deadline_stops_between_batches():
+    sim, now = SimGPU(), [0.0]
+
+    def evaluate(problem, cands):  # each batch takes 10 s of wall time
+        now[0] += 10.0
+        return sim(problem, cands)
+    result = tune(PROBLEMS, ModelFreePolicy(layouts=LAYOUTS), evaluate, per_shape_candidates=16, batch=8,
+                  deadline=35.0, clock=lambda: now[0])
+    assert result.stopped == "wall-clock deadline"
+    assert len(sim.evaluated) == 4 * 8  # batches started at 0, 10, 20 and 30 s; none at 40 s
+    assert set(result.best) == set(PROBLEMS[:2])
+
+
+def test_allow_filter_applies_to_every_proposal():
+    # e.g. generic (CUTLASS) specs only where already built: here, only a fixed library of them
+    library = {s.name for f, s in candidate_pool(PROBLEMS[0], LAYOUTS) if f == "cutlass_sm90"}
+    library = set(sorted(library)[:5])
+    seen = []
+
+    def allow(family, spec, problem):
+        seen.append(family)
+        return family == "raw" or spec.name in library
+    policy = ModelFreePolicy(layouts=LAYOUTS, allow=allow)
+    result = tune(PROBLEMS[:8], policy, SimGPU(), per_shape_candidates=24, batch=8)
+    names = [t.candidate for t in result.trials]
+    assert {"raw", "cutlass_sm90"} <= set(seen)
+    assert all(c.family == "raw" or c.name in library for c in names)
+    assert any(c.family == "cutlass_sm90" for c in names)  # the library is used, not avoided
+
+
 def test_resume_from_history_never_reproposes():
     problems = PROBLEMS[:8]
     first = tune(problems, ModelFreePolicy(layouts=LAYOUTS, seed=0), SimGPU(), per_shape_candidates=12, batch=4)

@@ -461,8 +461,10 @@ class ModelFreePolicy(_Tracking):
                  cost_model: CostModel | None = None,
                  quarantined: Callable[[Problem], Iterable[str]] | None = None,
                  neighbours: int = 3, transfer_top: int = 2, mutate_top: int = 3,
-                 beta: float = 0.5, epsilon: float = 0.1, seed: int = 0):
+                 beta: float = 0.5, epsilon: float = 0.1, seed: int = 0,
+                 allow: Callable[[str, object, Problem], bool] | None = None):
         super().__init__(families, layouts, quarantined)
+        self.allow = allow  # allow(family, spec, problem): a filter on every option (e.g. built only)
         self.model = cost_model or CostModel()
         self.neighbours, self.transfer_top, self.mutate_top = neighbours, transfer_top, mutate_top
         self.beta, self.epsilon = beta, epsilon
@@ -501,6 +503,8 @@ class ModelFreePolicy(_Tracking):
             if key in opts or key in tried or key in self.broken or spec.name in quarantined:
                 return
             if family not in self.families or getattr(spec, "layout", None) not in (None, *self.layouts):
+                return
+            if self.allow is not None and not self.allow(family, spec, problem):
                 return
             if checked or registry.get(family).valid(spec, problem) is None:
                 opts[key] = [family, spec, origin]

@@ -86,12 +86,31 @@ def stored_history(store, device: str, problems) -> list[Trial]:
     return out
 
 
+def built_generic_only():
+    """A policy filter: specs of a generic family (one build for every shape, slow to compile:
+    CUTLASS) only where their build is already in the cache; per-shape families always."""
+    from gemmrl.runtime.spec_impl import SpecImpl
+    from gemmrl.space import registry
+
+    known: dict[str, bool] = {}
+
+    def allow(family: str, spec, problem) -> bool:
+        if not registry.get(family).generic:
+            return True
+        if spec.name not in known:  # a generic spec's source does not depend on the shape
+            known[spec.name] = SpecImpl(spec).is_built(problem)
+        return known[spec.name]
+    return allow
+
+
 def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, batch: int = 8,
              budget_s: float = float("inf"), layouts=("NN", "TN"), run_id: int | None = None,
-             policy=None, on_trial=None) -> TuneResult:
+             policy=None, on_trial=None, deadline: float | None = None,
+             generic_built_only: bool = False) -> TuneResult:
     """Tune, resuming from the trials already in the store; store every trial and the winners."""
     history = stored_history(store, device, problems)
-    policy = policy or ModelFreePolicy(layouts=tuple(layouts))
+    policy = policy or ModelFreePolicy(layouts=tuple(layouts),
+                                       allow=built_generic_only() if generic_built_only else None)
 
     def record(t: Trial):
         store.record_trial(run_id, device, t.problem, t.candidate.name, t.status, t.reward, t.time_us,
@@ -100,7 +119,7 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
             on_trial(t)
 
     res = tune(problems, policy, evaluate, per_shape_candidates=candidates, batch=batch,
-               device_budget_s=budget_s, history=history, on_trial=record)
+               device_budget_s=budget_s, history=history, on_trial=record, deadline=deadline)
     for problem, t in res.best.items():
         if t.reward > 0 and t.status == "ok":
             choice = json.dumps({"family": t.candidate.family, "spec": t.to_dict()["spec"]},

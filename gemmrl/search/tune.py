@@ -80,7 +80,8 @@ class TuneResult:
 
 def tune(problems: Iterable[Problem], policy: Policy, evaluate: Evaluate, *, per_shape_candidates: int,
          batch: int = 8, device_budget_s: float = math.inf, history: Iterable[Trial] = (),
-         on_trial: Callable[[Trial], None] | None = None) -> TuneResult:
+         on_trial: Callable[[Trial], None] | None = None, deadline: float | None = None,
+         clock: Callable[[], float] = time.monotonic) -> TuneResult:
     problems = list(dict.fromkeys(problems))
     wanted = set(problems)
     history = [t for t in history if t.problem in wanted]
@@ -112,6 +113,9 @@ def tune(problems: Iterable[Problem], policy: Policy, evaluate: Evaluate, *, per
             remaining = device_budget_s - spent
             if remaining <= 0:
                 stopped = "device budget"
+                break
+            if deadline is not None and clock() >= deadline:
+                stopped = "wall-clock deadline"
                 break
             k = min(batch, per_shape_candidates - counts[problem])
             per = max(costs, default=0.0)
