@@ -329,7 +329,8 @@ def test_build_exports_the_abi(builds, spec):
     names = kernel_names(r.path)
     assert any("GemmUniversal" in n for n in names)
     # on the H200 the profiler named these kernels by their mangled names
-    assert any(n.startswith("_ZN7cutlass13device_kernelINS_4gemm6kernel13GemmUniversal") for n in names)
+    assert any(n.startswith("_ZN7cutlass13device_kernelINS_4gemm6kernel13GemmUniversal")
+               and n.endswith("EEvNT_6ParamsE") for n in names)  # the kernel's name alone, no stub parameters
 
     info = json.loads(_info(r.path))
     assert info["stages"] == cs.pipeline_stages(spec)
@@ -375,8 +376,12 @@ def test_heuristic_ranks_valid_diverse_specs_and_prefers_full_waves():
     assert len({(s.tile_m, s.tile_n, s.tile_k, s.schedule, s.scheduler) for s in hs}) == 6
     times = [estimate_us(s, big) for s in hs]
     assert times == sorted(times)
-    # a small problem has too few tiles for 132 SMs: stream-K or split-K must rank first
-    small = Problem(512, 768, 1024)
-    assert heuristic_specs(small, "NN", limit=1)[0].scheduler in ("streamk", "splitk")
-    # and a huge one is best served by plain persistent tiles
-    assert heuristic_specs(Problem(16384, 16384, 16384), "NN", limit=1)[0].scheduler == "persistent"
+    # measured on the H200 (results/logs/probe-2026-11-22.log): with a short K loop, splitting
+    # K does not pay (1024^3: stream-K 17.9 us, split-K 22.8 us); small persistent tiles rank first
+    first = heuristic_specs(Problem(512, 768, 1024), "NN", limit=1)[0]
+    assert first.scheduler == "persistent" and first.tile_m * first.tile_n <= 128 * 128
+    # few tiles and a long K loop: split the K loop (256x4096x12288: split-K 4 was fastest)
+    assert heuristic_specs(Problem(256, 4096, 12288), "NN", limit=1)[0].scheduler in ("splitk", "streamk")
+    # a huge problem is best served by big tiles (128x256 or larger: 705 TFLOP/s at 8192^3)
+    first = heuristic_specs(Problem(16384, 16384, 16384), "NN", limit=1)[0]
+    assert first.tile_m * first.tile_n >= 128 * 256

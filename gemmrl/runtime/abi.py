@@ -82,22 +82,35 @@ class AbiKernel:
         return self._run(a_ptr, b_ptr, c_ptr, M, N, K, lda, ldb, ldc, workspace_ptr, stream)
 
 
+_STUB = re.compile(r"(\d+)__device_stub__")
+
+
 def kernel_names(so_path: str) -> set[str]:
-    """Names (demangled, and mangled where C++ mangles them) of the __global__ functions defined in a shared object. nvcc emits host
-    symbols named after each kernel's launch stub (`__device_stub__<mangled kernel name>`: the
-    stub function, or its static variables when the stub is inlined); the mangled name in them
-    is demangled with c++filt."""
+    """Names of the __global__ functions defined in a shared object, as a profiler may report
+    them: demangled, and mangled (kineto gives long CUTLASS names mangled). nvcc emits host
+    symbols named after each kernel's launch stub, `__device_stub__<mangled kernel name>`: the
+    stub function, or only its static variables when the stub is inlined. Inside the symbol the
+    stub's identifier carries its length (`...L1253__device_stub__ZN7cutlass...`), which says
+    exactly where the kernel's name ends; the rest of the symbol is the stub's parameters."""
     import subprocess
 
-    out = subprocess.run(["nm", "--defined-only", "-C", so_path], capture_output=True, text=True,
+    out = subprocess.run(["nm", "--defined-only", so_path], capture_output=True, text=True,
                          check=True).stdout
-    tokens = set(re.findall(r"__device_stub__([A-Za-z0-9_]+)", out))
-    mangled = sorted("_" + t for t in tokens if t.startswith("Z"))
-    names = {t for t in tokens if not t.startswith("Z")}  # extern "C" kernels: not mangled
-    # the profiler reports some kernels (long CUTLASS templates) by their mangled name: keep both
-    names.update(mangled)
+    names, mangled = set(), set()
+    for sym in (ln.split()[-1] for ln in out.splitlines() if "__device_stub__" in ln):
+        for m in _STUB.finditer(sym):
+            ident = sym[m.start(0) + len(m.group(1)):][:int(m.group(1))]
+            kernel = ident[len("__device_stub__"):]
+            if not kernel:
+                continue
+            if kernel.startswith("Z"):
+                mangled.add("_" + kernel)
+            else:
+                names.add(kernel)  # extern "C": the kernel's symbol is its plain name
+    names |= mangled
     if mangled:
-        dem = subprocess.run(["c++filt"], input="\n".join(mangled), capture_output=True, text=True,
+        order = sorted(mangled)
+        dem = subprocess.run(["c++filt"], input="\n".join(order), capture_output=True, text=True,
                              check=True).stdout.splitlines()
         names.update(d.strip() for d in dem if d.strip())
     return names

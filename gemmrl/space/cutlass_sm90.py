@@ -288,25 +288,44 @@ def enumerate_specs(layout: str = "TN", dtype: str = "fp16", acc: str = "fp32") 
 SMS = 132  # H100 / H200 SXM
 
 
-def estimate_us(spec: CutlassSpec, problem, tflops_per_sm: float = 5.2, gbs: float = 3300.0) -> float:
-    """A rough time model for ranking specs before timing: work per SM after wave quantization
-    (tiles x splits spread over the SMs a cluster shape can fill), plus the bytes each tile reads
-    (bigger tiles re-read less), plus a fixed cost per split-K/stream-K reduction."""
+def estimate_us(spec: CutlassSpec, problem, tflops_per_sm: float = 5.5, gbs: float = 3300.0,
+                l2_gbs: float = 12000.0) -> float:
+    """A rough time model for ranking specs before timing, calibrated on an H200 (12 shapes,
+    results/logs/probe-2026-11-22.log): work per SM after wave quantization, the compulsory
+    HBM bytes, the re-reads of A and B by neighbouring tiles (served mostly by L2), and for
+    split-K / stream-K the partial tiles written and read back plus a fixed reduction cost.
+    Stream-K splits the K loop only in chunks of at least 8 k-tiles, so it cannot fill the
+    GPU from a handful of tiles with a short K loop."""
     tiles_m = -(-problem.M // spec.tile_m)
     tiles_n = -(-problem.N // spec.tile_n)
-    splits = spec.splits if spec.scheduler == "splitk" else 1
-    units = tiles_m * tiles_n * splits
+    tiles = tiles_m * tiles_n
     usable = SMS - SMS % (spec.cluster_m * spec.cluster_n)
-    if spec.scheduler == "streamk" and units < usable:
-        waves = units / usable  # stream-K spreads the K loop over idle SMs
+    k_chunks = max(1, problem.K // (8 * spec.tile_k))
+    if spec.scheduler == "splitk":
+        splits = spec.splits
+    elif spec.scheduler == "streamk" and tiles < usable:
+        splits = max(1, min(usable // tiles, k_chunks))
+    else:
+        splits = 1
+    units = tiles * splits
+    if spec.scheduler == "streamk" and units >= usable:
+        waves = units / usable  # stream-K balances the last wave
     else:
         waves = -(-units // usable)
     tile_flops = 2 * spec.tile_m * spec.tile_n * problem.K / splits
-    compute = waves * tile_flops / (tflops_per_sm * 1e6)
-    reread = 2 * (problem.M * problem.K * tiles_n / max(1, spec.cluster_n)
-                  + problem.N * problem.K * tiles_m / max(1, spec.cluster_m))
-    memory = (reread + 2 * problem.M * problem.N) / (gbs * 1e3)
-    reduce = 2.0 if spec.scheduler in ("splitk", "streamk") else 0.0
+    # bigger tiles keep the tensor cores busier (more math per byte through shared memory)
+    efficiency = 0.75 + 0.25 * min(1.0, spec.tile_m * spec.tile_n / 32768)
+    compute = waves * tile_flops / (tflops_per_sm * efficiency * 1e6)
+    compulsory = 2 * (problem.M * problem.K + problem.N * problem.K + problem.M * problem.N)
+    reread = 2 * (problem.M * problem.K * max(0, tiles_n / max(1, spec.cluster_n) - 1)
+                  + problem.N * problem.K * max(0, tiles_m / max(1, spec.cluster_m) - 1))
+    memory = compulsory / (gbs * 1e3) + reread / (l2_gbs * 1e3)
+    reduce = 0.0
+    if spec.scheduler == "streamk" and splits == 1 and tiles % usable:
+        reduce = 2.0 + 8 * usable * spec.tile_m * spec.tile_n / (gbs * 1e3)  # the split last wave
+    if splits > 1:
+        partial_bytes = 2 * 4 * units * spec.tile_m * spec.tile_n  # fp32 partials out and back in
+        reduce = 2.0 + partial_bytes / (gbs * 1e3)
     return max(compute, memory) + reduce + 3.0
 
 

@@ -633,10 +633,12 @@ _WARPS = {  # (block_m, block_n) -> (warps_m, warps_n): 4 warps unless the tile 
 
 
 def estimate_us(spec: RawSpec, problem: Problem) -> float:
-    """A crude time model for ranking before anything is timed (H100/H200-like constants, not
-    measured for this family): launch, plus the slowest of HBM, L2->SM and tensor time at the
-    parallelism and bytes-in-flight the grid gives, plus a pipeline fill per wave, plus the
-    split-K reduction (one CTA per tile reads SPLIT_K partials after a fence and an atomic)."""
+    """A crude time model for ranking before anything is timed: launch, plus the slowest of HBM,
+    L2->SM and tensor time at the parallelism and bytes-in-flight the grid gives, plus a pipeline
+    fill per wave, plus the split-K reduction (one CTA per tile reads SPLIT_K partials after a
+    fence and an atomic). Constants calibrated on an H200 (results/logs/probe-2026-11-22.log):
+    mma.sync reaches about 290 TFLOP/s here, and one CTA streams its operands at about a
+    quarter of its bytes in flight per microsecond, so skinny shapes need split-K to fill HBM."""
     g = geometry(spec, problem)
     S, bm, bn, bk = spec.split_k, spec.block_m, spec.block_n, spec.block_k
     ctas = g.tiles * S
@@ -646,14 +648,14 @@ def estimate_us(spec: RawSpec, problem: Problem) -> float:
     resident = min(ctas, SM_COUNT * per_sm)
     busy = min(1.0, ctas / SM_COUNT)                                  # SMs with work
     inflight = resident * (spec.stages - 1) * (bm + bn) * bk * 2      # bytes requested at once
-    bw = 4.0e6 * min(1.0, inflight / (SM_COUNT * 32e3))               # bytes/us, ~30 KB/SM hides latency
+    bw = min(3.6e6, inflight / 4.0)                                   # bytes/us
     hbm = problem.min_bytes / bw
-    l2 = g.tiles * (bm + bn) * g.kt * bk * 2 / (1.0e7 * busy)
-    tensor = 2 * g.tiles * bm * bn * g.kt * bk / (5.0e8 * busy * min(1.0, spec.threads / 128))
+    l2 = g.tiles * (bm + bn) * g.kt * bk * 2 / (0.6e7 * busy)
+    tensor = 2 * g.tiles * bm * bn * g.kt * bk / (2.9e8 * busy * min(1.0, spec.threads / 128))
     waves = -(-ctas // (SM_COUNT * per_sm))
     fill = 0.7 * waves
     reduce = (1.0 + S * bm * bn * 4 / 5.0e4) if S > 1 else 0.0
-    return 1.5 + max(hbm, l2, tensor) + fill + reduce
+    return 1.0 + max(hbm, l2, tensor) + fill + reduce
 
 
 def heuristic_specs(problem: Problem, layout: str, acc: str | None = None, limit: int = 6) -> list[RawSpec]:
