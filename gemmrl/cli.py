@@ -254,6 +254,9 @@ def report(db, out, device, subject, dtype, acc):
 @click.option("--wall-s", default=None, type=float,
               help="stop starting new batches after this many seconds of wall time (then the winners are "
                    "timed and reported; a rerun resumes)")
+@click.option("--no-report", is_flag=True, help="do not write CSVs, summary and plots at the end")
+@click.option("--family", "family_opts", multiple=True, default=("cutlass_sm90", "raw"), show_default=True,
+              help="kernel families to search (repeat for several)")
 @click.option("--built-only", is_flag=True,
               help="propose CUTLASS (generic) kernels only where the build cache already holds them "
                    "(see gemmrl build); per-shape kernels are always built")
@@ -263,7 +266,8 @@ def report(db, out, device, subject, dtype, acc):
 @click.option("--ray", "ray_address", default=None, metavar="ADDRESS",
               help="evaluate candidates on a Ray cluster, one worker per GPU of the same model as "
                    "this one ('auto', or host:port); needs pip install 'gemmrl[distributed]'")
-def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only, layouts, db, out, ray_address):
+def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only, family_opts, layouts, db, out,
+         ray_address, no_report):
     """Search kernels per shape with speed over the best baseline as the reward; keep the winners.
 
     Baselines are measured first (kernel mode) where the store lacks them; then the model-free
@@ -272,6 +276,12 @@ def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only
     verified in full and timed beside the baselines, and the report is written."""
     problems = _problems(shape_spec, dtype, acc)
     lays = _layouts(layouts)
+    from gemmrl.space import registry
+
+    try:
+        fams = tuple(registry.get(f).name for f in family_opts)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--family") from None
     if ray_address is not None:
         from gemmrl.distributed import ray_backend
 
@@ -320,24 +330,27 @@ def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only
                 best[t.problem] = t.reward
                 click.echo(f"{t.problem.shape:>20}  best {t.reward:6.3f}x  {t.candidate.name}", err=True)
         try:
+            t_search = time.monotonic()
             res = run_tune(problems, store, device, evaluate, candidates=candidates, batch=batch,
                            budget_s=budget_s or float("inf"), layouts=lays, run_id=run_id, on_trial=on_trial,
                            deadline=time.monotonic() + wall_s if wall_s else None,
-                           generic_built_only=built_only)
+                           generic_built_only=built_only, families=fams)
+            search_wall = time.monotonic() - t_search
         finally:
             close()
         won = sum(1 for t in res.best.values() if t.reward > 1.0)
-        click.echo(f"tuned {len(res.best)} shapes with {len(res.trials)} new candidates "
-                   f"({res.device_s:.0f} device s); faster than the best baseline on {won}"
+        click.echo(f"tuned {len(res.best)} shapes with {len(res.trials)} new candidates in {search_wall:.1f} s "
+                   f"of wall time ({res.device_s:.0f} device s); faster than the best baseline on {won}"
                    + (f"; stopped: {res.stopped}" if res.stopped else ""), err=True)
-        slug = env.gpu_slug(device)
-        write_curves({"model-free": res.per_shape_curve()}, Path(out) / slug / "tune_curve")
+        if not no_report:
+            write_curves({"model-free": res.per_shape_curve()}, Path(out) / env.gpu_slug(device) / "tune_curve")
         measure(("baselines", "tuned"), "the winners, verified in full and timed beside the baselines")
         status = "done"
     finally:
         store.finish_run(run_id, status)
-    paths = write_report(store, device, out, TUNED, dtype, acc)
-    click.echo(f"wrote {len(paths)} files under {Path(out) / env.gpu_slug(device)}", err=True)
+    if not no_report:
+        paths = write_report(store, device, out, TUNED, dtype, acc)
+        click.echo(f"wrote {len(paths)} files under {Path(out) / env.gpu_slug(device)}", err=True)
     store.close()
 
 

@@ -95,6 +95,8 @@ def test_llm_needs_an_endpoint_then_a_gpu(monkeypatch):
 def test_tune_checks_layouts_and_refuses_without_gpu(monkeypatch):
     r = CliRunner().invoke(main, ["tune", "--shapes", "64x64x64", "--layouts", "NT"])
     assert r.exit_code == 2 and "layouts are NN and/or TN" in r.output
+    r = CliRunner().invoke(main, ["tune", "--shapes", "64x64x64", "--family", "triton"])
+    assert r.exit_code == 2 and "unknown kernel family 'triton'" in r.output
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     r = CliRunner().invoke(main, ["tune", "--shapes", "64x64x64"])

@@ -106,10 +106,11 @@ def built_generic_only():
 def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, batch: int = 8,
              budget_s: float = float("inf"), layouts=("NN", "TN"), run_id: int | None = None,
              policy=None, on_trial=None, deadline: float | None = None,
-             generic_built_only: bool = False) -> TuneResult:
+             generic_built_only: bool = False, families: tuple | None = None) -> TuneResult:
     """Tune, resuming from the trials already in the store; store every trial and the winners."""
     history = stored_history(store, device, problems)
-    policy = policy or ModelFreePolicy(layouts=tuple(layouts),
+    policy = policy or ModelFreePolicy(**({"families": tuple(families)} if families else {}),
+                                       layouts=tuple(layouts),
                                        allow=built_generic_only() if generic_built_only else None)
 
     def record(t: Trial):
