@@ -288,3 +288,63 @@ def test_refine_loop_end_to_end(monkeypatch, tmp_path, caplog, capfd):
     for text in (out.read_text(), (tmp_path / "store.db").read_bytes().decode("latin-1"),
                  caplog.text, captured.out, captured.err):
         assert FAKE_KEY not in text
+
+
+# ---------------------------------------------------------------------------------------------
+# Nsight Compute metrics: parsing and retry on recorded output (ncu itself runs on the GPU)
+
+NCU_CSV = '''==PROF== Connected to process 4242 (/usr/bin/python3)
+==PROF== Profiling "splitk_reduce": 0%....50%....100% - 1 pass
+==PROF== Profiling "gemm_kernel": 0%....50%....100% - 9 passes
+==PROF== Disconnected from process 4242
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","dram__throughput.avg.pct_of_peak_sustained_elapsed","gpu__time_duration.sum","lts__t_sector_hit_rate.pct","sm__warps_active.avg.pct_of_peak_sustained_active"
+"","","","","","","","%","ns","%","%"
+"0","4242","python3","h","splitk_reduce","1","7","12.5","2,112","40.1","30.2"
+"1","4242","python3","h","gemm_kernel","1","7","71.25","41,856","88.9","12.4"
+'''
+
+
+def test_ncu_csv_takes_the_longest_kernel():
+    from gemmrl.llm.ncu import describe, parse_csv
+
+    got = parse_csv(NCU_CSV)
+    assert got == {"gpu__time_duration.sum": 41856.0,
+                   "dram__throughput.avg.pct_of_peak_sustained_elapsed": 71.25,
+                   "lts__t_sector_hit_rate.pct": 88.9,
+                   "sm__warps_active.avg.pct_of_peak_sustained_active": 12.4}
+    assert parse_csv("==PROF== No kernels were profiled.\n") == {}
+    d = describe(got)
+    assert d["DRAM throughput (% of peak)"] == "71.2" and d["duration (ns)"] == "41856"
+    best = {"source": HONEST, "time_us": 10.0, "resources": [], "reward": 1.1}
+    msgs = build_messages(Problem(256, 256, 256), "NN", best=best, ncu=d)
+    assert "Nsight Compute metrics" in msgs[1]["content"] and "L2 hit rate (%): 88.9" in msgs[1]["content"]
+
+
+def test_ncu_drops_unknown_metrics_and_retries(monkeypatch):
+    import subprocess
+
+    from gemmrl.llm import ncu
+
+    monkeypatch.setenv("GEMMRL_NCU_PATH", "/opt/fake/ncu")
+    calls = []
+
+    def run(cmd, **kw):
+        calls.append(cmd)
+        wanted = cmd[cmd.index("--metrics") + 1].split(",")
+        if "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active" in wanted:
+            return subprocess.CompletedProcess(cmd, 1, "", "==ERROR== Failed to find metric "
+                                               "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active\n")
+        return subprocess.CompletedProcess(cmd, 0, NCU_CSV, "")
+
+    got = ncu.profile("/x/kernel.so", 256, 384, 512, run=run)
+    assert got["dram__throughput.avg.pct_of_peak_sustained_elapsed"] == 71.25
+    assert len(calls) == 2 and calls[0][0] == "/opt/fake/ncu"
+    assert calls[0][-5:] == ["gemmrl.llm.ncu_target", "/x/kernel.so", "256", "384", "512"]
+    assert "--profile-from-start" in calls[0] and "sm__pipe_tensor_op_gmma" not in calls[1][calls[1].index("--metrics") + 1]
+    # a failure that names no metric gives no metrics, not an endless retry
+    assert ncu.profile("/x/kernel.so", 1, 1, 1, run=lambda cmd, **kw: subprocess.CompletedProcess(
+        cmd, 1, "", "==ERROR== profiling is not supported")) is None
+    monkeypatch.setenv("GEMMRL_NCU_PATH", "")
+    monkeypatch.setattr(ncu.shutil, "which", lambda name: None)
+    monkeypatch.setattr(ncu.Path, "exists", lambda self: False)
+    assert ncu.profile("/x/kernel.so", 1, 1, 1, run=run) is None  # no ncu: no metrics

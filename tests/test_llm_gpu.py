@@ -51,8 +51,28 @@ def test_llm_command_builds_verifies_times_and_rewards(tmp_path, monkeypatch):
     # the second turn's prompt tells the model what went wrong in the first
     turn1 = srv.requests[1]["body"]["messages"][1]["content"]
     assert "rejected" in turn1 and "refused" in turn1 and "parse_error" in turn1
+    from gemmrl.llm.ncu import ncu_path
+
+    if ncu_path():  # the best kernel's Nsight Compute metrics go into the next prompt
+        assert "Nsight Compute metrics of the best kernel" in turn1 and "DRAM throughput" in turn1
     lines = [json.loads(x) for x in export.read_text().splitlines()]
     assert len(lines) == len(rows) == 6
     store.close()
     for text in (export.read_text(), db.read_bytes().decode("latin-1"), r.output):
         assert FAKE_KEY not in text
+
+
+def test_ncu_metrics_of_a_real_kernel(tmp_path):
+    from gemmrl.build.nvcc import build_shared
+    from gemmrl.llm import ncu
+
+    if ncu.ncu_path() is None:
+        pytest.skip("no ncu on this machine")
+    r = build_shared(HONEST, name="honest_nn", cache_dir=tmp_path)
+    assert r.ok, r.log
+    got = ncu.profile(r.path, 256, 384, 512)
+    print("\nncu:", got)
+    assert got, "ncu gave no metrics"
+    assert got["gpu__time_duration.sum"] > 0
+    assert 0 < got["dram__throughput.avg.pct_of_peak_sustained_elapsed"] <= 100
+    assert 0 < got["sm__warps_active.avg.pct_of_peak_sustained_active"] <= 100

@@ -45,6 +45,12 @@ def source_task(problem, source: str, baseline_us: float) -> dict:
     except RuntimeError as e:
         return {**out, "status": "rejected", "reason": f"timed output wrong: {e}"}
     t = res["llm"]["median_us"]
+    if os.environ.get("GEMMRL_NCU", "1") != "0":
+        from gemmrl.llm import ncu
+
+        metrics = ncu.profile(b["path"], problem.M, problem.N, problem.K)
+        if metrics:
+            out["ncu"] = metrics
     return {**out, "status": "ok", "time_us": t, "baseline_us": baseline_us,
             "rel_err": v.details.get("rel_err"),
             "reward": reward(baseline_us, t, True, v.details.get("rel_err"), v.details.get("ref_err"),

@@ -127,6 +127,10 @@ def refine(problem: Problem, client, evaluate_source: Callable[[Problem, str], d
                 best_out = out
                 best_info = {"source": out.source, "time_us": out.time_us, "resources": out.resources,
                              "reward": out.reward}
+                if checks.get("ncu"):  # Nsight Compute metrics of the new best kernel, when ncu ran
+                    from gemmrl.llm.ncu import describe
+
+                    ncu = describe(checks["ncu"])
             if on_outcome is not None:
                 on_outcome(out)
         done = turn + 1
