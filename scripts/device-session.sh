@@ -7,7 +7,9 @@
 #   subset     kernel mode on the 100-shape subset: baselines, exhaustive cuBLASLt, torch.compile,
 #              gemmrl's own families (ours)
 #   hostmodes  offline and server modes on the grid, baselines (protocol v2: more samples)
-#   tune       gemmrl tune on the subset, 16 candidates per shape
+#   tune       gemmrl tune on $TUNE_SHAPES (default subset), $TUNE_CANDIDATES (8) per shape, CUTLASS
+#              kernels only from the carried build cache (.ext/carry/gcache.tgz: tar of
+#              $GEMMRL_CACHE/builds made by `gemmrl build` on any machine with nvcc)
 # Each step resumes from results/gemmrl.sqlite, and stops starting new shapes after BUDGET_S
 # seconds (default 500), so a 10-minute device call always returns its store.
 set -uo pipefail
@@ -28,8 +30,13 @@ case "$step" in
             --subject gemmrl-cutlass_sm90+raw --budget-s "$budget" 2>&1 | tee "$out/bench.log"; rc=${PIPESTATUS[0]} ;;
   hostmodes) timeout $((budget + 80)) python3 -m gemmrl.cli bench --db "$db" --out "$out/results" --shapes grid \
             --mode offline,server --impl baselines --budget-s "$budget" 2>&1 | tee "$out/bench.log"; rc=${PIPESTATUS[0]} ;;
-  tune) timeout $((budget + 80)) python3 -m gemmrl.cli tune --db "$db" --out "$out/results" --shapes subset \
-            --candidates 16 --budget-s "$budget" 2>&1 | tee "$out/tune.log"; rc=${PIPESTATUS[0]} ;;
+  tune) # CUTLASS builds from the carried cache (gemmrl build, made without a GPU: .ext/carry/gcache.tgz);
+        # raw kernels compile here, in parallel, before the search
+        shapes=${TUNE_SHAPES:-subset}
+        if [ -f .ext/carry/gcache.tgz ]; then mkdir -p "$GEMMRL_CACHE" && tar xzf .ext/carry/gcache.tgz -C "$GEMMRL_CACHE"; fi
+        python3 -m gemmrl.cli build --family raw --top 3 --shapes "$shapes" --jobs "$(nproc)" 2>&1 | tail -2 | tee "$out/build.log"
+        timeout $((budget + 150)) python3 -m gemmrl.cli tune --db "$db" --out "$out/results" --shapes "$shapes" \
+            --candidates "${TUNE_CANDIDATES:-8}" --built-only --wall-s "$budget" 2>&1 | tee "$out/tune.log"; rc=${PIPESTATUS[0]} ;;
   *) echo "unknown step $step: tests | subset | hostmodes | tune" >&2; exit 2 ;;
 esac
 cp "$db" "$out/" 2>/dev/null
