@@ -235,7 +235,7 @@ def _open_for_reading(db, device, *, require_measured: bool):
 @click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "bf16"]))
 @click.option("--acc", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16"]))
 def report(db, out, device, subject, dtype, acc):
-    """Write CSVs (CUDA-L2's layout), summary.json and plots from the store (no GPU needed)."""
+    """Write CSVs (CUDA-L2's layout), the summary JSON and plots from the store (no GPU needed)."""
     store, device = _open_for_reading(db, device, require_measured=True)
     paths = write_report(store, device, out, subject, dtype, acc)
     for p in paths:

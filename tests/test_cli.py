@@ -64,7 +64,7 @@ def test_report_writes_cuda_l2_layout_from_the_store(tmp_path):
                       "cuBLASLt-auto-tuning-nn,cuBLASLt-auto-tuning-max,best-baseline")
     row = dict(zip(csv[0].split(","), csv[1].split(",")))
     assert row["mnk"] == "64_64_64" and row["cuBLAS-max"] == "0.900"
-    summary = json.loads((out / "summary.json").read_text())
+    summary = json.loads((out / "torch_matmul_h100_F32F16F16F32_summary.json").read_text())
     assert summary["provenance"]["commit"] == "c0ffee"
     assert summary["provenance"]["runs"][0]["command"] == "gemmrl bench"
     assert (out / "torch_matmul_h100_F32F16F16F32_speedup_vs_flops.png").read_bytes()[:4] == b"\x89PNG"

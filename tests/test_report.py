@@ -305,7 +305,7 @@ def test_write_results_files_csvs_json_and_pngs(tmp_path):
     names = sorted(p.name for p in paths)
     assert names == sorted([
         f"{PREFIX}_speedup_offline.csv", f"{PREFIX}_speedup_server.csv",
-        f"{PREFIX}_times_offline.csv", f"{PREFIX}_times_server.csv", "summary.json",
+        f"{PREFIX}_times_offline.csv", f"{PREFIX}_times_server.csv", f"{PREFIX}_summary.json",
         f"{PREFIX}_speedup_vs_flops.png", f"{PREFIX}_speedup_distribution.png",
         f"{PREFIX}_tflops.png"])
     assert sorted(os.listdir(tmp_path)) == names
@@ -322,7 +322,7 @@ def test_write_results_files_csvs_json_and_pngs(tmp_path):
     def no_nan(token):
         raise AssertionError(f"non-JSON constant {token}")
 
-    summary = json.loads((tmp_path / "summary.json").read_text(), parse_constant=no_nan)
+    summary = json.loads((tmp_path / f"{PREFIX}_summary.json").read_text(), parse_constant=no_nan)
     assert summary["provenance"]["commit"] == "abc123"
     assert summary["peaks"] == PEAKS
     assert summary["modes"]["server"]["columns"]["torch.matmul"]["geomean"] == pytest.approx(2.0)
@@ -336,8 +336,8 @@ def test_write_results_files_csvs_json_and_pngs(tmp_path):
 def test_write_results_without_subject_writes_times_and_noise_only(tmp_path):
     paths = write_results(all_records(), tmp_path, None, None, PROVENANCE, PREFIX)
     assert sorted(p.name for p in paths) == sorted([
-        f"{PREFIX}_times_offline.csv", f"{PREFIX}_times_server.csv", "summary.json"])
-    summary = json.loads((tmp_path / "summary.json").read_text())
+        f"{PREFIX}_times_offline.csv", f"{PREFIX}_times_server.csv", f"{PREFIX}_summary.json"])
+    summary = json.loads((tmp_path / f"{PREFIX}_summary.json").read_text())
     assert summary["modes"] == {}
     assert summary["noise"]["offline"]["gemmrl"]["max"] == pytest.approx(0.05)
     assert _tmp_leftovers(tmp_path) == []

@@ -119,3 +119,19 @@ def test_readonly_store_reads_without_writing(tmp_path):
     assert (tmp_path / "f.sqlite").read_bytes() == before
     with pytest.raises(StoreError, match="no store at"):
         Store(tmp_path / "missing.sqlite", readonly=True)
+
+
+def test_search_and_judge_rotate_inputs_through_more_than_the_l2():
+    # the search's quick protocol must time candidates under the same cache conditions as the
+    # judge's kernel mode, or small shapes look faster in the search than in the final timing
+    pytest.importorskip("torch")
+    from gemmrl.bench.timing import QUICK, KernelSettings, n_input_sets
+
+    l2 = 60 << 20  # H200
+    for shape in ((64, 256, 128), (512, 512, 512), (4096, 4096, 4096), (64, 64, 64)):
+        p = Problem(*shape)
+        per_set = p.min_bytes + 2 * p.K * p.N
+        for s in (QUICK, KernelSettings()):
+            n = n_input_sets(p, l2, s)
+            assert n * per_set >= min(2 * l2, 1024 * per_set), (shape, s, n)
+        assert n_input_sets(p, l2, QUICK) == n_input_sets(p, l2, KernelSettings())

@@ -506,11 +506,11 @@ def write_results(records: Iterable[dict], out_dir: str | os.PathLike, subject: 
     """Write one run's report into out_dir; return the paths written.
 
     Per mode: '<prefix>_speedup_<mode>.csv' (modes where the subject has records; none when
-    subject is None) and '<prefix>_times_<mode>.csv'; then 'summary.json' (subject, prefix,
+    subject is None) and '<prefix>_times_<mode>.csv'; then '<prefix>_summary.json' (subject, prefix,
     provenance, peaks and summarize()); then, unless subject is None or plots is False, PNGs
     beside them (see plots.py): '<prefix>_speedup_vs_flops.png',
     '<prefix>_speedup_distribution.png' (when the subject has records) and '<prefix>_tflops.png'.
-    With subject None only the times CSVs and summary.json (noise, roofline) are written.
+    With subject None only the times CSVs and the summary (noise, roofline) are written.
     Records must be one device and one precision (split_records). Every file is written to a
     temp file and renamed into place."""
     if not prefix or "/" in prefix or os.sep in prefix:
@@ -536,7 +536,7 @@ def write_results(records: Iterable[dict], out_dir: str | os.PathLike, subject: 
 
     summary = {"prefix": prefix, "provenance": provenance or {}, "peaks": peaks}
     summary.update(summarize(records, subject, peaks))
-    written.append(write_json(out_dir / "summary.json", summary))
+    written.append(write_json(out_dir / f"{prefix}_summary.json", summary))  # one per subject
 
     if plots and subject is not None and recs:
         from gemmrl.report import plots as _plots  # matplotlib only when plotting
