@@ -40,6 +40,7 @@ def local_ray():
 
 def _evaluator(tmp_path, store, *, actors=2, env=None, task=worker_tasks.fake_evaluate_task, **kw):
     logs = []
+    kw.setdefault("compile_tasks", False)  # the fake tasks build nothing
     ev, close = ray_backend.ray_evaluator(None, store, "cpu", str(tmp_path / "s.sqlite"), lambda p: 5.0,
                                           actors=actors, num_gpus=0, num_cpus=0, worker_env=env or {},
                                           task=task, name_task=worker_tasks.fake_gpu_name, log=logs.append, **kw)
@@ -124,3 +125,35 @@ def test_tune_with_ray_but_without_ray_installed_says_how_to_get_it(monkeypatch)
     assert not ray_backend.available()
     r = CliRunner().invoke(main, ["tune", "--shapes", "256x384x512", "--ray", "auto"])
     assert r.exit_code != 0 and "pip install 'gemmrl[distributed]'" in r.output
+
+
+def test_kernels_are_compiled_by_ray_tasks_and_installed_where_the_actor_runs(local_ray, tmp_path):
+    # build tasks compile into one cache (standing for another node's disk); the actors' workers
+    # use another; the actor installs what the tasks built before its worker looks for it
+    from gemmrl.build.nvcc import is_built
+    from gemmrl.search.policy import Candidate
+    from gemmrl.space import registry
+
+    task_cache, actor_cache = tmp_path / "task-node", tmp_path / "actor-node"
+    raw = registry.get("raw")
+    p = Problem(64, 256, 128)
+    cands = [Candidate("raw", s) for s in raw.candidates(p, "TN", 3)]
+
+    def jobs_fn(problem, cs):
+        return [(j[0], j[1], {**j[2], "cache_dir": str(task_cache / "builds")})
+                for j in ray_backend.candidate_jobs(problem, cs)]
+    store = Store(tmp_path / "s.sqlite")
+    ev, close, logs = _evaluator(tmp_path, store, env={"GEMMRL_CACHE": str(actor_cache)},
+                                 task=worker_tasks.fake_evaluate_task, compile_tasks=True, jobs_fn=jobs_fn,
+                                 build_cpus=0)
+    try:
+        trials = ev(p, cands)
+    finally:
+        close()
+    assert [t.candidate.name for t in trials] == [c.name for c in cands]
+    assert any("kernels compiled by Ray CPU tasks" in m for m in logs)
+    assert sum("installed" in m for m in logs) == 2  # one message per actor
+    for c in cands:
+        job = ray_backend.candidate_jobs(p, [c])[0]
+        assert is_built(job[1], name=job[0], cache_dir=task_cache / "builds", **job[2])
+        assert is_built(job[1], name=job[0], cache_dir=actor_cache / "builds", **job[2])

@@ -169,6 +169,36 @@ def is_built(source: str, *, name: str = "kernel", arch: str = "sm_90a",
     return _artifact(source, name, flags, include_dirs, cache_dir, object_only)[4].exists()
 
 
+def cache_entry(source: str, *, name: str = "kernel", arch: str = "sm_90a",
+                include_dirs: tuple[str, ...] = (), libraries: tuple[str, ...] = (),
+                library_dirs: tuple[str, ...] = (), extra_flags: tuple[str, ...] = (),
+                cache_dir: str | Path | None = None, object_only: bool = False, **_ignored) -> Path:
+    """The cache directory build_shared would use for these arguments (it may not exist)."""
+    flags, include_dirs = _flags(arch, include_dirs, libraries, library_dirs, extra_flags, object_only)
+    return _artifact(source, name, flags, include_dirs, cache_dir, object_only)[3]
+
+
+def install_built(entry: str | Path, files: dict[str, bytes]) -> bool:
+    """Put a build made elsewhere (same nvcc, same flags: its files, e.g. {'kernel.so': ...,
+    'build.log': ...}) into this machine's cache at `entry` (from cache_entry), atomically.
+    False if the entry was there already."""
+    entry = Path(entry)
+    if entry.exists():
+        return False
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{entry.name[:60]}-", dir=entry.parent))
+    for fname, data in files.items():
+        if "/" in fname or fname.startswith("."):
+            raise ValueError(f"bad file name in a build: {fname!r}")
+        (work / fname).write_bytes(data)
+    try:
+        os.replace(work, entry)
+    except OSError:
+        shutil.rmtree(work, ignore_errors=True)  # another process installed it first
+        return False
+    return True
+
+
 def build_shared(source: str, *, name: str = "kernel", arch: str = "sm_90a",
                  include_dirs: tuple[str, ...] = (), libraries: tuple[str, ...] = (),
                  library_dirs: tuple[str, ...] = (), extra_flags: tuple[str, ...] = (),

@@ -13,6 +13,7 @@ import os
 import socket
 import tempfile
 
+from gemmrl.build.nvcc import cache_entry, install_built
 from gemmrl.search.policy import Trial
 
 INSTALL_HINT = "pip install 'gemmrl[distributed]'"
@@ -57,16 +58,29 @@ class EvalActor:
         os.close(fd)
         self.worker = Worker(env={**env, HEARTBEAT_ENV: self.hb, "GEMMRL_ACTOR_INDEX": str(index)})
         self.timeout_s, self.task, self.name_task = timeout_s, task, name_task
+        # the cache the worker process builds into: its environment's, else this process's
+        cache = env.get("GEMMRL_CACHE") or os.environ.get("GEMMRL_CACHE")
+        self.cache_dir = os.path.join(cache, "builds") if cache else None
         self.where = f"{socket.gethostname()}:gpu{os.environ.get('CUDA_VISIBLE_DEVICES', '-')}:actor{index}"
 
     def gpu_name(self) -> str:
         r = self.worker.run(self.name_task, timeout_s=300)
         return str(r.value) if r.ok else f"unknown ({r.status}: {r.reason})"
 
-    def evaluate(self, problem, candidates, device: str, db_path: str, baseline_us: float):
+    def evaluate(self, problem, candidates, device: str, db_path: str, baseline_us: float, builds=()):
         from gemmrl.search.run import run_batch
 
         logs, bad = [], []
+        if builds:  # compiled by Ray CPU tasks, maybe on another node: into this node's cache
+            import ray
+
+            installed = 0
+            for b in ray.get(list(builds)):
+                if b.get("ok"):
+                    entry = _entry_for(b["job"], self.cache_dir)
+                    installed += install_built(entry, b["files"])
+            if installed:
+                logs.append(f"{problem.shape}: installed {installed} kernel(s) compiled by Ray tasks")
         trials = run_batch(self.worker, self.hb, problem, candidates, device, db_path, baseline_us,
                            timeout_s=self.timeout_s, task=self.task, log=logs.append,
                            quarantine=lambda p, name, why: bad.append((name, why)))
@@ -85,6 +99,40 @@ class EvalActor:
             pass
 
 
+def _entry_for(job: tuple, cache_dir: str | None):
+    name, source, kwargs = job
+    kw = dict(kwargs)
+    if cache_dir is not None:
+        kw["cache_dir"] = cache_dir
+    return cache_entry(source, name=name, **kw)
+
+
+def build_artifact(job: tuple) -> dict:
+    """A Ray CPU task: compile one job (name, source, build_shared keywords) into this node's
+    cache and return the result with its files, so the node that runs the kernel can install
+    them. Failed builds return their log only."""
+    from gemmrl.build.pool import _job
+
+    r = _job(job)
+    out = {"job": job, "ok": bool(r.ok), "log": r.log[-4000:], "seconds": r.seconds, "cached": r.cached}
+    if r.ok:
+        folder = os.path.dirname(r.path)
+        out["files"] = {f: open(os.path.join(folder, f), "rb").read() for f in os.listdir(folder)
+                        if not f.startswith(".") and os.path.isfile(os.path.join(folder, f))}
+    return out
+
+
+def candidate_jobs(problem, candidates) -> list[tuple]:
+    """The build jobs of a batch (one per candidate): what SpecImpl.prepare would compile."""
+    from gemmrl.runtime.spec_impl import SpecImpl
+
+    jobs = []
+    for c in candidates:
+        impl = SpecImpl(c.spec)
+        jobs.append((c.name, impl.source(problem), {"arch": impl.arch, **impl.family.build_kwargs()}))
+    return jobs
+
+
 def _gpu_count(ray, gpus_per_node: int | None) -> int:
     total = 0
     for node in ray.nodes():
@@ -96,14 +144,21 @@ def _gpu_count(ray, gpus_per_node: int | None) -> int:
 
 def ray_evaluator(address, store, device: str, db_path: str, baseline_fn, *, gpus_per_node: int | None = None,
                   timeout_s: float = 900.0, log=print, task=None, actors: int | None = None,
-                  num_gpus: float = 1, num_cpus: float = 1, worker_env: dict | None = None, name_task=None):
+                  num_gpus: float = 1, num_cpus: float = 1, worker_env: dict | None = None, name_task=None,
+                  compile_tasks: bool = True, build_cpus: float = 1, jobs_fn=None):
     """Like `search.run.isolated_evaluator`, on a pool of Ray actors: returns (evaluate, close).
 
     `address`: a Ray address to `ray.init`, or None to use the Ray already initialised (or a
     local one). One actor per GPU of the cluster (at most `gpus_per_node` per node), or `actors`
     of them (needed with num_gpus=0, for CPU tests). Actors whose GPU name is not `device` are
     not used (logged). `worker_env` is set in every worker process; `task` and `name_task`
-    stand in for evaluate_task and gpu_name in the tests."""
+    stand in for evaluate_task and gpu_name in the tests.
+
+    With `compile_tasks`, every candidate of a batch is first compiled by a Ray task on a CPU
+    worker (`build_cpus` CPUs each, anywhere in the cluster); the actor installs the results into
+    its node's build cache before its worker runs, so GPU actors never wait on nvcc for a kernel
+    another task has built. `jobs_fn(problem, candidates)` gives the build jobs (default: what
+    SpecImpl would compile)."""
     ray = _ray()
     if not ray.is_initialized():
         ray.init(address=address)
@@ -125,7 +180,8 @@ def ray_evaluator(address, store, device: str, db_path: str, baseline_fn, *, gpu
             ray.kill(a)
     if not used:
         raise RuntimeError(f"no Ray actor has a {device!r} GPU (found: {', '.join(sorted(set(names)))})")
-    log(f"ray: {len(used)} {device} worker(s)")
+    log(f"ray: {len(used)} {device} worker(s)" + (", kernels compiled by Ray CPU tasks" if compile_tasks else ""))
+    build = ray.remote(num_cpus=build_cpus)(build_artifact) if compile_tasks else None
 
     def evaluate(problem, candidates):
         candidates = list(candidates)
@@ -134,7 +190,16 @@ def ray_evaluator(address, store, device: str, db_path: str, baseline_fn, *, gpu
         k = min(len(used), len(candidates))
         chunks = [candidates[i * len(candidates) // k:(i + 1) * len(candidates) // k] for i in range(k)]
         base = baseline_fn(problem)
-        refs = [a.evaluate.remote(problem, c, device, db_path, base) for a, c in zip(used, chunks)]
+        builds = [[] for _ in chunks]
+        if compile_tasks:
+            try:
+                per = [(jobs_fn or candidate_jobs)(problem, c) for c in chunks]
+            except Exception as e:  # noqa: BLE001 - a spec that cannot render fails in its worker
+                log(f"{problem.shape}: no build tasks ({type(e).__name__}: {e})")
+                per = [[] for _ in chunks]
+            builds = [[build.remote(j) for j in js] for js in per]
+        refs = [a.evaluate.remote(problem, c, device, db_path, base, b)
+                for a, c, b in zip(used, chunks, builds)]
         got: dict[str, Trial] = {}
         for ref, chunk in zip(refs, chunks):
             try:
