@@ -10,6 +10,7 @@ log_dir=${1:-/tmp}
 mkdir -p "$log_dir"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export GEMMRL_CACHE=${GEMMRL_CACHE:-/tmp/gemmrl-cache}  # one build cache for every test process
+export GEMMRL_TEST_OUT=$log_dir  # tests that measure something write it here (host-overhead.json)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv | tee "$log_dir/gpu.txt"
 timing=tests/test_gpu_harness.py::test_timing_modes_agree_and_catch_wrong_outputs
 # correctness tests, one test file per process, so the kernel builds run in parallel
