@@ -255,6 +255,9 @@ def report(db, out, device, subject, dtype, acc):
               help="stop starting new batches after this many seconds of wall time (then the winners are "
                    "timed and reported; a rerun resumes)")
 @click.option("--no-report", is_flag=True, help="do not write CSVs, summary and plots at the end")
+@click.option("--reuse-baselines", is_flag=True,
+              help="time only the winners at the end and compare them with the baselines already in the "
+                   "store (default: time the baselines again beside them, so each ratio is from one run)")
 @click.option("--family", "family_opts", multiple=True, default=("cutlass_sm90", "raw"), show_default=True,
               help="kernel families to search (repeat for several)")
 @click.option("--built-only", is_flag=True,
@@ -267,13 +270,14 @@ def report(db, out, device, subject, dtype, acc):
               help="evaluate candidates on a Ray cluster, one worker per GPU of the same model as "
                    "this one ('auto', or host:port); needs pip install 'gemmrl[distributed]'")
 def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only, family_opts, layouts, db, out,
-         ray_address, no_report):
+         ray_address, no_report, reuse_baselines):
     """Search kernels per shape with speed over the best baseline as the reward; keep the winners.
 
     Baselines are measured first (kernel mode) where the store lacks them; then the model-free
     policy proposes candidates, each batch built, verified and timed in a worker process; every
     trial is stored and the run resumes from them; finally the winners ('gemmrl-tuned') are
-    verified in full and timed beside the baselines, and the report is written."""
+    verified in full and timed beside the baselines (measured again, unless --reuse-baselines),
+    and the report is written."""
     problems = _problems(shape_spec, dtype, acc)
     lays = _layouts(layouts)
     from gemmrl.space import registry
@@ -304,10 +308,10 @@ def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only
                              {"candidates": candidates, "batch": batch, "budget_s": budget_s, "layouts": lays})
     kernel_only = runner.RunConfig(modes=("kernel",))
 
-    def measure(specs, what):
+    def measure(specs, what, cfg=kernel_only):
         click.echo(what, err=True)
         return _run_with_progress(lambda progress, log: runner.run_isolated(
-            problems, specs, store, kernel_only, device=device, run_id=run_id, db_path=str(db),
+            problems, specs, store, cfg, device=device, run_id=run_id, db_path=str(db),
             progress=progress, log=log), len(problems))
 
     status = "partial"
@@ -344,7 +348,11 @@ def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only
                    + (f"; stopped: {res.stopped}" if res.stopped else ""), err=True)
         if not no_report:
             write_curves({"model-free": res.per_shape_curve()}, Path(out) / env.gpu_slug(device) / "tune_curve")
-        measure(("baselines", "tuned"), "the winners, verified in full and timed beside the baselines")
+        if reuse_baselines:
+            measure(("baselines", "tuned"), "the winners, verified in full and timed (baselines from the store)")
+        else:  # the ratios the report shows come from one timing session per shape
+            measure(("baselines", "tuned"), "the winners, verified in full and timed beside the baselines, "
+                    "all measured again in one session per shape", runner.RunConfig(modes=("kernel",), retime=True))
         status = "done"
     finally:
         store.finish_run(run_id, status)

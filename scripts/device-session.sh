@@ -35,7 +35,7 @@ case "$step" in
         shapes=${TUNE_SHAPES:-subset}
         if [ -f .ext/carry/gcache.tgz ]; then mkdir -p "$GEMMRL_CACHE" && tar xzf .ext/carry/gcache.tgz -C "$GEMMRL_CACHE"; fi
         python3 -m gemmrl.cli build --family raw --top 3 --shapes "$shapes" --jobs "$(nproc)" 2>&1 | tail -2 | tee "$out/build.log"
-        timeout $((budget + 150)) python3 -m gemmrl.cli tune --db "$db" --out "$out/results" --shapes "$shapes" \
+        timeout $((budget + 300)) python3 -m gemmrl.cli tune --db "$db" --out "$out/results" --shapes "$shapes" \
             --candidates "${TUNE_CANDIDATES:-8}" --built-only --wall-s "$budget" 2>&1 | tee "$out/tune.log"; rc=${PIPESTATUS[0]} ;;
   *) echo "unknown step $step: tests | subset | hostmodes | tune" >&2; exit 2 ;;
 esac
