@@ -69,3 +69,22 @@ def test_a_crashing_candidate_is_quarantined_and_its_batch_goes_on(tmp_path, mon
     assert by[cands[2].name].time_us == 4.0
     assert cands[1].name in store.quarantined("H100", P1)
     assert any("quarantined" in m for m in logs)
+
+
+def test_a_new_shape_set_learns_from_the_stores_other_shapes(tmp_path):
+    store = Store(tmp_path / "s.sqlite")
+    run_tune([P2], store, "H100", fake_evaluate, candidates=6, batch=3, layouts=("TN",),
+             policy=ModelFreePolicy(layouts=("TN",), seed=0))
+    p3 = Problem(4096, 4096, 2048)  # P2's neighbour, never tuned
+    policy = ModelFreePolicy(layouts=("TN",), seed=0)
+    res = run_tune([p3], store, "H100", fake_evaluate, candidates=3, batch=3, layouts=("TN",), policy=policy)
+    # P2's trials taught the cost model and are not re-run or counted as this run's
+    assert policy.model.observed() == 6 + 3
+    assert len(res.trials) == 3 and all(t.problem == p3 for t in res.trials)
+    # P2's winner was proposed for its neighbour as a transfer
+    best_p2 = json.loads(bytes(store.get_tuning("H100", P2, TUNED)["choice"]).decode())["spec"]
+    assert any(t.candidate.origin == "transfer" and t.candidate.spec.__dict__ == best_p2 for t in res.trials)
+    # another device's trials teach nothing
+    fresh = ModelFreePolicy(layouts=("TN",), seed=0)
+    run_tune([p3], store, "H200", fake_evaluate, candidates=3, batch=3, layouts=("TN",), policy=fresh)
+    assert fresh.model.observed() == 3

@@ -107,11 +107,19 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
              budget_s: float = float("inf"), layouts=("NN", "TN"), run_id: int | None = None,
              policy=None, on_trial=None, deadline: float | None = None,
              generic_built_only: bool = False, families: tuple | None = None) -> TuneResult:
-    """Tune, resuming from the trials already in the store; store every trial and the winners."""
+    """Tune, resuming from the trials already in the store; store every trial and the winners.
+    The policy also learns from the store's trials of other shapes on this device (its cost
+    model, and transfer from the nearest tuned shapes), so a new shape set starts informed."""
+    problems = list(problems)
     history = stored_history(store, device, problems)
     policy = policy or ModelFreePolicy(**({"families": tuple(families)} if families else {}),
                                        layouts=tuple(layouts),
                                        allow=built_generic_only() if generic_built_only else None)
+
+    wanted = {p.key() for p in problems}
+    others = [t for t in stored_history(store, device, None) if t.problem.key() not in wanted]
+    if others:
+        policy.observe(others)
 
     def record(t: Trial):
         store.record_trial(run_id, device, t.problem, t.candidate.name, t.status, t.reward, t.time_us,
