@@ -8,7 +8,7 @@
 #              gemmrl's own families (ours)
 #   hostmodes  offline and server modes on the grid, baselines (protocol v2: more samples)
 #   tune       gemmrl tune on $TUNE_SHAPES (default subset), $TUNE_CANDIDATES (8) per shape, CUTLASS
-#              kernels only from the carried build cache (.ext/carry/gcache.tgz: tar of
+#              kernels only from the carried build cache (.ext/carry/gcache.tgz or .txz: tar of
 #              $GEMMRL_CACHE/builds made by `gemmrl build` on any machine with nvcc)
 # Each step resumes from results/gemmrl.sqlite, and stops starting new shapes after BUDGET_S
 # seconds (default 500), so a 10-minute device call always returns its store.
@@ -33,7 +33,9 @@ case "$step" in
   tune) # CUTLASS builds from the carried cache (gemmrl build, made without a GPU: .ext/carry/gcache.tgz);
         # raw kernels compile here, in parallel, before the search
         shapes=${TUNE_SHAPES:-subset}
-        if [ -f .ext/carry/gcache.tgz ]; then mkdir -p "$GEMMRL_CACHE" && tar xzf .ext/carry/gcache.tgz -C "$GEMMRL_CACHE"; fi
+        for g in .ext/carry/gcache.tgz .ext/carry/gcache.txz; do  # gzip or xz (scripts/pack-build-cache.sh)
+          [ -f "$g" ] && mkdir -p "$GEMMRL_CACHE" && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1], 'r:*').extractall(sys.argv[2])" "$g" "$GEMMRL_CACHE"
+        done
         python3 -m gemmrl.cli build --family raw --top 3 --shapes "$shapes" --jobs "$(nproc)" 2>&1 | tail -2 | tee "$out/build.log"
         timeout $((budget + 300)) python3 -m gemmrl.cli tune --db "$db" --out "$out/results" --shapes "$shapes" \
             --candidates "${TUNE_CANDIDATES:-8}" --built-only --wall-s "$budget" 2>&1 | tee "$out/tune.log"; rc=${PIPESTATUS[0]} ;;
