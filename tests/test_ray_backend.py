@@ -75,7 +75,8 @@ def test_a_hang_times_out_and_is_quarantined(local_ray, tmp_path):
         close()
     by = {t.candidate.name: t for t in trials}
     assert by[cands[0].name].status == "crashed" and "timeout" in by[cands[0].name].details["reason"]
-    assert by[cands[1].name].status == by[cands[2].name].status == "ok"
+    assert by[cands[1].name].status == by[cands[2].name].status == "ok", \
+        {n: (t.status, t.details.get("reason")) for n, t in by.items()}
     assert "timeout" in store.quarantined("cpu", P1)[cands[0].name]
 
 

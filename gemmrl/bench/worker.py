@@ -43,11 +43,16 @@ def _serve(conn, env: dict) -> None:
     os.environ.update(env)
     while True:
         try:
-            msg = conn.recv()
+            msg = conn.recv()  # unpickling imports the task's module: part of starting, not of the task
         except (EOFError, KeyboardInterrupt):
             return
+        except BaseException as e:  # noqa: BLE001 - a task that cannot be loaded is its error
+            conn.send(("started", None))
+            conn.send(("error", f"the task could not be loaded: {type(e).__name__}: {e}"))
+            continue
         if msg is None:
             return
+        conn.send(("started", None))  # the time limit runs from here
         fn, args, kwargs = msg
         try:
             out = ("ok", fn(*args, **kwargs))
@@ -110,8 +115,11 @@ class Worker:
             self.conn.close()
         self.proc = self.conn = None
 
-    def run(self, fn, *args, timeout_s: float = 600.0, **kwargs) -> TaskResult:
-        """Run fn(*args, **kwargs) in the worker; fn must be importable (a module-level function)."""
+    def run(self, fn, *args, timeout_s: float = 600.0, startup_s: float = 300.0, **kwargs) -> TaskResult:
+        """Run fn(*args, **kwargs) in the worker; fn must be importable (a module-level function).
+        `timeout_s` limits the task itself; starting a fresh process and importing the task's
+        module (slow on a loaded machine, or the first time torch is imported) has its own
+        limit, `startup_s`."""
         if self.proc is None or not self.proc.is_alive():
             if self.proc is not None:
                 self.restarts += 1
@@ -123,6 +131,23 @@ class Worker:
         except (BrokenPipeError, OSError) as e:
             self._kill()
             return TaskResult("crashed", reason=f"worker gone before the task started: {e}")
+        try:
+            started = self.conn.poll(startup_s) and self.conn.recv()[0] == "started"
+        except (EOFError, OSError):
+            started = None
+        if not started:
+            if started is False and self.proc.is_alive():
+                self._kill()
+                self.restarts += 1
+                return TaskResult("timeout", reason=f"the worker did not start the task within {startup_s:g} s; "
+                                  "worker killed", seconds=time.monotonic() - t0)
+            self.proc.join(timeout=10)
+            code = self.proc.exitcode
+            self._kill()
+            self.restarts += 1
+            return TaskResult("crashed", reason=f"worker {_describe_exit(code)} before the task started",
+                              seconds=time.monotonic() - t0, details={"exitcode": code})
+        t0 = time.monotonic()
         if not self.conn.poll(timeout_s):
             self._kill()
             self.restarts += 1
