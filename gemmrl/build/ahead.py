@@ -18,22 +18,26 @@ class BuildJob:
         return self.name, self.source, self.kwargs
 
 
+def job_for(spec, problem) -> BuildJob:
+    """What SpecImpl(spec).prepare(problem) compiles."""
+    from gemmrl.runtime.spec_impl import SpecImpl
+
+    impl = SpecImpl(spec)
+    return BuildJob(spec.name, impl.source(problem), {"arch": impl.arch, **impl.family.build_kwargs()})
+
+
 def plan(problems, families, layouts=("NN", "TN"), top: int = 4) -> list[BuildJob]:
     """The builds for each family's top `top` candidates per problem and layout, each source
     once, in first-seen order."""
-    from gemmrl.runtime.spec_impl import SpecImpl
-
     seen, out = set(), []
     for p in problems:
         for fam in families:
             for layout in layouts:
                 for spec in fam.candidates(p, layout, top):
-                    impl = SpecImpl(spec)
-                    src = impl.source(p)
-                    if src in seen:
-                        continue
-                    seen.add(src)
-                    out.append(BuildJob(spec.name, src, {"arch": impl.arch, **fam.build_kwargs()}))
+                    job = job_for(spec, p)
+                    if job.source not in seen:
+                        seen.add(job.source)
+                        out.append(job)
     return out
 
 

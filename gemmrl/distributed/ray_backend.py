@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+from pathlib import Path
 
 from gemmrl.build.nvcc import cache_entry, install_built
 from gemmrl.search.policy import Trial
@@ -116,21 +117,17 @@ def build_artifact(job: tuple) -> dict:
     r = _job(job)
     out = {"job": job, "ok": bool(r.ok), "log": r.log[-4000:], "seconds": r.seconds, "cached": r.cached}
     if r.ok:
-        folder = os.path.dirname(r.path)
-        out["files"] = {f: open(os.path.join(folder, f), "rb").read() for f in os.listdir(folder)
-                        if not f.startswith(".") and os.path.isfile(os.path.join(folder, f))}
+        folder = Path(r.path).parent
+        out["files"] = {f.name: f.read_bytes() for f in folder.iterdir()
+                        if not f.name.startswith(".") and f.is_file()}
     return out
 
 
 def candidate_jobs(problem, candidates) -> list[tuple]:
     """The build jobs of a batch (one per candidate): what SpecImpl.prepare would compile."""
-    from gemmrl.runtime.spec_impl import SpecImpl
+    from gemmrl.build.ahead import job_for
 
-    jobs = []
-    for c in candidates:
-        impl = SpecImpl(c.spec)
-        jobs.append((c.name, impl.source(problem), {"arch": impl.arch, **impl.family.build_kwargs()}))
-    return jobs
+    return [job_for(c.spec, problem).as_tuple() for c in candidates]
 
 
 def _gpu_count(ray, gpus_per_node: int | None) -> int:

@@ -109,8 +109,7 @@ def kernel_names(so_path: str) -> set[str]:
                 names.add(kernel)  # extern "C": the kernel's symbol is its plain name
     names |= mangled
     if mangled:
-        order = sorted(mangled)
-        dem = subprocess.run(["c++filt"], input="\n".join(order), capture_output=True, text=True,
+        dem = subprocess.run(["c++filt"], input="\n".join(sorted(mangled)), capture_output=True, text=True,
                              check=True).stdout.splitlines()
         names.update(d.strip() for d in dem if d.strip())
     return names

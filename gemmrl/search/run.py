@@ -111,13 +111,13 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
     The policy also learns from the store's trials of other shapes on this device (its cost
     model, and transfer from the nearest tuned shapes), so a new shape set starts informed."""
     problems = list(problems)
-    history = stored_history(store, device, problems)
+    wanted = {p.key() for p in problems}
+    stored = stored_history(store, device, None)
+    history = [t for t in stored if t.problem.key() in wanted]
+    others = [t for t in stored if t.problem.key() not in wanted]
     policy = policy or ModelFreePolicy(**({"families": tuple(families)} if families else {}),
                                        layouts=tuple(layouts),
                                        allow=built_generic_only() if generic_built_only else None)
-
-    wanted = {p.key() for p in problems}
-    others = [t for t in stored_history(store, device, None) if t.problem.key() not in wanted]
     if others:
         policy.observe(others)
 
