@@ -115,6 +115,15 @@ class Worker:
             self.conn.close()
         self.proc = self.conn = None
 
+    def _crashed(self, t0: float, when: str = "") -> TaskResult:
+        """The worker process died: a record with how it exited; a fresh one serves next."""
+        self.proc.join(timeout=10)
+        code = self.proc.exitcode
+        self._kill()
+        self.restarts += 1
+        return TaskResult("crashed", reason=f"worker {_describe_exit(code)}{when}",
+                          seconds=time.monotonic() - t0, details={"exitcode": code})
+
     def run(self, fn, *args, timeout_s: float = 600.0, startup_s: float = 300.0, **kwargs) -> TaskResult:
         """Run fn(*args, **kwargs) in the worker; fn must be importable (a module-level function).
         `timeout_s` limits the task itself; starting a fresh process and importing the task's
@@ -141,12 +150,7 @@ class Worker:
                 self.restarts += 1
                 return TaskResult("timeout", reason=f"the worker did not start the task within {startup_s:g} s; "
                                   "worker killed", seconds=time.monotonic() - t0)
-            self.proc.join(timeout=10)
-            code = self.proc.exitcode
-            self._kill()
-            self.restarts += 1
-            return TaskResult("crashed", reason=f"worker {_describe_exit(code)} before the task started",
-                              seconds=time.monotonic() - t0, details={"exitcode": code})
+            return self._crashed(t0, " before the task started")
         t0 = time.monotonic()
         if not self.conn.poll(timeout_s):
             self._kill()
@@ -156,12 +160,7 @@ class Worker:
         try:
             status, value = self.conn.recv()
         except (EOFError, OSError):
-            self.proc.join(timeout=10)
-            code = self.proc.exitcode
-            self._kill()
-            self.restarts += 1
-            return TaskResult("crashed", reason=f"worker {_describe_exit(code)}",
-                              seconds=time.monotonic() - t0, details={"exitcode": code})
+            return self._crashed(t0)
         dt = time.monotonic() - t0
         if status == "ok":
             return TaskResult("ok", value=value, seconds=dt)
