@@ -11,10 +11,11 @@
 #              kernels only from the carried build cache (.ext/carry/gcache.tgz or .txz: tar of
 #              $GEMMRL_CACHE/builds made by `gemmrl build` on any machine with nvcc)
 # Each step resumes from results/gemmrl.sqlite, and stops starting new shapes after BUDGET_S
-# seconds (default 500), so a 10-minute device call always returns its store.
+# seconds (default 500), so a 10-minute device call always returns its store. TOTAL_S (default 560)
+# caps the whole step: the tune is cut at that point, whatever it is doing, so the store is copied.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=$1; step=$2; budget=${3:-500}
+out=$1; step=$2; budget=${3:-500}; total=${TOTAL_S:-560}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 GEMMRL_CACHE=${GEMMRL_CACHE:-/tmp/gemmrl-cache}
 if ls .ext/carry/nvidia_cutlass-*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/cutlass_library ]; then
@@ -37,8 +38,10 @@ case "$step" in
           [ -f "$g" ] && mkdir -p "$GEMMRL_CACHE" && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1], 'r:*').extractall(sys.argv[2])" "$g" "$GEMMRL_CACHE"
         done
         python3 -m gemmrl.cli build --family raw --top 3 --shapes "$shapes" --jobs "$(nproc)" 2>&1 | tail -2 | tee "$out/build.log"
-        timeout $((budget + 300)) python3 -m gemmrl.cli tune --db "$db" --out "$out/results" --shapes "$shapes" \
-            --candidates "${TUNE_CANDIDATES:-8}" --built-only --wall-s "$budget" 2>&1 | tee "$out/tune.log"; rc=${PIPESTATUS[0]} ;;
+        left=$(( total - SECONDS )); cap=$(( budget + 300 < left ? budget + 300 : left ))
+        echo "tune: search budget ${budget}s, cut at ${cap}s" | tee "$out/tune.log"
+        timeout "$cap" python3 -m gemmrl.cli tune --db "$db" --out "$out/results" --shapes "$shapes" \
+            --candidates "${TUNE_CANDIDATES:-8}" --built-only --wall-s "$budget" 2>&1 | tee -a "$out/tune.log"; rc=${PIPESTATUS[0]} ;;
   *) echo "unknown step $step: tests | subset | hostmodes | tune" >&2; exit 2 ;;
 esac
 cp "$db" "$out/" 2>/dev/null
