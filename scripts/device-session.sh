@@ -7,6 +7,8 @@
 #   subset     kernel mode on the 100-shape subset: baselines, exhaustive cuBLASLt, torch.compile,
 #              gemmrl's own families (ours)
 #   hostmodes  offline and server modes on the grid, baselines (protocol v2: more samples)
+#   bench      gemmrl bench with the arguments in $BENCH_ARGS (shapes, modes, impls, --retime), the
+#              carried CUTLASS build cache unpacked first, so tuned winners load without nvcc
 #   tune       gemmrl tune on $TUNE_SHAPES (default subset), $TUNE_CANDIDATES (8) per shape, CUTLASS
 #              kernels only from the carried build cache (.ext/carry/gcache.tgz or .txz: tar of
 #              $GEMMRL_CACHE/builds made by `gemmrl build` on any machine with nvcc)
@@ -24,6 +26,14 @@ fi
 export PYTHONPATH=$PWD:/tmp/site
 [ -d .ext/carry/cuda_l2 ] && export GEMMRL_CUDA_L2_DIR=$PWD/.ext/carry/cuda_l2
 db=results/gemmrl.sqlite
+unpack_cache() {  # gzip or xz (scripts/pack-build-cache.sh)
+  for g in .ext/carry/gcache.tgz .ext/carry/gcache.txz; do
+    [ -f "$g" ] && mkdir -p "$GEMMRL_CACHE" && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1], 'r:*').extractall(sys.argv[2])" "$g" "$GEMMRL_CACHE"
+  done
+}
+cap_at() {  # seconds a step may run: $1, or less when the whole call's TOTAL_S is nearer
+  local left=$(( total - SECONDS )); echo $(( $1 < left ? $1 : left ))
+}
 case "$step" in
   tests) scripts/gpu-tests.sh "$out"; rc=$? ;;
   subset) timeout $((budget + 80)) python3 -m gemmrl.cli bench --db "$db" --out "$out/results" --shapes subset \
@@ -31,18 +41,21 @@ case "$step" in
             --subject gemmrl-cutlass_sm90+raw --budget-s "$budget" 2>&1 | tee "$out/bench.log"; rc=${PIPESTATUS[0]} ;;
   hostmodes) timeout $((budget + 80)) python3 -m gemmrl.cli bench --db "$db" --out "$out/results" --shapes grid \
             --mode offline,server --impl baselines --budget-s "$budget" 2>&1 | tee "$out/bench.log"; rc=${PIPESTATUS[0]} ;;
+  bench) unpack_cache
+        cap=$(cap_at $((budget + 200)))
+        echo "bench $BENCH_ARGS: budget ${budget}s, cut at ${cap}s" | tee "$out/bench.log"
+        timeout "$cap" python3 -m gemmrl.cli bench --db "$db" --out "$out/results" $BENCH_ARGS \
+            --budget-s "$budget" 2>&1 | tee -a "$out/bench.log"; rc=${PIPESTATUS[0]} ;;
   tune) # CUTLASS builds from the carried cache (gemmrl build, made without a GPU: .ext/carry/gcache.tgz);
         # raw kernels compile here, in parallel, before the search
         shapes=${TUNE_SHAPES:-subset}
-        for g in .ext/carry/gcache.tgz .ext/carry/gcache.txz; do  # gzip or xz (scripts/pack-build-cache.sh)
-          [ -f "$g" ] && mkdir -p "$GEMMRL_CACHE" && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1], 'r:*').extractall(sys.argv[2])" "$g" "$GEMMRL_CACHE"
-        done
+        unpack_cache
         python3 -m gemmrl.cli build --family raw --top 3 --shapes "$shapes" --jobs "$(nproc)" 2>&1 | tail -2 | tee "$out/build.log"
-        left=$(( total - SECONDS )); cap=$(( budget + 300 < left ? budget + 300 : left ))
+        cap=$(cap_at $((budget + 300)))
         echo "tune: search budget ${budget}s, cut at ${cap}s" | tee "$out/tune.log"
         timeout "$cap" python3 -m gemmrl.cli tune --db "$db" --out "$out/results" --shapes "$shapes" \
             --candidates "${TUNE_CANDIDATES:-8}" --built-only --wall-s "$budget" 2>&1 | tee -a "$out/tune.log"; rc=${PIPESTATUS[0]} ;;
-  *) echo "unknown step $step: tests | subset | hostmodes | tune" >&2; exit 2 ;;
+  *) echo "unknown step $step: tests | subset | hostmodes | bench | tune" >&2; exit 2 ;;
 esac
 cp "$db" "$out/" 2>/dev/null
 [ -d "$out/results" ] && tar czf "$out/results.tgz" -C "$out" results && rm -rf "$out/results"
