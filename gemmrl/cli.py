@@ -234,10 +234,28 @@ def _open_for_reading(db, device, *, require_measured: bool):
 @click.option("--subject", default=None, help="implementation whose speedups are reported")
 @click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "bf16"]))
 @click.option("--acc", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16"]))
-def report(db, out, device, subject, dtype, acc):
+@click.option("--versus", multiple=True, metavar="IMPL",
+              help="also write the subject's speedup over IMPL per shape and mode (e.g. cuda-l2); repeatable")
+def report(db, out, device, subject, dtype, acc, versus):
     """Write CSVs (CUDA-L2's layout), the summary JSON and plots from the store (no GPU needed)."""
     store, device = _open_for_reading(db, device, require_measured=True)
     paths = write_report(store, device, out, subject, dtype, acc)
+    if versus:
+        from gemmrl.bench.env import gpu_slug
+        from gemmrl.core.problem import Problem
+        from gemmrl.report.export import ReportError, write_versus
+
+        subj = subject or "torch.matmul"
+        records = [r for r in store.measurements(device=device, dtype=dtype, acc=acc) if r["status"] == "ok"]
+        prefix = f"{subj.replace('.', '_').replace(':', '_')}_{gpu_slug(device)}_{Problem(64, 64, 64, dtype, acc).precision}"
+        for other in versus:
+            if not any(r["impl"] == other for r in records):
+                raise click.ClickException(f"--versus {other}: the store has no ok measurement of {other!r} "
+                                           f"on {device} ({dtype}, acc {acc})")
+            try:
+                paths += write_versus(records, Path(out) / gpu_slug(device), subj, other, prefix)
+            except ReportError as e:
+                raise click.ClickException(str(e)) from None
     for p in paths:
         click.echo(p)
 

@@ -70,6 +70,20 @@ def test_report_writes_cuda_l2_layout_from_the_store(tmp_path):
     assert (out / "torch_matmul_h100_F32F16F16F32_speedup_vs_flops.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_report_versus_writes_the_head_to_head_and_refuses_an_unknown_impl(tmp_path):
+    db = tmp_path / "s.sqlite"
+    _fill(Store(db))
+    out = tmp_path / "res"
+    r = CliRunner().invoke(main, ["report", "--db", str(db), "--out", str(out), "--subject",
+                                  "cuBLAS-nn", "--versus", "cuBLAS-tn"])
+    assert r.exit_code == 0, r.output
+    csv = (out / "h100" / "cuBLAS-nn_h100_F32F16F16F32_vs_cuBLAS-tn.csv").read_text().splitlines()
+    assert csv[0] == "mnk,kernel"
+    assert csv[1] == "64_64_64,1.056"  # 0.95 / 0.9
+    r = CliRunner().invoke(main, ["report", "--db", str(db), "--out", str(out), "--versus", "cuda-l2"])
+    assert r.exit_code == 1 and "no ok measurement of 'cuda-l2'" in r.output
+
+
 def test_report_errors(tmp_path):
     r = CliRunner().invoke(main, ["report", "--db", str(tmp_path / "none.sqlite")])
     assert r.exit_code == 1 and "no store at" in r.output

@@ -371,3 +371,48 @@ def test_plots_accept_empty_modes(tmp_path):
     out = plots.plot_speedup_vs_flops({}, tmp_path / "s.png")
     assert out.read_bytes()[:8] == PNG_SIGNATURE
     assert _tmp_leftovers(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------- head to head
+
+
+def versus_records():
+    """gemmrl and a seed system: 64^3 in two modes, 4096^3 kernel only, 1024^3 seed only."""
+    return [
+        rec(64, 64, 64, "gemmrl", "kernel", 4.0), rec(64, 64, 64, "cuda-l2", "kernel", 6.0),
+        rec(64, 64, 64, "gemmrl", "offline", 10.0), rec(64, 64, 64, "cuda-l2", "offline", 8.0),
+        rec(4096, 4096, 4096, "gemmrl", "kernel", 200.0), rec(4096, 4096, 4096, "cuda-l2", "kernel", 300.0),
+        rec(1024, 1024, 1024, "cuda-l2", "kernel", 30.0),
+        rec(64, 64, 64, "torch.matmul", "kernel", 5.0),  # neither side: ignored
+    ]
+
+
+def test_versus_rows_ratio_per_mode_and_missing_cells():
+    from gemmrl.report.export import versus_rows
+
+    columns, rows = versus_rows(versus_records(), "gemmrl", "cuda-l2")
+    assert columns == ["mnk", "kernel", "offline"]
+    t = by_mnk(columns, rows)
+    assert t["64_64_64"]["kernel"] == pytest.approx(1.5)
+    assert t["64_64_64"]["offline"] == pytest.approx(0.8)  # the seed is faster there
+    assert t["4096_4096_4096"]["kernel"] == pytest.approx(1.5)
+    assert t["4096_4096_4096"]["offline"] is None
+    assert t["1024_1024_1024"]["kernel"] is None  # gemmrl has no time: no ratio invented
+    assert [r[0] for r in rows] == ["64_64_64", "1024_1024_1024", "4096_4096_4096"]
+    with pytest.raises(ReportError):
+        versus_rows(versus_records(), "gemmrl", "gemmrl")
+
+
+def test_write_versus_summary_counts_and_files(tmp_path):
+    from gemmrl.report.export import write_versus
+
+    paths = write_versus(versus_records(), tmp_path, "gemmrl", "cuda-l2", "gemmrl_h100_F32F16F16F32")
+    assert [p.name for p in paths] == ["gemmrl_h100_F32F16F16F32_vs_cuda-l2.csv",
+                                       "gemmrl_h100_F32F16F16F32_vs_cuda-l2_summary.json"]
+    s = json.loads(paths[1].read_text())
+    k = s["modes"]["kernel"]
+    assert k["count"] == 2 and k["geomean"] == pytest.approx(1.5) and k["share_slower"] == 0.0
+    assert k["only_cuda-l2"] == 1 and k["only_gemmrl"] == 0
+    o = s["modes"]["offline"]
+    assert o["count"] == 1 and o["share_slower"] == 1.0
+    assert paths[0].read_text().splitlines()[0] == "mnk,kernel,offline"

@@ -243,6 +243,57 @@ def speedup_rows(records: Iterable[dict], subject: str, mode: str) -> tuple[list
     return ["mnk"] + cols, rows
 
 
+def versus_rows(records: Iterable[dict], subject: str, other: str) -> tuple[list[str], list[list]]:
+    """Head to head: the speedup of `subject` over one other implementation (a seed system such as
+    'cuda-l2', or any impl), per shape, one column per mode where either has records (kernel,
+    offline, server order). A cell is other's median / subject's median, None unless both have a
+    time for that shape and mode. Rows: shapes with any record of either, in M, N, K order."""
+    if not subject or not other or subject == other:
+        raise ReportError(f"versus_rows needs two different impls, got {subject!r} and {other!r}")
+    recs = [r for r in _check(records) if r.impl in (subject, other)]
+    _single_setting(recs, "versus_rows")
+    modes = _sorted_modes(r.mode for r in recs)
+    times: dict[tuple, dict[tuple[str, str], float]] = defaultdict(dict)
+    problems: dict[tuple, Problem] = {}
+    for r in recs:
+        times[r.problem.key()][(r.impl, r.mode)] = r.median
+        problems[r.problem.key()] = r.problem
+    rows = []
+    for key in sorted(problems, key=lambda k: _shape_sort_key(problems[k])):
+        t = times[key]
+        row: list = [problems[key].mnk]
+        for mode in modes:
+            s, o = t.get((subject, mode)), t.get((other, mode))
+            row.append(None if s is None or o is None else o / s)
+        rows.append(row)
+    return ["mnk"] + modes, rows
+
+
+def write_versus(records: Iterable[dict], out_dir: str | os.PathLike, subject: str, other: str,
+                 prefix: str, provenance: dict | None = None) -> list[Path]:
+    """'<prefix>_vs_<other>.csv' (versus_rows) and '<prefix>_vs_<other>_summary.json': per mode
+    the statistics of the subject's speedup over `other` (share_slower: shapes where the subject
+    is the slower one), and how many shapes each has alone (the other rejected or missing)."""
+    records = list(records)
+    columns, rows = versus_rows(records, subject, other)
+    stem = f"{prefix}_vs_{other.replace('.', '_').replace(':', '_').replace('/', '_')}"
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    recs = [r for r in _check(records) if r.impl in (subject, other)]
+    summary: dict[str, Any] = {"subject": subject, "versus": other, "provenance": provenance or {},
+                               "modes": {}}
+    for j, mode in enumerate(columns[1:], 1):
+        have = {impl: {r.problem.key() for r in recs if r.impl == impl and r.mode == mode}
+                for impl in (subject, other)}
+        summary["modes"][mode] = {
+            **_stats([row[j] for row in rows]),
+            f"only_{subject}": len(have[subject] - have[other]),
+            f"only_{other}": len(have[other] - have[subject]),
+        }
+    return [write_csv(out_dir / f"{stem}.csv", columns, rows),
+            write_json(out_dir / f"{stem}_summary.json", summary)]
+
+
 def _mnk_problem(mnk: str, like: Problem | None = None) -> Problem:
     M, N, K = (int(x) for x in mnk.split("_"))
     if like is None:
