@@ -1,6 +1,7 @@
 """The runtime on a GPU: a tiny pack of two real specs (a CUTLASS kernel, generic, and a raw
 kernel for one shape) served through gemmrl.matmul, a captured CUDA graph, torch.compile and a
-patched model; the host overhead per call beside torch.matmul's is printed."""
+patched model; the C++ fast path against the Python dispatch; the host overhead per call of
+both beside torch.matmul's is printed (and written to GEMMRL_TEST_OUT)."""
 
 import json
 import os
@@ -13,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 import gemmrl  # noqa: E402
 from gemmrl.core.problem import Problem  # noqa: E402
-from gemmrl.runtime import ops  # noqa: E402
+from gemmrl.runtime import fastpath, ops  # noqa: E402
 from gemmrl.runtime.dispatch import Dispatcher  # noqa: E402
 from gemmrl.runtime.pack import export_pack, load_pack  # noqa: E402
 from gemmrl.space import cutlass_sm90, raw  # noqa: E402
@@ -151,14 +152,55 @@ def test_never_compile_finds_the_warmed_up_kernels(pack):
         assert d.kernel(e).meta.layout == "TN"
 
 
-def test_host_overhead_per_call(pack):
+def _fast_or_fail():
+    fast = ops._fast()
+    assert fast is not None, f"the C++ fast path did not build here: {fastpath._failed}"
+    assert fast.stats()["cuda_stream"], "built without the CUDA branch under a CUDA torch"
+    return fast
+
+
+@pytest.mark.parametrize("M, N, K", [(256, 1024, 512), (300, 1024, 512), (16, 1024, 4096)])
+def test_cpp_path_matches_the_python_path(pack, M, N, K, monkeypatch):
+    fast = _fast_or_fail()
+    a, w = _inputs(M, N, K, seed=3)
+    dev = torch.cuda.current_device()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.inference_mode(), torch.cuda.stream(s):  # a side stream: the key must be its
+        hits = fast.stats()["hits"]
+        for _ in range(2):  # a miss resolved in Python, then a hit
+            c_cpp = gemmrl.matmul(a, w, b_layout="TN")
+        assert fast.stats()["hits"] == hits + 2, fast.stats()
+        entry = fast.lookup(M, N, K, True, "fp16", dev, s.cuda_stream)
+        call = ops.active()._calls[(M, N, K, "TN", "fp16", dev, s.cuda_stream)]
+        assert entry == (call.fn_ptr, call.ws_ptr, call.ldb)  # C++ read the stream Python sees
+        with monkeypatch.context() as m:
+            m.setattr(ops, "_FAST", None)  # the Python dispatch, same kernel
+            c_py = gemmrl.matmul(a, w, b_layout="TN")
+    torch.cuda.synchronize()
+    assert c_cpp.shape == c_py.shape and c_cpp.dtype == c_py.dtype
+    assert _rel_err(c_cpp, c_py) < 1e-6 or torch.equal(c_cpp, c_py)
+    assert _rel_err(c_cpp, torch.matmul(a, w.t())) < 1e-3
+    # an unserved shape is a C++ fallback entry and exactly torch.matmul
+    a2, w2 = _inputs(17, 1024, 4100)
+    with torch.inference_mode():
+        for _ in range(2):
+            assert torch.equal(gemmrl.matmul(a2, w2, b_layout="TN"), torch.matmul(a2, w2.t()))
+    assert fast.lookup(17, 1024, 4100, True, "fp16", dev, torch.cuda.current_stream().cuda_stream) is False
+
+
+def test_host_overhead_per_call(pack, monkeypatch):
+    fast = _fast_or_fail()
     a, w = _inputs(16, 1024, 4096)
     calls = {"torch.matmul": lambda: torch.matmul(a, w.t()),
              "gemmrl.matmul": lambda: gemmrl.matmul(a, w, b_layout="TN"),
-             "torch.ops.gemmrl.mm": lambda: torch.ops.gemmrl.mm(a, w, "TN")}
+             "torch.ops.gemmrl.mm": lambda: torch.ops.gemmrl.mm(a, w, "TN"),
+             "gemmrl.matmul (Python dispatch)": lambda: gemmrl.matmul(a, w, b_layout="TN"),
+             "torch.ops.gemmrl.mm (Python dispatch)": lambda: torch.ops.gemmrl.mm(a, w, "TN")}
     n, res = 2000, {}
     with torch.inference_mode():
         for name, fn in calls.items():
+            monkeypatch.setattr(ops, "_FAST", None if "Python dispatch" in name else fast)
             for _ in range(50):
                 fn()
             torch.cuda.synchronize()
@@ -168,10 +210,13 @@ def test_host_overhead_per_call(pack):
             host = (time.perf_counter() - t0) / n * 1e6  # enqueue time: the GPU work is ~us
             torch.cuda.synchronize()
             res[name] = host
+    over = {k: res[k] - res["torch.matmul"] for k in res if k != "torch.matmul"}
     print("\nhost us per call, 16x1024x4096 TN fp16: " + ", ".join(f"{k} {v:.2f}" for k, v in res.items())
-          + f"; gemmrl.matmul overhead over torch.matmul: {res['gemmrl.matmul'] - res['torch.matmul']:+.2f} us")
+          + "; over torch.matmul: " + ", ".join(f"{k} {v:+.2f}" for k, v in over.items()))
     if os.environ.get("GEMMRL_TEST_OUT"):  # xdist swallows prints: keep the numbers in a file
         Path(os.environ["GEMMRL_TEST_OUT"], "host-overhead.json").write_text(json.dumps(
             {"shape": "16x1024x4096", "layout": "TN", "dtype": "fp16", "host_us_per_call": res,
+             "host_us_over_torch_matmul": over, "dispatch": "gemmrl.matmul and torch.ops.gemmrl.mm: "
+             "the C++ fast path; '(Python dispatch)': with it turned off", "fast_path": fast.stats(),
              "device": torch.cuda.get_device_name()}, indent=1))
     assert all(v > 0 for v in res.values())

@@ -73,6 +73,9 @@ class AbiKernel:
         self.lib.gemmrl_run.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 2
         self.meta = KernelMeta.parse(self.lib.gemmrl_meta().decode())
         self._run = self.lib.gemmrl_run
+        # the address of gemmrl_run, for callers in C++ (the runtime's fast path); ctypes never
+        # unloads a library, so it stays valid for the life of the process
+        self.run_ptr = ctypes.cast(self._run, ctypes.c_void_p).value
 
     def workspace_bytes(self, M: int, N: int, K: int) -> int:
         return int(self.lib.gemmrl_workspace_bytes(M, N, K))

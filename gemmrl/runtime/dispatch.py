@@ -101,11 +101,13 @@ def _index_dir() -> Path:
 
 
 class _Call:
-    """One (kernel, shape, device, stream): what the hot path needs, resolved once."""
-    __slots__ = ("run", "ws_ptr", "ldb", "ws", "entry")
+    """One (kernel, shape, device, stream): what the hot path needs, resolved once. `run` is
+    the ctypes call, `fn_ptr` the address of the same gemmrl_run (for the C++ fast path)."""
+    __slots__ = ("run", "ws_ptr", "ldb", "ws", "entry", "fn_ptr")
 
-    def __init__(self, run, ws_ptr: int, ldb: int, ws, entry):
+    def __init__(self, run, ws_ptr: int, ldb: int, ws, entry, fn_ptr: int = 0):
         self.run, self.ws_ptr, self.ldb, self.ws, self.entry = run, ws_ptr, ldb, ws, entry
+        self.fn_ptr = fn_ptr
 
 
 class Dispatcher:
@@ -262,7 +264,8 @@ class Dispatcher:
 
         nbytes = k.workspace_bytes(M, N, K)
         ws = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}") if nbytes else None
-        return _Call(k.run, ws.data_ptr() if ws is not None else 0, K if layout == "TN" else N, ws, entry)
+        return _Call(k.run, ws.data_ptr() if ws is not None else 0, K if layout == "TN" else N, ws, entry,
+                     k.run_ptr)
 
     def disable(self, M, N, K, layout, dtype, device, stream, why: str) -> None:
         """A kernel refused a call the table said it serves: never use it for this shape again."""

@@ -1,0 +1,355 @@
+// The C++ fast path of gemmrl.matmul / gemmrl::mm (issue #4): a hash table from
+// (M, N, K, layout, dtype, device, stream) to a resolved kernel call, looked up and launched
+// without going back to Python. Built on first use by gemmrl/runtime/fastpath.py.
+//
+// run(a, b, tn) does what ops._plan does in Python (the same checks, in the same spirit) and:
+//   returns a new Tensor       a kernel of the table served the call
+//   returns False              torch.matmul serves it: not eligible, or a known fallback shape
+//   returns (M, N, K, dev, stream)          a miss: Python resolves the key and registers it
+//   returns (M, N, K, dev, stream, status)  the kernel refused (nonzero status, nothing was
+//                                           launched): Python disables the shape and falls back
+//   returns None               not for this path (a tensor subclass, a __torch_function__ mode,
+//                              sizes beyond int): Python's own path decides
+// The stream is the caller's current stream: c10::cuda::getCurrentCUDAStream(device), the call
+// behind torch._C._cuda_getCurrentRawStream, so a capture stream is seen as such. That needs
+// libc10_cuda, which a CPU-only torch does not have: the loader defines GEMMRL_FASTPATH_CUDA
+// and links c10_cuda only when torch has CUDA. Without it no tensor can be a CUDA tensor, and
+// only the test-only host mode (CPU tensors, stream 0) reaches the table.
+//
+// Every function runs with the GIL held, which is what guards the table. An entry is copied out
+// before anything that could run Python (allocation under a dispatch mode), and keeps its own
+// reference to the workspace tensor, so a workspace outlives every call that uses it.
+
+#include <torch/csrc/python_headers.h>
+
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/SmallVector.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#ifdef GEMMRL_FASTPATH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <climits>
+#include <cstdint>
+#include <cstring>
+#include <unordered_map>
+
+namespace {
+
+// the kernel ABI (gemmrl/runtime/abi.py): 0 on success, nonzero = nothing was launched
+using RunFn = int (*)(const void*, const void*, void*, int, int, int, int, int, int, void*, void*);
+
+struct Key {
+  int64_t M, N, K;
+  uintptr_t stream;
+  int8_t dtype;   // c10::ScalarType
+  int8_t device;  // c10::DeviceIndex; -1 for host-mode (CPU) tensors
+  bool tn;
+  bool operator==(const Key& o) const noexcept {
+    return M == o.M && N == o.N && K == o.K && stream == o.stream && dtype == o.dtype &&
+           device == o.device && tn == o.tn;
+  }
+};
+
+struct KeyHash {
+  size_t operator()(const Key& k) const noexcept {
+    uint64_t h = 0x9e3779b97f4a7c15ull;
+    auto mix = [&h](uint64_t v) {
+      h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    };
+    mix(static_cast<uint64_t>(k.M));
+    mix(static_cast<uint64_t>(k.N));
+    mix(static_cast<uint64_t>(k.K));
+    mix(static_cast<uint64_t>(k.stream));
+    mix((static_cast<uint64_t>(static_cast<uint8_t>(k.dtype)) << 16) |
+        (static_cast<uint64_t>(static_cast<uint8_t>(k.device)) << 8) | (k.tn ? 1u : 0u));
+    return static_cast<size_t>(h);
+  }
+};
+
+struct Entry {
+  RunFn fn = nullptr;  // nullptr: a known fallback (negative entry)
+  void* ws = nullptr;
+  int ldb = 0;
+  at::Tensor ws_tensor;  // keeps the workspace alive as long as the entry
+};
+
+std::unordered_map<Key, Entry, KeyHash> g_table;
+size_t g_limit = 1 << 16;  // a full table is cleared (entries come back from Python's caches)
+bool g_host_mode = false;  // test only: CPU tensors accepted (stream 0, or the current one with CUDA)
+uint64_t g_hits = 0, g_misses = 0, g_fallbacks = 0, g_refusals = 0;
+
+PyObject* key_tuple(const Key& k, int extra, bool with_extra) {
+  if (with_extra) {
+    return Py_BuildValue("(LLLiKi)", (long long)k.M, (long long)k.N, (long long)k.K,
+                         (int)k.device, (unsigned long long)k.stream, extra);
+  }
+  return Py_BuildValue("(LLLiK)", (long long)k.M, (long long)k.N, (long long)k.K, (int)k.device,
+                       (unsigned long long)k.stream);
+}
+
+inline PyObject* fallback() {
+  ++g_fallbacks;
+  Py_RETURN_FALSE;
+}
+
+PyObject* run(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "run(a, b, tn) takes 3 arguments");
+    return nullptr;
+  }
+  PyObject* pa = args[0];
+  PyObject* pb = args[1];
+  // exactly Tensor (or Parameter), and no __torch_function__ mode: anything else may redefine
+  // what the Python path's tensor methods and torch.matmul do, so Python decides
+  if (!THPVariable_CheckExact(pa) || !THPVariable_CheckExact(pb) ||
+      at::impl::torch_function_mode_enabled()) {
+    Py_RETURN_NONE;
+  }
+  const int tn_flag = args[2] == Py_True ? 1 : args[2] == Py_False ? 0 : PyObject_IsTrue(args[2]);
+  if (tn_flag < 0) return nullptr;
+  const bool tn = tn_flag != 0;
+  try {
+    const at::Tensor& a = THPVariable_Unpack(pa);
+    const at::Tensor& b = THPVariable_Unpack(pb);
+    // the checks of ops._plan
+    if (a.is_cuda()) {
+#ifndef GEMMRL_FASTPATH_CUDA
+      Py_RETURN_NONE;  // built without a way to read the current stream: Python decides
+#endif
+    } else if (!g_host_mode) {
+      return fallback();
+    }
+    const at::ScalarType st = a.scalar_type();
+    if ((st != at::kHalf && st != at::kBFloat16) || b.scalar_type() != st) return fallback();
+    if (a.dim() < 2 || b.dim() != 2) return fallback();
+    if (b.device() != a.device()) return fallback();
+    const c10::DeviceIndex dev = a.device().index();
+#ifdef GEMMRL_FASTPATH_CUDA
+    if (a.is_cuda() && dev != c10::cuda::current_device()) return fallback();
+#endif
+    if (!a.is_contiguous() || !b.is_contiguous()) return fallback();
+    const int64_t K = a.size(-1);
+    const int64_t N = tn ? b.size(0) : b.size(1);
+    const int64_t Kb = tn ? b.size(1) : b.size(0);
+    if (Kb != K) return fallback();
+    const int64_t M = K ? a.numel() / K : 0;
+    if (M == 0 || N == 0) return fallback();
+    if ((reinterpret_cast<uintptr_t>(a.data_ptr()) | reinterpret_cast<uintptr_t>(b.data_ptr())) & 15) {
+      return fallback();
+    }
+    if (M > INT_MAX || N > INT_MAX || K > INT_MAX) Py_RETURN_NONE;  // the ABI takes int
+    uintptr_t stream = 0;  // host mode without CUDA
+#ifdef GEMMRL_FASTPATH_CUDA
+    // the caller's current stream on the tensors' device (host mode: on the current device)
+    stream = reinterpret_cast<uintptr_t>(c10::cuda::getCurrentCUDAStream(a.is_cuda() ? dev : -1).stream());
+#endif
+    const Key key{M, N, K, stream, static_cast<int8_t>(st), static_cast<int8_t>(dev), tn};
+    auto it = g_table.find(key);
+    if (it == g_table.end()) {
+      ++g_misses;
+      return key_tuple(key, 0, false);
+    }
+    if (it->second.fn == nullptr) return fallback();
+    const Entry e = it->second;  // a copy: the table may change while at::empty runs
+    c10::SmallVector<int64_t, 6> sizes(a.sizes().begin(), a.sizes().end());
+    sizes.back() = N;
+    at::Tensor c = at::empty(sizes, a.options());
+    const int status = e.fn(a.data_ptr(), b.data_ptr(), c.data_ptr(), (int)M, (int)N, (int)K, (int)K,
+                            e.ldb, (int)N, e.ws, reinterpret_cast<void*>(stream));
+    if (status != 0) {
+      ++g_refusals;
+      auto again = g_table.find(key);
+      if (again != g_table.end()) again->second = Entry{};  // never this kernel for this key again
+      return key_tuple(key, status, true);
+    }
+    ++g_hits;
+    return THPVariable_Wrap(std::move(c));
+  } catch (...) {
+    torch::translate_exception_to_python(std::current_exception());
+    return nullptr;
+  }
+}
+
+bool parse_dtype(const char* name, int8_t* out) {
+  if (std::strcmp(name, "fp16") == 0) {
+    *out = static_cast<int8_t>(at::kHalf);
+  } else if (std::strcmp(name, "bf16") == 0) {
+    *out = static_cast<int8_t>(at::kBFloat16);
+  } else {
+    PyErr_Format(PyExc_ValueError, "dtype must be 'fp16' or 'bf16', got '%s'", name);
+    return false;
+  }
+  return true;
+}
+
+// (M, N, K, tn, dtype, device, stream) from the front of a tuple of arguments
+bool parse_key(PyObject* args, Key* k, const char* fmt, PyObject** ws = nullptr,
+               unsigned long long* fn = nullptr, int* ldb = nullptr) {
+  long long M, N, K;
+  int tn, device;
+  unsigned long long stream;
+  const char* dtype;
+  bool ok = ws ? PyArg_ParseTuple(args, fmt, &M, &N, &K, &tn, &dtype, &device, &stream, fn, ws, ldb)
+               : PyArg_ParseTuple(args, fmt, &M, &N, &K, &tn, &dtype, &device, &stream);
+  if (!ok) return false;
+  if (M <= 0 || N <= 0 || K <= 0 || M > INT_MAX || N > INT_MAX || K > INT_MAX) {
+    PyErr_SetString(PyExc_ValueError, "M, N and K must be in 1..INT_MAX");
+    return false;
+  }
+  if (device < -1 || device > 127) {
+    PyErr_SetString(PyExc_ValueError, "device must be -1..127");
+    return false;
+  }
+  k->M = M;
+  k->N = N;
+  k->K = K;
+  k->tn = tn != 0;
+  k->device = static_cast<int8_t>(device);
+  k->stream = static_cast<uintptr_t>(stream);
+  return parse_dtype(dtype, &k->dtype);
+}
+
+void put(const Key& k, Entry e) {
+  if (g_table.size() >= g_limit && g_table.find(k) == g_table.end()) g_table.clear();
+  g_table[k] = std::move(e);
+}
+
+PyObject* register_call(PyObject* /*self*/, PyObject* args) {
+  Key k;
+  PyObject* ws = nullptr;
+  unsigned long long fn = 0;
+  int ldb = 0;
+  if (!parse_key(args, &k, "LLLpsiKKOi:register", &ws, &fn, &ldb)) return nullptr;
+  if (fn == 0) {
+    PyErr_SetString(PyExc_ValueError, "register: fn must be the address of gemmrl_run");
+    return nullptr;
+  }
+  Entry e;
+  e.fn = reinterpret_cast<RunFn>(static_cast<uintptr_t>(fn));
+  e.ldb = ldb;
+  if (ws != Py_None) {
+    if (!THPVariable_Check(ws)) {
+      PyErr_SetString(PyExc_TypeError, "register: ws must be a Tensor or None");
+      return nullptr;
+    }
+    e.ws_tensor = THPVariable_Unpack(ws);
+    e.ws = e.ws_tensor.data_ptr();
+  }
+  put(k, std::move(e));
+  Py_RETURN_NONE;
+}
+
+PyObject* register_fallback(PyObject* /*self*/, PyObject* args) {
+  Key k;
+  if (!parse_key(args, &k, "LLLpsiK:register_fallback")) return nullptr;
+  put(k, Entry{});
+  Py_RETURN_NONE;
+}
+
+// the entry of a key: None (absent), False (fallback) or (fn address, workspace address, ldb)
+PyObject* lookup(PyObject* /*self*/, PyObject* args) {
+  Key k;
+  if (!parse_key(args, &k, "LLLpsiK:lookup")) return nullptr;
+  auto it = g_table.find(k);
+  if (it == g_table.end()) Py_RETURN_NONE;
+  if (it->second.fn == nullptr) Py_RETURN_FALSE;
+  return Py_BuildValue("(KKi)", (unsigned long long)reinterpret_cast<uintptr_t>(it->second.fn),
+                       (unsigned long long)reinterpret_cast<uintptr_t>(it->second.ws), it->second.ldb);
+}
+
+// a kernel refused this shape: every (device, stream) entry of it becomes a fallback
+PyObject* forget(PyObject* /*self*/, PyObject* args) {
+  long long M, N, K;
+  int tn;
+  const char* dtype;
+  int8_t st;
+  if (!PyArg_ParseTuple(args, "LLLps:forget", &M, &N, &K, &tn, &dtype) || !parse_dtype(dtype, &st)) {
+    return nullptr;
+  }
+  long n = 0;
+  for (auto& kv : g_table) {
+    const Key& k = kv.first;
+    if (k.M == M && k.N == N && k.K == K && k.tn == (tn != 0) && k.dtype == st) {
+      kv.second = Entry{};
+      ++n;
+    }
+  }
+  return PyLong_FromLong(n);
+}
+
+PyObject* clear(PyObject* /*self*/, PyObject* /*unused*/) {
+  g_table.clear();
+  g_hits = g_misses = g_fallbacks = g_refusals = 0;
+  Py_RETURN_NONE;
+}
+
+PyObject* stats(PyObject* /*self*/, PyObject* /*unused*/) {
+  size_t served = 0;
+  for (const auto& kv : g_table) served += kv.second.fn != nullptr;
+  return Py_BuildValue("{s:n,s:n,s:K,s:K,s:K,s:K,s:n,s:O,s:O}", "entries", (Py_ssize_t)g_table.size(),
+                       "served", (Py_ssize_t)served, "hits", (unsigned long long)g_hits, "misses",
+                       (unsigned long long)g_misses, "fallbacks", (unsigned long long)g_fallbacks,
+                       "refusals", (unsigned long long)g_refusals, "limit", (Py_ssize_t)g_limit,
+                       "host_mode", g_host_mode ? Py_True : Py_False, "cuda_stream",
+#ifdef GEMMRL_FASTPATH_CUDA
+                       Py_True
+#else
+                       Py_False
+#endif
+  );
+}
+
+PyObject* set_limit(PyObject* /*self*/, PyObject* arg) {
+  Py_ssize_t n = PyLong_AsSsize_t(arg);
+  if (n == -1 && PyErr_Occurred()) return nullptr;
+  if (n < 1) {
+    PyErr_SetString(PyExc_ValueError, "limit must be >= 1");
+    return nullptr;
+  }
+  g_limit = static_cast<size_t>(n);
+  Py_RETURN_NONE;
+}
+
+PyObject* set_host_mode(PyObject* /*self*/, PyObject* arg) {
+  int on = PyObject_IsTrue(arg);
+  if (on < 0) return nullptr;
+  g_host_mode = on != 0;
+  g_table.clear();  // keys of one mode mean nothing in the other
+  Py_RETURN_NONE;
+}
+
+PyMethodDef methods[] = {
+    {"run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(run)), METH_FASTCALL,
+     "run(a, b, tn): a new Tensor, False (torch.matmul), a key tuple (miss or refusal) or None"},
+    {"register", register_call, METH_VARARGS,
+     "register(M, N, K, tn, dtype, device, stream, fn, ws, ldb): a resolved kernel call"},
+    {"register_fallback", register_fallback, METH_VARARGS,
+     "register_fallback(M, N, K, tn, dtype, device, stream): torch.matmul serves this key"},
+    {"lookup", lookup, METH_VARARGS, "lookup(M, N, K, tn, dtype, device, stream)"},
+    {"forget", forget, METH_VARARGS, "forget(M, N, K, tn, dtype): the shape falls back everywhere"},
+    {"clear", clear, METH_NOARGS, "empty the table (and zero the counters)"},
+    {"stats", stats, METH_NOARGS, "entries, served, hits, misses, fallbacks, refusals, ..."},
+    {"set_limit", set_limit, METH_O, "the table size at which it is cleared"},
+    {"set_host_mode", set_host_mode, METH_O, "test only: serve CPU tensors with stream 0"},
+    {nullptr, nullptr, 0, nullptr}};
+
+#define GEMMRL_STR2(x) #x
+#define GEMMRL_STR(x) GEMMRL_STR2(x)
+#define GEMMRL_CAT2(a, b) a##b
+#define GEMMRL_CAT(a, b) GEMMRL_CAT2(a, b)
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, GEMMRL_STR(TORCH_EXTENSION_NAME),
+                          "gemmrl's C++ dispatch table (gemmrl/runtime/fastpath.cpp)", -1, methods,
+                          nullptr, nullptr, nullptr, nullptr};
+
+}  // namespace
+
+PyMODINIT_FUNC GEMMRL_CAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
+  return PyModule_Create(&module_def);
+}
