@@ -49,16 +49,43 @@ class TorchMatmul(Impl):
         return call
 
 
+def _matmul(a, b):
+    return a @ b
+
+
 class TorchCompile(Impl):
     """torch.compile(mode='max-autotune') of a @ b. Its result is copied into C, so the time
-    includes one extra write of C (Inductor's kernels allocate their own output)."""
+    includes one extra write of C (Inductor's kernels allocate their own output).
+
+    Dynamo keys its cache on the function's code, so one process compiling shape after shape
+    reaches its recompile limit (8) and from then on runs the function eagerly, without a word
+    but a log line: that would time torch.matmul under this name. So each prepare starts from a
+    reset cache, and checks on a first call that a graph was compiled; if not, the problem is
+    refused instead of timed."""
 
     name = "torch.compile"
     layout = "NN"
     trusted = True
 
+    def __init__(self, mode: str = "max-autotune-no-cudagraphs", backend: str = "inductor"):
+        self.mode, self.backend = mode, backend
+
     def prepare(self, problem):
-        f = torch.compile(lambda a, b: a @ b, mode="max-autotune-no-cudagraphs", dynamic=False)
+        import torch._dynamo
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        kw = {"mode": self.mode} if self.backend == "inductor" else {}
+        f = torch.compile(_matmul, backend=self.backend, dynamic=False, **kw)
+        before = counters["stats"]["unique_graphs"]
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        dt = torch.float16 if problem.dtype == "fp16" else torch.bfloat16
+        a = torch.randn(problem.M, problem.K, device=dev).to(dt)
+        b = torch.randn(problem.K, problem.N, device=dev).to(dt)
+        f(a, b)  # compiles (and autotunes) for this shape now, not inside a timed call
+        if counters["stats"]["unique_graphs"] <= before:
+            raise UnsupportedProblem(f"torch.compile did not compile a graph for {problem.shape} "
+                                     f"(it would run eagerly)")
 
         def call(a, b_nn, b_tn, c):
             c.copy_(f(a, b_nn))
