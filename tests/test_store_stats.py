@@ -135,3 +135,19 @@ def test_search_and_judge_rotate_inputs_through_more_than_the_l2():
             n = n_input_sets(p, l2, s)
             assert n * per_set >= min(2 * l2, 1024 * per_set), (shape, s, n)
         assert n_input_sets(p, l2, QUICK) == n_input_sets(p, l2, KernelSettings())
+
+
+def test_invalidated_measurements_are_kept_skipped_and_measured_again(tmp_path):
+    s = Store(tmp_path / "i.sqlite")
+    run = s.start_run("gemmrl bench", "H100", {}, {})
+    s.record_session(run, "s1", "H100", P, "kernel", "kernel:v1", {"torch.compile": _st(5.0), "torch.matmul": _st(6.0)})
+    s.record_session(run, "s2", "H100", Q, "kernel", "kernel:v1", {"torch.compile": _st(2.0)})
+    with pytest.raises(StoreError):
+        s.invalidate(run, "torch.compile", [P], " ")
+    assert s.invalidate(run, "torch.compile", [P], "ran eagerly") == 1
+    assert s.invalidate(run, "torch.compile", [P], "again") == 0  # already marked
+    assert s.measured_impls("H100", P, "kernel", "kernel:v1") == {"torch.matmul"}  # to measure again
+    assert s.measured_impls("H100", Q, "kernel", "kernel:v1") == {"torch.compile"}  # other shape untouched
+    row = next(r for r in s.measurements() if r["impl"] == "torch.compile" and r["M"] == P.M)
+    assert row["status"] == "invalid" and row["details"]["invalidated"] == "ran eagerly"
+    assert row["median_us"] == 5.0  # kept, not deleted

@@ -188,10 +188,33 @@ class Store:
                      json.dumps(st.get("details", {}), sort_keys=True, default=str), now))
 
     def measured_impls(self, device: str, problem: Problem, mode: str, protocol: str) -> set[str]:
+        """Impls with a measurement here (ok or rejected: neither is measured again unless asked);
+        invalidated ones do not count, so a resumed run measures them again."""
         rows = self.db.execute(
             "SELECT DISTINCT impl FROM measurements WHERE device=? AND mode=? AND protocol=? AND "
-            "M=? AND N=? AND K=? AND dtype=? AND acc=?", (device, mode, protocol, *problem.key()))
+            "M=? AND N=? AND K=? AND dtype=? AND acc=? AND status != 'invalid'",
+            (device, mode, protocol, *problem.key()))
         return {r[0] for r in rows}
+
+    def invalidate(self, run_id: int, impl: str, problems, reason: str) -> int:
+        """Mark a run's measurements of `impl` on these problems as not what they claim to be
+        (status 'invalid', the reason kept in details): reports skip them and a resumed run
+        measures them again. Nothing is deleted. Returns how many rows were marked."""
+        if not reason.strip():
+            raise StoreError("invalidate needs a reason")
+        n = 0
+        with self.db:
+            for p in problems:
+                rows = self.db.execute(
+                    "SELECT id, details FROM measurements WHERE run_id=? AND impl=? AND M=? AND N=? "
+                    "AND K=? AND dtype=? AND acc=? AND status != 'invalid'", (run_id, impl, *p.key())).fetchall()
+                for rid, det in rows:
+                    d = json.loads(det) if det else {}
+                    d["invalidated"] = reason
+                    self.db.execute("UPDATE measurements SET status='invalid', details=? WHERE id=?",
+                                    (json.dumps(d, sort_keys=True), rid))
+                    n += 1
+        return n
 
     def measurements(self, device: str | None = None, mode: str | None = None,
                      dtype: str | None = None, acc: str | None = None) -> list[dict]:
