@@ -114,15 +114,18 @@ def test_exhaustive_and_torch_compile_columns_when_present():
         rec(64, 64, 64, "torch.compile", "offline", 40.0),
     ]
     columns, rows = speedup_rows(records, "gemmrl", "offline")
-    assert columns[-5:] == ["cuBLASLt-exhaustive-tn", "cuBLASLt-exhaustive-nn",
-                            "cuBLASLt-exhaustive-max", "torch.compile", "best-baseline"]
+    assert columns[-6:] == ["cuBLASLt-exhaustive-tn", "cuBLASLt-exhaustive-nn",
+                            "cuBLASLt-exhaustive-max", "torch.compile", "best-baseline",
+                            "best-baseline-all"]
     a = by_mnk(columns, rows)["64_64_64"]
     assert a["cuBLASLt-exhaustive-max"] == pytest.approx(1.1)
     assert a["torch.compile"] == pytest.approx(4.0)
-    assert a["best-baseline"] == pytest.approx(1.1)  # exhaustive-nn is now the fastest
-    # shapes without the exhaustive timings get empty cells there, and no best-baseline
+    assert a["best-baseline"] == pytest.approx(1.283)  # the core baselines: auto-tuning-nn
+    assert a["best-baseline-all"] == pytest.approx(1.1)  # exhaustive-nn is the fastest of all
+    # shapes without the optional timings keep best-baseline and get no best-baseline-all
     b = by_mnk(columns, rows)["128_256_512"]
-    assert b["cuBLASLt-exhaustive-max"] is None and b["best-baseline"] is None
+    assert b["cuBLASLt-exhaustive-max"] is None and b["best-baseline-all"] is None
+    assert b["best-baseline"] == pytest.approx(0.5)
 
 
 def test_exact_speedups_and_max_picks_the_faster_layout():

@@ -33,6 +33,7 @@ from gemmrl.core.problem import Problem, ProblemError, bucket_label, size_bucket
 MODES = ("kernel", "offline", "server")
 REPEAT_SUFFIX = "@repeat"
 BEST_BASELINE = "best-baseline"
+BEST_BASELINE_ALL = "best-baseline-all"
 
 # Baseline families in CUDA-L2's column order: (family column stem, its layouts' impl names).
 # A family of two layouts gets '-tn', '-nn' and '-max' columns; a single impl gets one column.
@@ -45,6 +46,11 @@ BASELINE_FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("torch.compile", ("torch.compile",)),
 )
 BASELINE_IMPLS: tuple[str, ...] = tuple(i for _, impls in BASELINE_FAMILIES for i in impls)
+# measured on a subset only (optional, slow): best-baseline leaves them out, so it exists wherever
+# the core baselines do; best-baseline-all takes them in, on the shapes that have all of them
+OPTIONAL_BASELINE_STEMS = ("cuBLASLt-exhaustive", "torch.compile")
+CORE_BASELINE_IMPLS: tuple[str, ...] = tuple(
+    i for stem, impls in BASELINE_FAMILIES if stem not in OPTIONAL_BASELINE_STEMS for i in impls)
 
 TIMES_COLUMNS = ["mnk", "M", "N", "K", "impl", "median_us", "mean_us", "p90_us", "n",
                  "tflops", "roofline_fraction", "bound"]
@@ -197,9 +203,13 @@ def _speedup_plan(present: set[str], subject: str | None):
             sources.append((impl,))
         columns.append(f"{stem}-max")
         sources.append(tuple(have))
+    core = tuple(i for i in CORE_BASELINE_IMPLS if i in present and i != subject)
     pool = tuple(i for i in BASELINE_IMPLS if i in present and i != subject)
-    if pool:
+    if core:
         columns.append(BEST_BASELINE)
+        sources.append(core)
+    if pool != core:
+        columns.append(BEST_BASELINE_ALL)
         sources.append(pool)
     return columns, sources
 
@@ -209,9 +219,12 @@ def speedup_rows(records: Iterable[dict], subject: str, mode: str) -> tuple[list
 
     Columns: 'mnk', then per baseline family present in this mode, in CUDA-L2's order,
     'torch.matmul'; 'cuBLAS-tn', 'cuBLAS-nn', 'cuBLAS-max'; the cuBLASLt heuristic, auto-tuning
-    and exhaustive families the same way; 'torch.compile'; then 'best-baseline'. A '-max' cell
-    is against the faster layout of its family (smaller time), 'best-baseline' against the fastest
-    baseline of all (the subject excluded if it is itself a baseline). Rows: every shape that has
+    and exhaustive families the same way; 'torch.compile'; then 'best-baseline' and, when an
+    optional baseline (exhaustive, torch.compile: measured on a subset) is present,
+    'best-baseline-all'. A '-max' cell is against the faster layout of its family (smaller time),
+    'best-baseline' against the fastest of the core baselines (torch.matmul, cuBLAS, cuBLASLt
+    heuristic and auto-tuning), 'best-baseline-all' against the fastest of every baseline present
+    (the subject excluded if it is itself a baseline). Rows: every shape that has
     any record in this mode, sorted by M, N, K. A cell is None when the subject or any baseline it
     needs has no time for that shape ('-max' and 'best-baseline' need all of theirs, so a missing
     baseline never makes a speedup look larger).
