@@ -326,11 +326,12 @@ def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only
                              {"candidates": candidates, "batch": batch, "budget_s": budget_s, "layouts": lays})
     kernel_only = runner.RunConfig(modes=("kernel",))
 
-    def measure(specs, what, cfg=kernel_only):
+    def measure(specs, what, cfg=kernel_only, probs=None):
+        probs = problems if probs is None else probs
         click.echo(what, err=True)
         return _run_with_progress(lambda progress, log: runner.run_isolated(
-            problems, specs, store, cfg, device=device, run_id=run_id, db_path=str(db),
-            progress=progress, log=log), len(problems))
+            probs, specs, store, cfg, device=device, run_id=run_id, db_path=str(db),
+            progress=progress, log=log), len(probs))
 
     status = "partial"
     try:
@@ -366,11 +367,16 @@ def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only
                    + (f"; stopped: {res.stopped}" if res.stopped else ""), err=True)
         if not no_report:
             write_curves({"model-free": res.per_shape_curve()}, Path(out) / env.gpu_slug(device) / "tune_curve")
-        if reuse_baselines:
-            measure(("baselines", "tuned"), "the winners, verified in full and timed (baselines from the store)")
+        final = shapes_to_time(problems, res.trials, store, device, kernel_only.protocol("kernel"))
+        if not final:
+            click.echo("no new winners to time", err=True)
+        elif reuse_baselines:
+            measure(("baselines", "tuned"), f"the winners of {len(final)} shapes, verified in full and timed "
+                    "(baselines from the store)", probs=final)
         else:  # the ratios the report shows come from one timing session per shape
-            measure(("baselines", "tuned"), "the winners, verified in full and timed beside the baselines, "
-                    "all measured again in one session per shape", runner.RunConfig(modes=("kernel",), retime=True))
+            measure(("baselines", "tuned"), f"the winners of {len(final)} shapes, verified in full and timed "
+                    "beside the baselines, all measured again in one session per shape",
+                    runner.RunConfig(modes=("kernel",), retime=True), probs=final)
         status = "done"
     finally:
         store.finish_run(run_id, status)
@@ -378,6 +384,21 @@ def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only
         paths = write_report(store, device, out, TUNED, dtype, acc)
         click.echo(f"wrote {len(paths)} files under {Path(out) / env.gpu_slug(device)}", err=True)
     store.close()
+
+
+def shapes_to_time(problems, trials, store, device: str, protocol: str) -> list:
+    """The shapes whose winners a tune run times at its end: those it tried candidates on, and
+    those with a stored winner that was never timed (a run cut before its end). Not the rest: a
+    run over the grid that reached 60 shapes does not time the other 940 again."""
+    from gemmrl.search.run import TUNED
+
+    touched = {t.problem for t in trials}
+    out = []
+    for p in problems:
+        if p in touched or (store.get_tuning(device, p, TUNED) is not None
+                            and TUNED not in store.measured_impls(device, p, "kernel", protocol)):
+            out.append(p)
+    return out
 
 
 @main.command(name="llm")
@@ -480,7 +501,11 @@ def pack(db, device, dtype, acc, min_speedup, out_dir):
               help="candidates per family, layout and shape")
 @click.option("--jobs", default=None, type=click.IntRange(1, 1024), help="parallel nvcc processes (default: CPUs)")
 @click.option("--dry-run", is_flag=True, help="list what would be compiled, compile nothing")
-def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, jobs, dry_run):
+@click.option("--untuned-in", "untuned_db", default=None, metavar="DB",
+              help="leave out the shapes that already have a tuned winner in this store (any GPU)")
+@click.option("--max-shapes", default=None, type=click.IntRange(1, 100000),
+              help="only the first N shapes (after --untuned-in): what one tune call will reach")
+def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, jobs, dry_run, untuned_db, max_shapes):
     """Compile the kernels a set of shapes will try into the build cache ($GEMMRL_CACHE), ahead of
     time and without a GPU; copy the cache to the GPU machine to save its time."""
     from gemmrl.build import ahead
@@ -488,6 +513,24 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, jobs, dry_run):
     from gemmrl.space import registry
 
     problems = _problems(shape_spec, dtype, acc)
+    if untuned_db is not None:
+        from gemmrl.search.run import TUNED
+        from gemmrl.store.db import Store
+
+        if not Path(untuned_db).exists():
+            raise click.ClickException(f"no store at {untuned_db}")
+        store = Store(untuned_db, readonly=True)
+        done = store.tuned_keys(TUNED)
+        store.close()
+        problems = [p for p in problems if p.key() not in done]
+    if max_shapes is not None:
+        problems = problems[:max_shapes]
+    if not problems:
+        click.echo("no shapes left to build for", err=True)
+        return
+    if untuned_db is not None or max_shapes is not None:
+        shown = ", ".join(p.shape for p in problems[:8]) + (", ..." if len(problems) > 8 else "")
+        click.echo(f"shapes: {shown}", err=True)
     lays = _layouts(layouts)
     try:
         fams = [registry.get(f) for f in family_opts]

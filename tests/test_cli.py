@@ -134,3 +134,41 @@ def test_build_compiles_ahead_without_a_gpu(tmp_path, monkeypatch):
     assert bad.exit_code == 2 and "unknown kernel family 'nope'" in bad.output
     bad = CliRunner().invoke(main, ["build", "--shapes", "64x64x64", "--layouts", "NT"])
     assert bad.exit_code == 2 and "layouts are NN and/or TN" in bad.output
+
+
+def test_tune_times_only_the_shapes_it_touched_or_never_timed(tmp_path):
+    from types import SimpleNamespace
+
+    from gemmrl.cli import shapes_to_time
+
+    store = Store(tmp_path / "t.sqlite")
+    dev, proto = "NVIDIA H200", "kernel:v1"
+    a, b, c, d = Problem(64, 64, 64), Problem(128, 128, 128), Problem(256, 256, 256), Problem(512, 512, 512)
+    run = store.start_run("gemmrl tune", dev, {}, {})
+    for p in (b, c):  # winners from an earlier run
+        store.put_tuning(dev, p, "gemmrl-tuned", b"{}", "", 1.0)
+    st = {"median_us": 1.0, "mean_us": 1.0, "min_us": 1.0, "p10_us": 1.0, "p90_us": 1.0, "std_us": 0.0,
+          "n": 5, "status": "ok", "details": {}}
+    store.record_session(run, "s", dev, b, "kernel", proto, {"gemmrl-tuned": st})  # b was timed, c was not
+    trials = [SimpleNamespace(problem=a)]  # this run tried candidates on a only
+    assert shapes_to_time([a, b, c, d], trials, store, dev, proto) == [a, c]
+    assert shapes_to_time([a, b, c, d], [], store, "NVIDIA H100", proto) == []  # winners are per GPU
+
+
+def test_build_leaves_out_tuned_shapes_and_keeps_the_first_n(tmp_path, monkeypatch):
+    monkeypatch.setenv("GEMMRL_CACHE", str(tmp_path / "cache"))
+    db = tmp_path / "t.sqlite"
+    store = Store(db)
+    store.put_tuning("NVIDIA H200", Problem(64, 64, 64), "gemmrl-tuned", b"{}", "", 1.0)
+    store.close()
+    args = ["build", "--family", "raw", "--top", "1", "--layouts", "NN", "--dry-run",
+            "--shapes", "64x64x64,128x128x128,256x256x256"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0 and "for 3 shapes" in r.output, r.output
+    r = CliRunner().invoke(main, args + ["--untuned-in", str(db)])
+    assert r.exit_code == 0 and "for 2 shapes" in r.output, r.output
+    assert "shapes: 128x128x128, 256x256x256\n" in r.output
+    r = CliRunner().invoke(main, args + ["--untuned-in", str(db), "--max-shapes", "1"])
+    assert r.exit_code == 0 and "for 1 shapes" in r.output and "128x128x128" in r.output, r.output
+    r = CliRunner().invoke(main, args + ["--untuned-in", str(tmp_path / "none.sqlite")])
+    assert r.exit_code == 1 and "no store at" in r.output

@@ -276,6 +276,14 @@ class Store:
             self.db.execute("INSERT OR REPLACE INTO tuning VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                             (device, *problem.key(), impl, choice, info, time_us, time.time()))
 
+    def tuned_keys(self, impl: str, device: str | None = None) -> set[tuple]:
+        """The (M, N, K, dtype, acc) keys with a stored choice of `impl` (on `device`, or any)."""
+        q = "SELECT DISTINCT M, N, K, dtype, acc FROM tuning WHERE impl=?"
+        args: tuple = (impl,)
+        if device is not None:
+            q, args = q + " AND device=?", (impl, device)
+        return {tuple(r) for r in self.db.execute(q, args)}
+
     def get_tuning(self, device: str, problem: Problem, impl: str) -> dict | None:
         r = self.db.execute("SELECT choice, info, time_us FROM tuning WHERE device=? AND M=? AND "
                             "N=? AND K=? AND dtype=? AND acc=? AND impl=?",
