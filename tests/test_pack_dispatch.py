@@ -1,6 +1,7 @@
 """Packs, the dispatch table, the op's fallback decisions and LLM presets, on the CPU."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -178,7 +179,7 @@ def test_foreign_stamp_is_refused_unless_forced(pack_dir):
 
 def test_lookup_exact_then_nearest_generic_never_a_foreign_raw(pack_dir):
     pack = load_pack(pack_dir)
-    t = DispatchTable(pack.entries, pack.acc)
+    t = DispatchTable(pack.entries, pack.acc, max_distance=math.inf)
     assert t.lookup(16, 4096, 14336, "TN", "fp16").family == "raw"  # its own shape
     e = t.lookup(300, 4096, 4096, "TN", "fp16")  # unseen: nearest generic that serves it
     assert e.family == "cutlass_sm90" and e.problem == P1
@@ -192,6 +193,23 @@ def test_lookup_exact_then_nearest_generic_never_a_foreign_raw(pack_dir):
     assert t._nearest[(300, 4096, 4096, "TN", "fp16")] is e  # cached
     only_raw = DispatchTable([x for x in pack.entries if x.family == "raw"], pack.acc)
     assert only_raw.lookup(17, 4096, 14336, "TN", "fp16") is None
+
+
+def test_nearest_goes_no_farther_than_max_distance(pack_dir):
+    pack = load_pack(pack_dir)
+    t = DispatchTable(pack.entries, pack.acc)  # default: 2 (one size 4x off, or two 2x)
+    assert t.max_distance == 2.0
+    assert t.lookup(300, 4096, 4096, "TN", "fp16").problem == P1  # 0.23 away
+    assert t.lookup(128, 2048, 4096, "TN", "fp16").problem == P1  # exactly 2 away: served
+    assert t.lookup(64, 2048, 4096, "TN", "fp16") is None  # 3 away: torch.matmul
+    # 32x4096x14336 is 4.8 from 256x4096x4096, the nearest generic entry: too far by default
+    assert t.lookup(32, 4096, 14336, "TN", "fp16") is None
+    exact = DispatchTable(pack.entries, pack.acc, max_distance=0)
+    assert exact.lookup(256, 4096, 4096, "TN", "fp16").problem == P1
+    assert exact.lookup(300, 4096, 4096, "TN", "fp16") is None
+    for bad in (-1, float("nan")):
+        with pytest.raises(ValueError, match="max_distance"):
+            DispatchTable(pack.entries, pack.acc, max_distance=bad)
 
 
 def test_never_compile_raises_and_a_built_kernel_loads_without_nvcc(pack_dir, monkeypatch):

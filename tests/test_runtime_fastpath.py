@@ -6,6 +6,7 @@ registered like a real one, so the lookup -> call -> status path runs as it does
 CUDA branch (the caller's stream from c10::cuda) is built and run against a stand-in c10_cuda."""
 
 import ctypes
+import math
 import os
 import shutil
 import subprocess
@@ -290,7 +291,7 @@ def served(fast, fakes, pack_dir, monkeypatch):  # noqa: F811
 
     monkeypatch.setattr(Dispatcher, "_resolve", resolve)
     monkeypatch.setattr(ops, "_FAST", fast)
-    d = ops.use_pack(pack_dir)
+    d = ops.use_pack(pack_dir, nearest=math.inf)  # the tiny CPU shapes are far from the pack's
     yield d, resolved
     ops.use_pack(None)
 
@@ -362,7 +363,7 @@ def test_use_pack_clears_the_table(served, fast, pack_dir):  # noqa: F811
     a, w = _ints(16, 64), _ints(32, 64, seed=1)
     gemmrl.matmul(a, w, b_layout="TN")
     assert fast.stats()["served"] == 1
-    ops.use_pack(pack_dir)
+    ops.use_pack(pack_dir, nearest=math.inf)
     assert fast.stats()["entries"] == 0
     gemmrl.matmul(a, w, b_layout="TN")
     assert fast.stats()["served"] == 1
@@ -376,7 +377,7 @@ def test_a_pack_switch_during_a_resolution_registers_nothing(served, fast, pack_
 
     def switching(self, *args):
         call = resolve(self, *args)
-        ops.use_pack(pack_dir)  # as another thread might, while this one resolves
+        ops.use_pack(pack_dir, nearest=math.inf)  # as another thread might, while this one resolves
         return call
 
     monkeypatch.setattr(Dispatcher, "_resolve", switching)

@@ -5,7 +5,10 @@
 the nearest tuned entry whose spec serves that shape natively: its family is generic (one build
 serves every shape its spec accepts; raw kernels have their shape compiled in, so they serve
 only their own) and `family.valid(spec, problem)` is None, the same predicate the search used.
-Nothing is padded or copied. Nearest = smallest sum of |log2| ratios of M, N and K.
+Nothing is padded or copied. Nearest = smallest sum of |log2| ratios of M, N and K, and no
+farther than `max_distance` (default 2: one size 4x off, or two 2x): a kernel tuned for
+512x12288x12288 is no evidence about a decode-sized 8x4096x4096, so such a shape goes to
+torch.matmul instead of a kernel that may well be slower there.
 
 `Dispatcher` adds the loading: each kernel source is built (build_shared, cached by content) and
 loaded on the first use of an entry, under a lock with a double check, from any thread. A small
@@ -29,6 +32,7 @@ from gemmrl.core.problem import Problem
 from gemmrl.space import registry
 
 NEAREST_CACHE_LIMIT = 1 << 16
+NEAREST_MAX_DISTANCE = 2.0  # sum of |log2| size ratios; 0: exact shapes only
 
 
 class NeverCompileError(RuntimeError):
@@ -42,8 +46,11 @@ def distance(a: tuple[int, int, int], b: tuple[int, int, int]) -> float:
 class DispatchTable:
     """(M, N, K, layout, dtype) -> entry; nearest generic entry that serves an unseen shape."""
 
-    def __init__(self, entries, acc: str):
+    def __init__(self, entries, acc: str, max_distance: float = NEAREST_MAX_DISTANCE):
+        if not max_distance >= 0:  # also refuses NaN
+            raise ValueError(f"max_distance must be >= 0 (math.inf: any distance), got {max_distance!r}")
         self.acc = acc
+        self.max_distance = float(max_distance)
         self.exact = {e.key: e for e in entries}
         # per (layout, dtype): the generic entries, the only ones that can serve other shapes
         self.generic: dict[tuple[str, str], list] = {}
@@ -89,6 +96,8 @@ class DispatchTable:
                 continue
             p = e.problem
             rank = (distance((M, N, K), (p.M, p.N, p.K)), p.M, p.N, p.K)
+            if rank[0] > self.max_distance:
+                continue
             if best_rank is None or rank < best_rank:
                 best, best_rank = e, rank
         return best
@@ -112,10 +121,10 @@ class _Call:
 
 class Dispatcher:
     def __init__(self, pack, *, never_compile: bool = False, arch: str | None = None,
-                 force: bool = False):
+                 force: bool = False, nearest: float = NEAREST_MAX_DISTANCE):
         self.pack = pack
         self.force = force
-        self.table = DispatchTable(pack.entries, pack.acc)
+        self.table = DispatchTable(pack.entries, pack.acc, max_distance=nearest)
         self.never_compile = never_compile
         self.arch = arch or pack.arch
         self._lock = threading.RLock()

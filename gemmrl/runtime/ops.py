@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from gemmrl.core.problem import LAYOUTS
-from gemmrl.runtime.dispatch import Dispatcher
+from gemmrl.runtime.dispatch import NEAREST_MAX_DISTANCE, Dispatcher
 from gemmrl.runtime.pack import Pack, load_pack
 
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -77,10 +77,12 @@ def _clear_fast() -> None:
 # ------------------------------------------------------------------------------ activation
 
 def use_pack(pack=None, *, force: bool = False, never_compile: bool = False,
-             arch: str | None = None) -> Dispatcher | None:
+             arch: str | None = None, nearest: float = NEAREST_MAX_DISTANCE) -> Dispatcher | None:
     """Activate a pack (a path or a loaded Pack) for the whole process; None deactivates.
     The pack's stamp is checked against the current GPU (StampError unless force); other GPUs
-    of another model are checked on first use and fall back. Returns the Dispatcher."""
+    of another model are checked on first use and fall back. A shape the pack was not tuned for
+    is served by the nearest generic kernel within `nearest` (sum of |log2| size ratios; 0: only
+    tuned shapes, math.inf: any), else by torch.matmul. Returns the Dispatcher."""
     global _ACTIVE
     if pack is None:
         with _SWITCH:
@@ -92,7 +94,7 @@ def use_pack(pack=None, *, force: bool = False, never_compile: bool = False,
     if torch.cuda.is_available():
         for w in pack.check_stamp(torch.cuda.get_device_name(), cuda=torch.version.cuda, force=force):
             warnings.warn(f"gemmrl: pack {pack.path}: {w}", RuntimeWarning, stacklevel=2)
-    d = Dispatcher(pack, never_compile=never_compile, arch=arch, force=force)
+    d = Dispatcher(pack, never_compile=never_compile, arch=arch, force=force, nearest=nearest)
     with _SWITCH:
         _ACTIVE = d
         _clear_fast()  # its entries are the previous pack's calls
