@@ -201,6 +201,10 @@ def write_report(store, device, out, subject, dtype, acc):
     prov["runs"] = [{"id": r["id"], "command": r["command"], "status": r["status"],
                      "commit": r["provenance"].get("commit"), "date": r["provenance"].get("date")}
                     for r in runs]
+    from gemmrl.search.run import TUNED
+
+    if subject == TUNED:  # what the tuning cost, for "say how long it took"
+        prov["tuning"] = store.tuning_effort(device, dtype, acc, TUNED)
     peaks = store.latest_peaks(device)
     tag = Problem(64, 64, 64, dtype, acc).precision
     slug = gpu_slug(device)

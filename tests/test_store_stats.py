@@ -151,3 +151,20 @@ def test_invalidated_measurements_are_kept_skipped_and_measured_again(tmp_path):
     row = next(r for r in s.measurements() if r["impl"] == "torch.compile" and r["M"] == P.M)
     assert row["status"] == "invalid" and row["details"]["invalidated"] == "ran eagerly"
     assert row["median_us"] == 5.0  # kept, not deleted
+
+
+def test_tuning_effort_sums_finished_runs_for_one_precision(tmp_path):
+    s = Store(tmp_path / "e.sqlite")
+    r1 = s.start_run("gemmrl tune", "H200", {}, {})
+    s.record_trial(r1, "H200", P, "cand-a", "ok", 1.1, 5.0, {})
+    s.record_trial(r1, "H200", Q, "cand-b", "wrong", 0.0, None, {})
+    s.finish_run(r1, "done")
+    r2 = s.start_run("gemmrl tune", "H200", {}, {})  # cut: never finished
+    s.record_trial(r2, "H200", P, "cand-c", "ok", 0.9, 6.0, {})
+    r3 = s.start_run("gemmrl tune", "H200", {}, {})  # another precision: not counted
+    s.record_trial(r3, "H200", Problem(64, 64, 64, acc="fp16"), "cand-d", "ok", 1.0, 1.0, {})
+    s.put_tuning("H200", P, "gemmrl-tuned", b"{}", "", 5.0)
+    s.db.execute("UPDATE runs SET started = finished - 12.5 WHERE id = ?", (r1,))
+    e = s.tuning_effort("H200", "fp16", "fp32", "gemmrl-tuned")
+    assert e == {"runs": [r1, r2], "wall_s": 12.5, "unfinished_runs": [r2], "candidates": 3, "shapes": 1}
+    assert s.tuning_effort("H100", "fp16", "fp32", "gemmrl-tuned")["candidates"] == 0

@@ -276,6 +276,22 @@ class Store:
             self.db.execute("INSERT OR REPLACE INTO tuning VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                             (device, *problem.key(), impl, choice, info, time_us, time.time()))
 
+    def tuning_effort(self, device: str, dtype: str, acc: str, impl: str) -> dict:
+        """What tuning this precision on this device has cost so far: the runs that stored trials
+        for it, their summed wall time (start to finish, baselines and final timing included;
+        runs cut before they finished count nothing), the candidates tried and the shapes with a
+        stored `impl` choice."""
+        rows = self.db.execute(
+            "SELECT r.id, r.started, r.finished, COUNT(t.id) FROM runs r JOIN trials t ON t.run_id = r.id "
+            "WHERE t.device=? AND t.dtype=? AND t.acc=? GROUP BY r.id ORDER BY r.id",
+            (device, dtype, acc)).fetchall()
+        shapes = self.db.execute("SELECT COUNT(*) FROM tuning WHERE device=? AND dtype=? AND acc=? AND impl=?",
+                                 (device, dtype, acc, impl)).fetchone()[0]
+        return {"runs": [r[0] for r in rows],
+                "wall_s": round(sum(r[2] - r[1] for r in rows if r[2] is not None), 1),
+                "unfinished_runs": [r[0] for r in rows if r[2] is None],
+                "candidates": sum(r[3] for r in rows), "shapes": shapes}
+
     def tuned_keys(self, impl: str, device: str | None = None) -> set[tuple]:
         """The (M, N, K, dtype, acc) keys with a stored choice of `impl` (on `device`, or any)."""
         q = "SELECT DISTINCT M, N, K, dtype, acc FROM tuning WHERE impl=?"
