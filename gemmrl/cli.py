@@ -67,10 +67,21 @@ def main():
               help="grid | subset | subset:N | FILE | MxNxK[,MxNxK...]")
 @click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "bf16"]))
 @click.option("--acc", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16"]))
-def shapes(shape_spec, dtype, acc):
+@click.option("--below", default=None, type=float,
+              help="with --shapes SPEEDUP.csv (a report's): only the shapes whose --column is below this, worst first")
+@click.option("--column", default="cuBLASLt-auto-tuning-max", show_default=True)
+@click.option("--plain", is_flag=True, help="shapes only, one per line (a shape file)")
+def shapes(shape_spec, dtype, acc, below, column, plain):
     """List the shapes a --shapes value means (no GPU needed)."""
-    for p in _problems(shape_spec, dtype, acc):
-        click.echo(f"{p.shape}\t{p.flops:.3e} FLOPs")
+    if below is not None:
+        try:
+            problems = shapes_mod.shapes_below(shape_spec, column, below, dtype, acc)
+        except ProblemError as e:
+            raise click.BadParameter(str(e), param_hint="--shapes") from None
+    else:
+        problems = _problems(shape_spec, dtype, acc)
+    for p in problems:
+        click.echo(p.shape if plain else f"{p.shape}\t{p.flops:.3e} FLOPs")
 
 
 @main.command()

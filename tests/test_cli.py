@@ -172,3 +172,17 @@ def test_build_leaves_out_tuned_shapes_and_keeps_the_first_n(tmp_path, monkeypat
     assert r.exit_code == 0 and "for 1 shapes" in r.output and "128x128x128" in r.output, r.output
     r = CliRunner().invoke(main, args + ["--untuned-in", str(tmp_path / "none.sqlite")])
     assert r.exit_code == 1 and "no store at" in r.output
+
+
+def test_shapes_below_a_speedup_lists_where_to_search_again(tmp_path):
+    csv = tmp_path / "s.csv"
+    csv.write_text("mnk,torch.matmul,cuBLASLt-auto-tuning-max\n64_64_64,1.2,1.10\n128_128_4096,0.9,0.52\n"
+                   "256_256_256,1.0,\n512_512_512,0.8,0.85\n")
+    r = CliRunner().invoke(main, ["shapes", "--shapes", str(csv), "--below", "0.9", "--plain"])
+    assert r.exit_code == 0 and r.output == "128x128x4096\n512x512x512\n", r.output  # worst first
+    out = tmp_path / "worst.txt"
+    out.write_text(r.output)
+    r = CliRunner().invoke(main, ["shapes", "--shapes", str(out), "--plain"])  # a shape file again
+    assert r.output == "128x128x4096\n512x512x512\n"
+    r = CliRunner().invoke(main, ["shapes", "--shapes", str(csv), "--below", "1", "--column", "cuBLAS-max"])
+    assert r.exit_code == 2 and "no column 'cuBLAS-max'" in r.output

@@ -108,3 +108,34 @@ def resolve(spec: str, dtype: str = "fp16", acc: str = "fp32") -> list[Problem]:
             seen.add(p)
             unique.append(p)
     return unique
+
+
+def shapes_below(path: str | Path, column: str, threshold: float, dtype: str = "fp16",
+                 acc: str = "fp32") -> list[Problem]:
+    """The shapes of a speedup CSV (the report's '<prefix>_speedup_<mode>.csv') whose `column`
+    is below `threshold`, worst first: where to search again. Empty cells are skipped."""
+    import csv
+
+    path = Path(path)
+    try:
+        rows = list(csv.DictReader(path.read_text().splitlines()))
+    except OSError as e:
+        raise ProblemError(f"cannot read {path}: {e.strerror or e}") from None
+    if not rows or "mnk" not in rows[0]:
+        raise ProblemError(f"{path} is not a speedup CSV (no 'mnk' column)")
+    if column not in rows[0]:
+        cols = ", ".join(c for c in rows[0] if c != "mnk")
+        raise ProblemError(f"{path} has no column {column!r}; it has: {cols}")
+    picked = []
+    for row in rows:
+        cell = (row.get(column) or "").strip()
+        if not cell:
+            continue
+        try:
+            v = float(cell)
+        except ValueError:
+            raise ProblemError(f"{path}: {row['mnk']}: {column} is not a number: {cell!r}") from None
+        if v < threshold:
+            picked.append((v, parse_shape(row["mnk"], dtype, acc)))
+    picked.sort(key=lambda t: t[0])
+    return [p for _, p in picked]
