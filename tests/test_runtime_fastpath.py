@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -470,3 +471,20 @@ def test_the_cuda_branch_reads_the_current_stream(tmp_path, fakes, fast_module):
     finally:
         m.set_host_mode(False)
         m.clear()
+
+
+def test_a_build_says_so_once_and_a_load_says_nothing(tmp_path, monkeypatch, capsys):
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setenv("GEMMRL_CACHE", str(tmp_path))
+    monkeypatch.setattr(fastpath, "_loaded", {})
+
+    def fake_load(name, build_directory, **kw):  # what cpp_extension leaves behind: a built .so
+        (Path(build_directory) / f"{name}.so").write_bytes(b"\x7fELF")
+        return object()
+    monkeypatch.setattr(cpp, "load", fake_load)
+    fastpath.load(cuda=False, name="gemmrl_fastpath_msgtest")
+    assert "compiling the C++ dispatch fast path once" in capsys.readouterr().err
+    monkeypatch.setattr(fastpath, "_loaded", {})  # a new process: the .so is in the cache
+    fastpath.load(cuda=False, name="gemmrl_fastpath_msgtest")
+    assert capsys.readouterr().err == ""

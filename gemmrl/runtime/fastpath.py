@@ -122,6 +122,9 @@ def load(*, cuda: bool | None = None, name: str = NAME, extra_ldflags: tuple[str
             h.update(b"\0")
         build_dir = cache_root() / "fastpath" / f"{name}-{h.hexdigest()[:16]}"
         build_dir.mkdir(parents=True, exist_ok=True)
+        if not any(build_dir.glob(f"{name}*.so")):  # a build, not a load: say why the call waits
+            print(f"gemmrl: compiling the C++ dispatch fast path once (about half a minute) into {build_dir}",
+                  file=sys.stderr, flush=True)
         _ninja_on_path()
         mod = cpp_load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir), verbose=verbose,
                        with_cuda=False, **flags)
