@@ -98,6 +98,9 @@ def shapes(shape_spec, dtype, acc, below, column, plain):
 @click.option("--out", default="results", show_default=True, help="where results/<gpu>/ goes")
 @click.option("--subject", default=None, help="implementation whose speedups the report shows")
 @click.option("--qps", default=1000.0, show_default=True, help="server mode: mean arrivals per second")
+@click.option("--host-ci", default=None, type=click.FloatRange(0.0005, 0.5),
+              help="offline/server: sample until every median is known to within this relative CI "
+                   "half-width (e.g. 0.005), at most 2000 rounds or 5 s per shape (protocol v3)")
 @click.option("--budget-s", default=None, type=float, help="stop starting new shapes after this many seconds")
 @click.option("--no-verify", is_flag=True, help="skip the correctness checks (not for real results)")
 @click.option("--retime", is_flag=True, help="measure again what the store already has")
@@ -105,7 +108,7 @@ def shapes(shape_spec, dtype, acc, below, column, plain):
 @click.option("--isolate/--no-isolate", default=True, show_default=True,
               help="run each shape in a worker process: a crashing or hanging kernel is quarantined, "
                    "the run goes on")
-def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, budget_s, no_verify,
+def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, host_ci, budget_s, no_verify,
           retime, no_report, isolate):
     """Verify and time implementations over a set of shapes; results go to the store."""
     problems = _problems(shape_spec, dtype, acc)
@@ -132,8 +135,11 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, b
     except Exception as e:  # the report says so; torch.matmul still runs
         cublas_version = f"unavailable: {e}"[:200]
     prov = env.provenance(cublas_version)
+    precision = {} if host_ci is None else {"target_ci": host_ci, "max_rounds": 2000}
     cfg = runner.RunConfig(modes=modes, do_verify=not no_verify, retime=retime,
-                           server=timing.HostSettings(mode="server", min_rounds=40, max_rounds=100, qps=qps),
+                           offline=timing.HostSettings(mode="offline", **precision),
+                           server=timing.HostSettings(mode="server", min_rounds=40,
+                                                      **{"max_rounds": 100, **precision}, qps=qps),
                            deadline=time.monotonic() + budget_s if budget_s else None)
     settings = {"modes": modes, "impls": [i.name for i in impls], "shapes": shape_spec,
                 **{m: timing.settings_dict(getattr(cfg, m)) for m in modes}, "verify": not no_verify}

@@ -46,3 +46,22 @@ def roofline_floor_us(flops: int, min_bytes: int, matrix_tflops: float, bandwidt
 def repeat_noise(t_first: float, t_repeat: float) -> float:
     """Relative disagreement of two timings of the same implementation."""
     return abs(t_repeat / t_first - 1.0)
+
+
+def median_ci_rel(samples_us, z: float = 1.96) -> float:
+    """Half-width of a distribution-free confidence interval of the median (order statistics:
+    ranks n/2 -+ z*sqrt(n)/2), relative to the median; inf below 8 samples."""
+    xs = sorted(float(x) for x in samples_us)
+    n = len(xs)
+    if n < 8:
+        return math.inf
+    half = z * math.sqrt(n) / 2
+    lo = max(0, math.floor(n / 2 - half))
+    hi = min(n - 1, math.ceil(n / 2 + half))
+    med = statistics.median(xs)
+    return (xs[hi] - xs[lo]) / 2 / med
+
+
+def precise_enough(samples: dict, target_rel: float, z: float = 1.96) -> bool:
+    """Whether every implementation's median is known to within `target_rel` (median_ci_rel)."""
+    return all(median_ci_rel(v, z) <= target_rel for v in samples.values())

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from gemmrl.bench.stats import summarize_samples
+from gemmrl.bench.stats import precise_enough, summarize_samples
 from gemmrl.core.problem import Problem
 from gemmrl.verify.checks import TORCH_DTYPES, clocks_intact, rel_error
 
@@ -52,10 +52,27 @@ class HostSettings:
     budget_s: float = 0.5
     warmup_rounds: int = 3
     qps: float = 1000.0
+    # opt-in: past min_rounds, stop once every implementation's median is known to within this
+    # (relative CI half-width, stats.median_ci_rel), or at max_rounds / max_s, instead of at
+    # budget_s; None: the v2 rule
+    target_ci: float | None = None
+    max_s: float = 5.0
 
     def protocol(self) -> str:
         # v2: 30 offline / 40 server samples at least (v1 took 20 / 15: too noisy in server mode)
-        return f"{self.mode}:v2" + (f":qps={self.qps:g}" if self.mode == "server" else "")
+        # v3: v2 plus a precision target (target_ci)
+        base = f"{self.mode}:v2" if self.target_ci is None else f"{self.mode}:v3:ci={self.target_ci:g}"
+        return base + (f":qps={self.qps:g}" if self.mode == "server" else "")
+
+    def done(self, rounds: int, elapsed_s: float, samples: dict) -> bool:
+        """Whether host timing stops after `rounds` timed rounds (warm-up excluded)."""
+        if rounds >= self.max_rounds:
+            return True
+        if rounds < self.min_rounds:
+            return False
+        if self.target_ci is None:
+            return elapsed_s > self.budget_s
+        return elapsed_s > self.max_s or precise_enough(samples, self.target_ci)
 
 
 def settings_dict(s) -> dict:
@@ -244,7 +261,8 @@ def time_host(problem: Problem, calls: dict, *, settings: HostSettings = HostSet
             if r >= settings.warmup_rounds:
                 samples[name].append((t1 - t0) * 1e6)
         done = r + 1 - settings.warmup_rounds
-        if done >= settings.min_rounds and _perf_counter() - start > settings.budget_s:
+        if done > 0 and settings.done(done, _perf_counter() - start,
+                                      {n: v for n, v in samples.items() if n not in failed}):
             break
     if (why := clocks_intact()):
         return {n: _fail("cheat", f"timer patching: {why}") for n in calls}

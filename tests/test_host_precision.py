@@ -1,0 +1,44 @@
+"""The opt-in precision rule of the host timing modes: sample until every median is known to
+within a target, instead of for a fixed time (pure parts; the GPU loop calls HostSettings.done)."""
+
+import math
+import random
+
+import pytest
+
+from gemmrl.bench.stats import median_ci_rel, precise_enough
+from gemmrl.bench.timing import HostSettings
+
+
+def test_median_ci_shrinks_with_samples_and_needs_eight():
+    rng = random.Random(0)
+    draw = [10.0 * (1 + 0.05 * rng.gauss(0, 1)) for _ in range(4000)]
+    assert median_ci_rel(draw[:7]) == math.inf
+    w100, w400, w1600 = (median_ci_rel(draw[:n]) for n in (100, 400, 1600))
+    assert w100 > w400 > w1600 > 0
+    # normal noise of 5%: the median's CI half-width is about 1.96 * 1.2533 * 0.05 / sqrt(n)
+    assert w1600 == pytest.approx(1.96 * 1.2533 * 0.05 / 40, rel=0.3)
+    assert median_ci_rel([5.0] * 20) == 0.0
+
+
+def test_precise_enough_needs_every_implementation():
+    rng = random.Random(1)
+    tight = [10 + rng.random() * 0.01 for _ in range(100)]
+    loose = [10 + rng.random() * 5 for _ in range(100)]
+    assert precise_enough({"a": tight}, 0.005)
+    assert not precise_enough({"a": tight, "b": loose}, 0.005)
+
+
+def test_done_v2_rule_is_unchanged_and_v3_stops_on_precision_or_caps():
+    v2 = HostSettings(min_rounds=30, max_rounds=200, budget_s=0.5)
+    assert v2.protocol() == "offline:v2"
+    assert not v2.done(29, 10.0, {}) and not v2.done(30, 0.4, {}) and v2.done(30, 0.6, {}) and v2.done(200, 0.0, {})
+    v3 = HostSettings(min_rounds=30, max_rounds=2000, target_ci=0.005, max_s=5.0)
+    assert v3.protocol() == "offline:v3:ci=0.005"
+    assert HostSettings(mode="server", target_ci=0.01).protocol() == "server:v3:ci=0.01:qps=1000"
+    tight = {"a": [10.0 + 0.001 * i for i in range(40)]}
+    loose = {"a": [10.0 + (i % 7) for i in range(40)]}
+    assert not v3.done(29, 0.0, tight)  # below min_rounds: never
+    assert v3.done(40, 0.6, tight)  # precise: stop, however short
+    assert not v3.done(40, 0.6, loose)  # not precise and under max_s: go on (v2 would stop here)
+    assert v3.done(40, 5.1, loose) and v3.done(2000, 0.0, loose)  # the caps
