@@ -220,8 +220,11 @@ def write_report(store, device, out, subject, dtype, acc):
                     for r in runs]
     from gemmrl.search.run import TUNED
 
-    if subject == TUNED:  # what the tuning cost, for "say how long it took"
+    if subject == TUNED:  # what the tuning cost, for "say how long it took", and who won where
+        from gemmrl.report.export import family_breakdown
+
         prov["tuning"] = store.tuning_effort(device, dtype, acc, TUNED)
+        prov["families"] = family_breakdown(records, TUNED, store.tuned_families(device, dtype, acc, TUNED))
     peaks = store.latest_peaks(device)
     tag = Problem(64, 64, 64, dtype, acc).precision
     slug = gpu_slug(device)

@@ -419,3 +419,18 @@ def test_write_versus_summary_counts_and_files(tmp_path):
     o = s["modes"]["offline"]
     assert o["count"] == 1 and o["share_slower"] == 1.0
     assert paths[0].read_text().splitlines()[0] == "mnk,kernel,offline"
+
+
+def test_family_breakdown_groups_the_subjects_speedups_by_winner_family_and_bucket():
+    from gemmrl.report.export import family_breakdown
+
+    recs = offline_records()
+    fams = {"64_64_64": "raw", "128_256_512": "raw", "4096_4096_4096": "cutlass_sm90"}
+    out = family_breakdown(recs, "gemmrl", fams, mode="offline")
+    assert set(out) == {"raw", "cutlass_sm90"}
+    assert out["raw"]["all"]["count"] == 2
+    assert out["raw"]["all"]["geomean"] == pytest.approx((1.283 * 0.5) ** 0.5)
+    assert out["cutlass_sm90"]["all"]["geomean"] == pytest.approx(1.0)  # 250 vs auto-tuning-tn 250
+    assert sum(b["count"] for b in out["raw"]["buckets"].values()) == 2
+    assert family_breakdown(recs, "gemmrl", {}, mode="offline") == {}
+    assert family_breakdown(recs, "gemmrl", fams, mode="offline", column="nope") == {}

@@ -282,6 +282,29 @@ def versus_rows(records: Iterable[dict], subject: str, other: str) -> tuple[list
     return ["mnk"] + modes, rows
 
 
+def family_breakdown(records: Iterable[dict], subject: str, family_of: dict, mode: str = "kernel",
+                     column: str = "cuBLASLt-auto-tuning-max") -> dict:
+    """Where each kernel family wins and loses: the subject's speedup in `column`, grouped by
+    the family of the winner on each shape (`family_of`: mnk -> family) and by FLOPs bucket.
+    {family: {'all': stats, 'buckets': {label: stats}}}; shapes without a family are left out."""
+    columns, rows = speedup_rows(records, subject, mode)
+    if column not in columns:
+        return {}
+    j = columns.index(column)
+    per: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        fam = family_of.get(row[0])
+        if fam is None or row[j] is None:
+            continue
+        per[fam][size_bucket(_mnk_problem(row[0]).flops)].append(row[j])
+    out = {}
+    for fam in sorted(per):
+        allv = [v for vals in per[fam].values() for v in vals]
+        out[fam] = {"all": _stats(allv),
+                    "buckets": {bucket_label(b): _stats(per[fam][b]) for b in sorted(per[fam])}}
+    return out
+
+
 def write_versus(records: Iterable[dict], out_dir: str | os.PathLike, subject: str, other: str,
                  prefix: str, provenance: dict | None = None) -> list[Path]:
     """'<prefix>_vs_<other>.csv' (versus_rows) and '<prefix>_vs_<other>_summary.json': per mode

@@ -292,6 +292,18 @@ class Store:
                 "unfinished_runs": [r[0] for r in rows if r[2] is None],
                 "candidates": sum(r[3] for r in rows), "shapes": shapes}
 
+    def tuned_families(self, device: str, dtype: str, acc: str, impl: str) -> dict[str, str]:
+        """mnk ('M_N_K') -> the kernel family of the stored `impl` choice on this device."""
+        out = {}
+        for M, N, K, choice in self.db.execute(
+                "SELECT M, N, K, choice FROM tuning WHERE device=? AND dtype=? AND acc=? AND impl=?",
+                (device, dtype, acc, impl)):
+            try:
+                out[f"{M}_{N}_{K}"] = json.loads(bytes(choice).decode())["family"]
+            except (ValueError, KeyError, TypeError):
+                continue  # a choice of another kind (not a family spec): no family to report
+        return out
+
     def tuned_keys(self, impl: str, device: str | None = None) -> set[tuple]:
         """The (M, N, K, dtype, acc) keys with a stored choice of `impl` (on `device`, or any)."""
         q = "SELECT DISTINCT M, N, K, dtype, acc FROM tuning WHERE impl=?"
