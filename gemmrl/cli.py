@@ -525,11 +525,14 @@ def pack(db, device, dtype, acc, min_speedup, out_dir):
               help="candidates per family, layout and shape")
 @click.option("--jobs", default=None, type=click.IntRange(1, 1024), help="parallel nvcc processes (default: CPUs)")
 @click.option("--dry-run", is_flag=True, help="list what would be compiled, compile nothing")
-@click.option("--untuned-in", "untuned_db", default=None, metavar="DB",
-              help="leave out the shapes that already have a tuned winner in this store (any GPU)")
+@click.option("--pending-in", "pending_db", default=None, metavar="DB",
+              help="leave out the shapes that already have --candidates trials in this store (any GPU): "
+                   "those a tune run with as many candidates would not search again")
+@click.option("--candidates", default=8, show_default=True, type=click.IntRange(1, 10000),
+              help="with --pending-in: the tune run's candidates per shape")
 @click.option("--max-shapes", default=None, type=click.IntRange(1, 100000),
-              help="only the first N shapes (after --untuned-in): what one tune call will reach")
-def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, jobs, dry_run, untuned_db, max_shapes):
+              help="only the first N shapes (after --pending-in): what one tune call will reach")
+def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, jobs, dry_run, pending_db, candidates, max_shapes):
     """Compile the kernels a set of shapes will try into the build cache ($GEMMRL_CACHE), ahead of
     time and without a GPU; copy the cache to the GPU machine to save its time."""
     from gemmrl.build import ahead
@@ -537,22 +540,21 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, jobs, dry_run, 
     from gemmrl.space import registry
 
     problems = _problems(shape_spec, dtype, acc)
-    if untuned_db is not None:
-        from gemmrl.search.run import TUNED
+    if pending_db is not None:
         from gemmrl.store.db import Store
 
-        if not Path(untuned_db).exists():
-            raise click.ClickException(f"no store at {untuned_db}")
-        store = Store(untuned_db, readonly=True)
-        done = store.tuned_keys(TUNED)
+        if not Path(pending_db).exists():
+            raise click.ClickException(f"no store at {pending_db}")
+        store = Store(pending_db, readonly=True)
+        tried = store.trial_counts()
         store.close()
-        problems = [p for p in problems if p.key() not in done]
+        problems = [p for p in problems if tried.get(p.key(), 0) < candidates]
     if max_shapes is not None:
         problems = problems[:max_shapes]
     if not problems:
         click.echo("no shapes left to build for", err=True)
         return
-    if untuned_db is not None or max_shapes is not None:
+    if pending_db is not None or max_shapes is not None:
         shown = ", ".join(p.shape for p in problems[:8]) + (", ..." if len(problems) > 8 else "")
         click.echo(f"shapes: {shown}", err=True)
     lays = _layouts(layouts)

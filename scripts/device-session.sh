@@ -50,10 +50,11 @@ case "$step" in
         # raw kernels compile here, in parallel, before the search
         shapes=${TUNE_SHAPES:-subset}
         unpack_cache
-        # raw kernels only for the shapes this call can reach (untuned ones, TUNE_PREBUILD_SHAPES of
-        # them): over the grid, all 3000 would take 5 minutes of the call
+        # raw kernels only for the shapes this call can reach (those with fewer than the asked
+        # candidates tried, TUNE_PREBUILD_SHAPES of them): over the grid, all 3000 would take 5 minutes
         python3 -m gemmrl.cli build --family raw --top 3 --shapes "$shapes" --jobs "$(nproc)" \
-            --untuned-in "$db" --max-shapes "${TUNE_PREBUILD_SHAPES:-120}" 2>&1 | tail -3 | tee "$out/build.log"
+            --pending-in "$db" --candidates "${TUNE_CANDIDATES:-8}" \
+            --max-shapes "${TUNE_PREBUILD_SHAPES:-120}" 2>&1 | tail -3 | tee "$out/build.log"
         cap=$(cap_at $((budget + 300)))
         echo "tune: search budget ${budget}s, cut at ${cap}s" | tee "$out/tune.log"
         timeout "$cap" python3 -m gemmrl.cli tune --db "$db" --out "$out/results" --shapes "$shapes" \

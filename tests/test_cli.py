@@ -155,22 +155,26 @@ def test_tune_times_only_the_shapes_it_touched_or_never_timed(tmp_path):
     assert shapes_to_time([a, b, c, d], [], store, "NVIDIA H100", proto) == []  # winners are per GPU
 
 
-def test_build_leaves_out_tuned_shapes_and_keeps_the_first_n(tmp_path, monkeypatch):
+def test_build_leaves_out_shapes_searched_enough_and_keeps_the_first_n(tmp_path, monkeypatch):
     monkeypatch.setenv("GEMMRL_CACHE", str(tmp_path / "cache"))
     db = tmp_path / "t.sqlite"
     store = Store(db)
-    store.put_tuning("NVIDIA H200", Problem(64, 64, 64), "gemmrl-tuned", b"{}", "", 1.0)
+    for i in range(8):  # 64^3 has had its 8 candidates; 128^3 only 2
+        store.record_trial(None, "NVIDIA H200", Problem(64, 64, 64), f"c{i}", "ok", 1.0, 1.0, {})
+    for i in range(2):
+        store.record_trial(None, "NVIDIA H200", Problem(128, 128, 128), f"c{i}", "ok", 1.0, 1.0, {})
     store.close()
     args = ["build", "--family", "raw", "--top", "1", "--layouts", "NN", "--dry-run",
             "--shapes", "64x64x64,128x128x128,256x256x256"]
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 0 and "for 3 shapes" in r.output, r.output
-    r = CliRunner().invoke(main, args + ["--untuned-in", str(db)])
-    assert r.exit_code == 0 and "for 2 shapes" in r.output, r.output
-    assert "shapes: 128x128x128, 256x256x256\n" in r.output
-    r = CliRunner().invoke(main, args + ["--untuned-in", str(db), "--max-shapes", "1"])
-    assert r.exit_code == 0 and "for 1 shapes" in r.output and "128x128x128" in r.output, r.output
-    r = CliRunner().invoke(main, args + ["--untuned-in", str(tmp_path / "none.sqlite")])
+    r = CliRunner().invoke(main, args + ["--pending-in", str(db)])
+    assert r.exit_code == 0 and "shapes: 128x128x128, 256x256x256\n" in r.output, r.output
+    r = CliRunner().invoke(main, args + ["--pending-in", str(db), "--candidates", "24"])  # a re-tune
+    assert "shapes: 64x64x64, 128x128x128, 256x256x256\n" in r.output, r.output
+    r = CliRunner().invoke(main, args + ["--pending-in", str(db), "--max-shapes", "1"])
+    assert r.exit_code == 0 and "shapes: 128x128x128\n" in r.output and "for 1 shapes" in r.output, r.output
+    r = CliRunner().invoke(main, args + ["--pending-in", str(tmp_path / "none.sqlite")])
     assert r.exit_code == 1 and "no store at" in r.output
 
 

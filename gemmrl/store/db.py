@@ -304,13 +304,13 @@ class Store:
                 continue  # a choice of another kind (not a family spec): no family to report
         return out
 
-    def tuned_keys(self, impl: str, device: str | None = None) -> set[tuple]:
-        """The (M, N, K, dtype, acc) keys with a stored choice of `impl` (on `device`, or any)."""
-        q = "SELECT DISTINCT M, N, K, dtype, acc FROM tuning WHERE impl=?"
-        args: tuple = (impl,)
+    def trial_counts(self, device: str | None = None) -> dict[tuple, int]:
+        """(M, N, K, dtype, acc) -> how many candidates were tried on it (on `device`, or any)."""
+        q = "SELECT M, N, K, dtype, acc, COUNT(*) FROM trials"
+        args: tuple = ()
         if device is not None:
-            q, args = q + " AND device=?", (impl, device)
-        return {tuple(r) for r in self.db.execute(q, args)}
+            q, args = q + " WHERE device=?", (device,)
+        return {tuple(r[:5]): r[5] for r in self.db.execute(q + " GROUP BY M, N, K, dtype, acc", args)}
 
     def get_tuning(self, device: str, problem: Problem, impl: str) -> dict | None:
         r = self.db.execute("SELECT choice, info, time_us FROM tuning WHERE device=? AND M=? AND "
