@@ -488,3 +488,56 @@ def test_a_build_says_so_once_and_a_load_says_nothing(tmp_path, monkeypatch, cap
     monkeypatch.setattr(fastpath, "_loaded", {})  # a new process: the .so is in the cache
     fastpath.load(cuda=False, name="gemmrl_fastpath_msgtest")
     assert capsys.readouterr().err == ""
+
+
+# ------------------------------------------------------------------------------- out=
+
+def test_out_is_written_by_the_kernel_only_when_it_is_exactly_the_result(fast, fakes):
+    fake = fakes["TN"]
+    a, w = _ints(2, 8, 40), _ints(24, 40, seed=1)
+    fast.register(16, 24, 40, True, "fp16", -1, 0, fake.kernel.run_ptr, None, 40)
+    ref = a.float() @ w.float().t()
+    out = torch.full((2, 8, 24), 7.0, dtype=torch.float16)
+    r = fast.run(a, w, True, out)
+    assert r is out and torch.equal(out.float(), ref + 1)  # the stand-in wrote out itself
+    assert torch.equal(fast.run(a, w, True, None).float(), ref + 1)  # None: a new tensor
+    big = torch.empty(2 * 8 * 24 + 8, dtype=torch.float16)
+    refused = {
+        "wrong shape": torch.empty(16, 24, dtype=torch.float16),
+        "wrong dtype": torch.empty(2, 8, 24, dtype=torch.float32),
+        "not contiguous": torch.empty(2, 24, 8, dtype=torch.float16).transpose(1, 2),
+        "misaligned": big[1:1 + 2 * 8 * 24].view(2, 8, 24),
+        "aliases a": a[..., :24],
+        "requires grad": torch.nn.Parameter(torch.empty(2, 8, 24, dtype=torch.float16)),
+    }
+    hits = fast.stats()["hits"]
+    for name, o in refused.items():
+        assert fast.run(a, w, True, o) is None, name  # Python decides: torch.matmul(out=) rules
+    assert fast.stats()["hits"] == hits
+
+    class Sub(torch.Tensor):
+        pass
+    assert fast.run(a, w, True, torch.empty(2, 8, 24, dtype=torch.float16).as_subclass(Sub)) is None
+
+
+def test_matmul_out_through_the_table_and_the_fallback(served, fast):
+    d, resolved = served
+    a, w = _ints(16, 64), _ints(128, 64, seed=1)
+    ref = a.float() @ w.float().t()
+    out = torch.empty(16, 128, dtype=torch.float16)
+    with torch.inference_mode():
+        for _ in range(2):  # a miss resolved in Python, then a hit
+            assert gemmrl.matmul(a, w, b_layout="TN", out=out) is out
+            assert torch.equal(out.float(), ref + 1)
+        assert fast.stats()["hits"] >= 2
+        # an out the kernel may not write: torch.matmul's own out= (which resizes an empty one)
+        empty = torch.empty(0, dtype=torch.float16)
+        assert gemmrl.matmul(a, w, b_layout="TN", out=empty) is empty
+        assert torch.equal(empty, torch.matmul(a, w.t()))
+        # a shape without a kernel: torch.matmul(out=) too
+        a2, w2 = _ints(4, 20), _ints(8, 20)
+        o2 = torch.empty(4, 8, dtype=torch.float16)
+        assert gemmrl.matmul(a2, w2, b_layout="TN", out=o2) is o2
+        assert torch.equal(o2, torch.matmul(a2, w2.t()))
+    with pytest.raises(ValueError, match="b_layout"):
+        gemmrl.matmul(a, w, b_layout="NT", out=out)

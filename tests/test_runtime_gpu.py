@@ -176,10 +176,15 @@ def test_cpp_path_matches_the_python_path(pack, M, N, K, monkeypatch):
         entry = fast.lookup(M, N, K, True, "fp16", dev, s.cuda_stream)
         call = ops.active()._calls[(M, N, K, "TN", "fp16", dev, s.cuda_stream)]
         assert entry == (call.fn_ptr, call.ws_ptr, call.ldb)  # C++ read the stream Python sees
+        o_cpp = torch.full_like(c_cpp, float("nan"))
+        assert gemmrl.matmul(a, w, b_layout="TN", out=o_cpp) is o_cpp  # out=: written by the kernel
         with monkeypatch.context() as m:
             m.setattr(ops, "_FAST", None)  # the Python dispatch, same kernel
             c_py = gemmrl.matmul(a, w, b_layout="TN")
+            o_py = torch.full_like(c_py, float("nan"))
+            assert gemmrl.matmul(a, w, b_layout="TN", out=o_py) is o_py
     torch.cuda.synchronize()
+    assert torch.equal(o_cpp, c_cpp) and torch.equal(o_py, c_py)
     assert c_cpp.shape == c_py.shape and c_cpp.dtype == c_py.dtype
     assert _rel_err(c_cpp, c_py) < 1e-6 or torch.equal(c_cpp, c_py)
     assert _rel_err(c_cpp, torch.matmul(a, w.t())) < 1e-3

@@ -2,8 +2,8 @@
 // (M, N, K, layout, dtype, device, stream) to a resolved kernel call, looked up and launched
 // without going back to Python. Built on first use by gemmrl/runtime/fastpath.py.
 //
-// run(a, b, tn) does what ops._plan does in Python (the same checks, in the same spirit) and:
-//   returns a new Tensor       a kernel of the table served the call
+// run(a, b, tn[, out]) does what ops._plan does in Python (the same checks, in the same spirit) and:
+//   returns a new Tensor       a kernel of the table served the call (or `out`, written, when given)
 //   returns False              torch.matmul serves it: not eligible, or a known fallback shape
 //   returns (M, N, K, dev, stream)          a miss: Python resolves the key and registers it
 //   returns (M, N, K, dev, stream, status)  the kernel refused (nonzero status, nothing was
@@ -98,17 +98,25 @@ inline PyObject* fallback() {
   Py_RETURN_FALSE;
 }
 
+// whether two tensors' bytes overlap
+bool overlaps(const at::Tensor& x, const at::Tensor& y) {
+  const auto x0 = reinterpret_cast<uintptr_t>(x.data_ptr());
+  const auto y0 = reinterpret_cast<uintptr_t>(y.data_ptr());
+  return x0 < y0 + y.nbytes() && y0 < x0 + x.nbytes();
+}
+
 PyObject* run(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 3) {
-    PyErr_SetString(PyExc_TypeError, "run(a, b, tn) takes 3 arguments");
+  if (nargs != 3 && nargs != 4) {
+    PyErr_SetString(PyExc_TypeError, "run(a, b, tn[, out]) takes 3 or 4 arguments");
     return nullptr;
   }
   PyObject* pa = args[0];
   PyObject* pb = args[1];
+  PyObject* pout = nargs == 4 && args[3] != Py_None ? args[3] : nullptr;
   // exactly Tensor (or Parameter), and no __torch_function__ mode: anything else may redefine
   // what the Python path's tensor methods and torch.matmul do, so Python decides
   if (!THPVariable_CheckExact(pa) || !THPVariable_CheckExact(pb) ||
-      at::impl::torch_function_mode_enabled()) {
+      (pout && !THPVariable_CheckExact(pout)) || at::impl::torch_function_mode_enabled()) {
     Py_RETURN_NONE;
   }
   const int tn_flag = args[2] == Py_True ? 1 : args[2] == Py_False ? 0 : PyObject_IsTrue(args[2]);
@@ -159,7 +167,19 @@ PyObject* run(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
     const Entry e = it->second;  // a copy: the table may change while at::empty runs
     c10::SmallVector<int64_t, 6> sizes(a.sizes().begin(), a.sizes().end());
     sizes.back() = N;
-    at::Tensor c = at::empty(sizes, a.options());
+    at::Tensor c;
+    if (pout) {  // out=: exactly the result's shape, dtype, device, contiguous, aligned, no alias,
+                 // not requiring grad (torch.matmul refuses that)
+      const at::Tensor& o = THPVariable_Unpack(pout);
+      if (o.requires_grad() || o.scalar_type() != st || o.device() != a.device() || !o.is_contiguous() ||
+          o.sizes() != c10::IntArrayRef(sizes) || (reinterpret_cast<uintptr_t>(o.data_ptr()) & 15) ||
+          overlaps(o, a) || overlaps(o, b)) {
+        Py_RETURN_NONE;  // Python decides (torch.matmul's out= rules: resize, errors)
+      }
+      c = o;
+    } else {
+      c = at::empty(sizes, a.options());
+    }
     const int status = e.fn(a.data_ptr(), b.data_ptr(), c.data_ptr(), (int)M, (int)N, (int)K, (int)K,
                             e.ldb, (int)N, e.ws, reinterpret_cast<void*>(stream));
     if (status != 0) {
@@ -169,6 +189,10 @@ PyObject* run(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
       return key_tuple(key, status, true);
     }
     ++g_hits;
+    if (pout) {
+      Py_INCREF(pout);
+      return pout;
+    }
     return THPVariable_Wrap(std::move(c));
   } catch (...) {
     torch::translate_exception_to_python(std::current_exception());
@@ -326,7 +350,7 @@ PyObject* set_host_mode(PyObject* /*self*/, PyObject* arg) {
 
 PyMethodDef methods[] = {
     {"run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(run)), METH_FASTCALL,
-     "run(a, b, tn): a new Tensor, False (torch.matmul), a key tuple (miss or refusal) or None"},
+     "run(a, b, tn[, out]): a new Tensor (or out), False (torch.matmul), a key tuple (miss or refusal) or None"},
     {"register", register_call, METH_VARARGS,
      "register(M, N, K, tn, dtype, device, stream, fn, ws, ldb): a resolved kernel call"},
     {"register_fallback", register_fallback, METH_VARARGS,

@@ -156,10 +156,22 @@ def _plan(a, b, layout: str, d: Dispatcher | None, cuda: bool = True):
     return (M, N, K, dtype)
 
 
-def _fallback(a, b, layout: str):
+def _fallback(a, b, layout: str, out=None):
     if layout == "TN":
-        return torch.matmul(a, b.t() if b.dim() <= 2 else b.transpose(-2, -1))
-    return torch.matmul(a, b)
+        b = b.t() if b.dim() <= 2 else b.transpose(-2, -1)
+    return torch.matmul(a, b) if out is None else torch.matmul(a, b, out=out)
+
+
+def _out_ok(a, b, out, N: int) -> bool:
+    """Whether a kernel may write `out` directly: exactly the result's shape, dtype and device,
+    contiguous, 16-byte aligned and sharing no memory with the inputs (anything else goes to
+    torch.matmul's own out= rules)."""
+    if type(out) is not torch.Tensor or out.requires_grad or out.dtype is not a.dtype or out.device != a.device:
+        return False
+    if not out.is_contiguous() or tuple(out.shape) != (*a.shape[:-1], N) or out.data_ptr() & 15:
+        return False
+    o0, o1 = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()
+    return all(o1 <= t.data_ptr() or t.data_ptr() + t.numel() * t.element_size() <= o0 for t in (a, b))
 
 
 def _mm_impl(a, b, layout: str):
@@ -178,38 +190,58 @@ def _mm_impl(a, b, layout: str):
     return _py_mm(a, b, layout, d)
 
 
-def _fast_miss(d: Dispatcher, fast, a, b, layout: str, key: tuple):
+def _mm_out_impl(a, b, layout: str, out):
+    """_mm_impl writing into `out` (the result's exact shape, dtype, device, contiguous, aligned,
+    no aliasing: else torch.matmul(out=) with its own rules)."""
+    d = _ACTIVE
+    if d is None:
+        return _fallback(a, b, layout, out)
+    fast = _FAST if _FAST is not _UNSET else _fast()
+    if fast is not None:
+        r = fast.run(a, b, layout == "TN", out)
+        if r is False:
+            return _fallback(a, b, layout, out)
+        if r.__class__ is tuple:
+            return _fast_miss(d, fast, a, b, layout, r, out)
+        if r is not None:
+            return r
+    return _py_mm(a, b, layout, d, out)
+
+
+def _fast_miss(d: Dispatcher, fast, a, b, layout: str, key: tuple, out=None):
     """A key the C++ table did not have (M, N, K, device, stream), or whose kernel refused the
     call (the same and its status): resolve or disable it here, once, then serve the call."""
     M, N, K, dev, stream = key[:5]
     dtype, tn = _DTYPES[a.dtype], layout == "TN"
     if len(key) == 6:
         _refused(d, M, N, K, layout, dtype, dev, stream, key[5])
-        return _fallback(a, b, layout)
+        return _fallback(a, b, layout, out)
     # the C++ checks passed (they are _plan's): what is left is the pack's part of _plan
     call = None
     if dtype == d.pack.dtype and d.lookup(M, N, K, layout, dtype) is not None:
         call = d.call_for(M, N, K, layout, dtype, dev, stream)
     with _SWITCH:
         if d is not _ACTIVE:  # the pack changed meanwhile: register nothing of the old one
-            return _py_mm(a, b, layout, d)
+            return _py_mm(a, b, layout, d, out)
         if call is None:
             fast.register_fallback(M, N, K, tn, dtype, dev, stream)
         elif call.fn_ptr:
             fast.register(M, N, K, tn, dtype, dev, stream, call.fn_ptr, call.ws, call.ldb)
     if call is None:
-        return _fallback(a, b, layout)
+        return _fallback(a, b, layout, out)
     if not call.fn_ptr:  # a call only Python can make
-        return _py_mm(a, b, layout, d)
-    r = fast.run(a, b, tn)  # now a hit
+        return _py_mm(a, b, layout, d, out)
+    r = fast.run(a, b, tn) if out is None else fast.run(a, b, tn, out)  # now a hit
     if r is False:
-        return _fallback(a, b, layout)
+        return _fallback(a, b, layout, out)
+    if r is None:  # an out= the kernel may not write directly
+        return _py_mm(a, b, layout, d, out)
     if r.__class__ is not tuple:
         return r
     if len(r) == 6:
         _refused(d, M, N, K, layout, dtype, dev, stream, r[5])
-        return _fallback(a, b, layout)
-    return _py_mm(a, b, layout, d)  # missed again: the table was cleared meanwhile
+        return _fallback(a, b, layout, out)
+    return _py_mm(a, b, layout, d, out)  # missed again: the table was cleared meanwhile
 
 
 def _refused(d: Dispatcher, M, N, K, layout, dtype, dev, stream, status) -> None:
@@ -220,18 +252,20 @@ def _refused(d: Dispatcher, M, N, K, layout, dtype, dev, stream, status) -> None
         _FAST.forget(M, N, K, layout == "TN", dtype)
 
 
-def _py_mm(a, b, layout: str, d: Dispatcher):
+def _py_mm(a, b, layout: str, d: Dispatcher, out=None):
     """The dispatch in Python: where the C++ fast path is unavailable or declines a call."""
     plan = _plan(a, b, layout, d)
     if plan.__class__ is str:
-        return _fallback(a, b, layout)
+        return _fallback(a, b, layout, out)
     M, N, K, dtype = plan
+    if out is not None and not _out_ok(a, b, out, N):
+        return _fallback(a, b, layout, out)
     dev = a.device.index
     stream = _raw_stream(dev) if _raw_stream else torch.cuda.current_stream(dev).cuda_stream
     call = d.call_for(M, N, K, layout, dtype, dev, stream)
     if call is None:
-        return _fallback(a, b, layout)
-    c = torch.empty((*a.shape[:-1], N), dtype=a.dtype, device=a.device)
+        return _fallback(a, b, layout, out)
+    c = torch.empty((*a.shape[:-1], N), dtype=a.dtype, device=a.device) if out is None else out
     status = call.run(a.data_ptr(), b.data_ptr(), c.data_ptr(), M, N, K, K, call.ldb, N, call.ws_ptr, stream)
     if status != 0:  # nothing was launched: the ABI checks before it enqueues
         _refused(d, M, N, K, layout, dtype, dev, stream, status)
@@ -273,10 +307,17 @@ def _needs_grad(*ts) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, *, b_layout: str = "NN") -> torch.Tensor:
-    """a @ b (b_layout 'NN', b [K, N]) or a @ b.T ('TN', b [N, K], as nn.Linear's weight)."""
+def matmul(a: torch.Tensor, b: torch.Tensor, *, b_layout: str = "NN", out: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b (b_layout 'NN', b [K, N]) or a @ b.T ('TN', b [N, K], as nn.Linear's weight).
+    With `out`, the result is written there and `out` returned, as torch.matmul(out=) does; a
+    kernel writes it directly when it is exactly the result's shape, dtype and device,
+    contiguous, 16-byte aligned and not sharing memory with the inputs."""
     if b_layout not in LAYOUTS:
         raise ValueError(f"b_layout must be one of {LAYOUTS}, got {b_layout!r}")
+    if out is not None:
+        if _needs_grad(a, b) or _is_compiling():
+            return _fallback(a, b, b_layout, out)
+        return _mm_out_impl(a, b, b_layout, out)
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):  # _needs_grad, inlined
         return _fallback(a, b, b_layout)
     if _is_compiling():
