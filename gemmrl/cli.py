@@ -91,7 +91,7 @@ def shapes(shape_spec, dtype, acc, below, column, plain):
               help="kernel, offline, server or all (repeat or comma-separate)")
 @click.option("--impl", "impl_opts", multiple=True, default=("baselines",), show_default=True,
               help="baselines | exhaustive | torch.compile | <baseline name> | cuda-l2:DIR | kernel:FILE | "
-                   "gemmrl:FAMILY[+FAMILY] | ours")
+                   "gemmrl:FAMILY[+FAMILY] | ours | tuned | pack:DIR")
 @click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "bf16"]))
 @click.option("--acc", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16"]))
 @click.option("--db", default=DEFAULT_DB, show_default=True, help="SQLite store (created if missing)")

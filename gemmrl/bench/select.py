@@ -6,7 +6,8 @@ from __future__ import annotations
 def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> list:
     """Implementation specs: 'baselines' (torch + cuBLAS + cuBLASLt heuristic/auto-tuning, both
     layouts), 'exhaustive', 'torch.compile', a baseline's own name, 'cuda-l2:DIR',
-    'kernel:FILE.cu|FILE.so', or gemmrl's own kernels: 'gemmrl:FAMILY[+FAMILY]' (the fastest of
+    'kernel:FILE.cu|FILE.so', 'pack:DIR' (gemmrl.matmul with that pack active, NN and TN, fallback
+    included: the product as a user calls it), or gemmrl's own kernels: 'gemmrl:FAMILY[+FAMILY]' (the fastest of
     each family's top candidates per shape; families: cutlass_sm90, raw), 'ours' (both) and
     'tuned' (the winners `gemmrl tune` stored)."""
     from gemmrl.baselines import impls as bl
@@ -39,6 +40,10 @@ def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> li
 
                 out.append(BestOf(list(registry.FAMILIES.values()), store=store, device=device,
                                   name=TUNED, search=False))
+            elif s.startswith("pack:"):
+                from gemmrl.runtime.pack_impl import PackMatmul
+
+                out += [PackMatmul(s.split(":", 1)[1], lay) for lay in ("NN", "TN")]
             elif s.startswith("kernel:"):
                 from gemmrl.runtime.abi import AbiImpl
 
@@ -46,7 +51,7 @@ def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> li
             else:
                 raise ValueError(
                     f"unknown implementation {s!r}; known: baselines, exhaustive, "
-                    f"{', '.join(all_named)}, cuda-l2:DIR, kernel:FILE, gemmrl:FAMILY, ours")
+                    f"{', '.join(all_named)}, cuda-l2:DIR, kernel:FILE, pack:DIR, gemmrl:FAMILY, ours")
     seen, unique = set(), []
     for i in out:
         if i.name not in seen:

@@ -1,0 +1,63 @@
+"""The product as a user calls it, as a harness implementation: `gemmrl.matmul(a, b, out=c)` with
+a pack active, fallback to torch.matmul included (`bench --impl pack:DIR`).
+
+Two implementations, one per B layout ('gemmrl.matmul-nn' reads [K, N], 'gemmrl.matmul-tn' the
+[N, K] weight), so that each is timed against torch.matmul and cuBLAS on equal terms: the result
+written into the harness's C (out=), as the torch.matmul baseline does. They are trusted like the
+baselines (a shape without a kernel runs cuBLAS through torch.matmul by design), so the harness
+does not hold them to launching only their own kernels; every correctness check still applies.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gemmrl.core.impl import Impl, UnsupportedProblem
+
+
+class PackMatmul(Impl):
+    trusted = True
+
+    def __init__(self, pack_dir: str | Path, layout: str, nearest: float | None = None):
+        if layout not in ("NN", "TN"):
+            raise ValueError(f"layout must be NN or TN, got {layout!r}")
+        self.pack_dir = Path(pack_dir)
+        if not (self.pack_dir / "manifest.json").is_file():
+            raise FileNotFoundError(f"{self.pack_dir} is not a pack (no manifest.json)")
+        self.layout = layout
+        self.name = f"gemmrl.matmul-{layout.lower()}"
+        self.nearest = nearest
+        self._dispatcher = None
+
+    def _activate(self):
+        from gemmrl.runtime import ops
+
+        if self._dispatcher is None or ops.active() is not self._dispatcher:
+            kw = {} if self.nearest is None else {"nearest": self.nearest}
+            self._dispatcher = ops.use_pack(str(self.pack_dir), **kw)
+        return self._dispatcher
+
+    def supports(self, problem) -> bool:
+        return problem.dtype in ("fp16", "bf16")
+
+    def prepare(self, problem):
+        from gemmrl.runtime import ops
+
+        d = self._activate()
+        if problem.acc != d.pack.acc:
+            raise UnsupportedProblem(f"{self.name}: the pack accumulates in {d.pack.acc}, the problem in {problem.acc}")
+        matmul = ops.matmul
+        if self.layout == "TN":
+            def call(a, b_nn, b_tn, c):
+                matmul(a, b_tn, b_layout="TN", out=c)
+        else:
+            def call(a, b_nn, b_tn, c):
+                matmul(a, b_nn, out=c)
+        return call
+
+    def describe(self) -> dict:
+        d = {"name": self.name, "layout": self.layout, "pack": str(self.pack_dir)}
+        if self._dispatcher is not None:
+            e = self._dispatcher.describe()
+            d.update(entries=e["entries"], failures=e["failures"])
+        return d

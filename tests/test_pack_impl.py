@@ -1,0 +1,44 @@
+"""`bench --impl pack:DIR`: gemmrl.matmul with a pack active, as the harness calls it (out=C),
+one implementation per B layout. On the CPU every call is torch.matmul's fallback, which is what
+these tests can check for real: the wiring, out=, the layouts and the refusals."""
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from gemmrl.bench.select import impls_from_specs  # noqa: E402
+from gemmrl.core.impl import UnsupportedProblem  # noqa: E402
+from gemmrl.core.problem import Problem  # noqa: E402
+from gemmrl.runtime import ops  # noqa: E402
+
+PACK = Path(__file__).parent.parent / "packs" / "h200-fp16-F32F16F16F32"
+
+
+def test_pack_spec_gives_the_product_in_both_layouts_and_falls_back_exactly():
+    impls = impls_from_specs([f"pack:{PACK}"])
+    assert [(i.name, i.layout, i.trusted) for i in impls] == [
+        ("gemmrl.matmul-nn", "NN", True), ("gemmrl.matmul-tn", "TN", True)]
+    p = Problem(64, 256, 128)
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-2, 3, (p.M, p.K), generator=g).half()
+    b_nn = torch.randint(-2, 3, (p.K, p.N), generator=g).half()
+    b_tn = b_nn.t().contiguous()
+    try:
+        for impl in impls:
+            call = impl.prepare(p)
+            assert ops.active() is not None and ops.active().pack.path.resolve() == PACK.resolve()
+            c = torch.full((p.M, p.N), float("nan"), dtype=torch.float16)
+            call(a, b_nn, b_tn, c)
+            assert torch.equal(c, torch.matmul(a, b_nn))  # no CUDA: torch.matmul, written into C
+            assert impl.describe()["pack"] == str(PACK)
+        with pytest.raises(UnsupportedProblem, match="accumulates in fp32"):
+            impls[0].prepare(Problem(64, 256, 128, acc="fp16"))
+    finally:
+        ops.use_pack(None)
+
+
+def test_pack_spec_refuses_a_directory_that_is_not_a_pack(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a pack"):
+        impls_from_specs([f"pack:{tmp_path}"])
