@@ -174,31 +174,15 @@ def _out_ok(a, b, out, N: int) -> bool:
     return all(o1 <= t.data_ptr() or t.data_ptr() + t.numel() * t.element_size() <= o0 for t in (a, b))
 
 
-def _mm_impl(a, b, layout: str):
-    d = _ACTIVE
-    if d is None:
-        return _fallback(a, b, layout)
-    fast = _FAST if _FAST is not _UNSET else _fast()
-    if fast is not None:
-        r = fast.run(a, b, layout == "TN")
-        if r is False:
-            return _fallback(a, b, layout)
-        if r.__class__ is tuple:
-            return _fast_miss(d, fast, a, b, layout, r)
-        if r is not None:
-            return r
-    return _py_mm(a, b, layout, d)
-
-
-def _mm_out_impl(a, b, layout: str, out):
-    """_mm_impl writing into `out` (the result's exact shape, dtype, device, contiguous, aligned,
-    no aliasing: else torch.matmul(out=) with its own rules)."""
+def _mm_impl(a, b, layout: str, out=None):
+    """The dispatch: the C++ table first, Python for what it does not know. With `out`, the
+    result goes there (a kernel writes it when _out_ok; else torch.matmul(out=))."""
     d = _ACTIVE
     if d is None:
         return _fallback(a, b, layout, out)
     fast = _FAST if _FAST is not _UNSET else _fast()
     if fast is not None:
-        r = fast.run(a, b, layout == "TN", out)
+        r = fast.run(a, b, layout == "TN") if out is None else fast.run(a, b, layout == "TN", out)
         if r is False:
             return _fallback(a, b, layout, out)
         if r.__class__ is tuple:
@@ -317,7 +301,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, b_layout: str = "NN", out: torch
     if out is not None:
         if _needs_grad(a, b) or _is_compiling():
             return _fallback(a, b, b_layout, out)
-        return _mm_out_impl(a, b, b_layout, out)
+        return _mm_impl(a, b, b_layout, out)
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):  # _needs_grad, inlined
         return _fallback(a, b, b_layout)
     if _is_compiling():
