@@ -206,7 +206,6 @@ def _run_with_progress(run_fn, total: int):
 
 def write_report(store, device, out, subject, dtype, acc):
     from gemmrl.bench.env import gpu_slug
-    from gemmrl.core.problem import Problem
     from gemmrl.report.export import write_results
 
     records = store.measurements(device=device, dtype=dtype, acc=acc)
@@ -226,11 +225,18 @@ def write_report(store, device, out, subject, dtype, acc):
         prov["tuning"] = store.tuning_effort(device, dtype, acc, TUNED)
         prov["families"] = family_breakdown(records, TUNED, store.tuned_families(device, dtype, acc, TUNED))
     peaks = store.latest_peaks(device)
-    tag = Problem(64, 64, 64, dtype, acc).precision
-    slug = gpu_slug(device)
     subj = subject or "torch.matmul"
-    prefix = f"{subj.replace('.', '_').replace(':', '_')}_{slug}_{tag}"
-    return write_results(records, Path(out) / slug, subj, peaks, prov, prefix)
+    return write_results(records, Path(out) / gpu_slug(device), subj, peaks, prov,
+                         report_prefix(subj, device, dtype, acc))
+
+
+def report_prefix(subject: str, device: str, dtype: str, acc: str) -> str:
+    """'<subject>_<gpu>_<precision>', the stem of a report's files."""
+    from gemmrl.bench.env import gpu_slug
+    from gemmrl.core.problem import Problem
+
+    tag = Problem(64, 64, 64, dtype, acc).precision
+    return f"{subject.replace('.', '_').replace(':', '_')}_{gpu_slug(device)}_{tag}"
 
 
 def _open_for_reading(db, device, *, require_measured: bool):
@@ -266,12 +272,11 @@ def report(db, out, device, subject, dtype, acc, versus):
     paths = write_report(store, device, out, subject, dtype, acc)
     if versus:
         from gemmrl.bench.env import gpu_slug
-        from gemmrl.core.problem import Problem
         from gemmrl.report.export import ReportError, write_versus
 
         subj = subject or "torch.matmul"
         records = [r for r in store.measurements(device=device, dtype=dtype, acc=acc) if r["status"] == "ok"]
-        prefix = f"{subj.replace('.', '_').replace(':', '_')}_{gpu_slug(device)}_{Problem(64, 64, 64, dtype, acc).precision}"
+        prefix = report_prefix(subj, device, dtype, acc)
         for other in versus:
             if not any(r["impl"] == other for r in records):
                 raise click.ClickException(f"--versus {other}: the store has no ok measurement of {other!r} "
