@@ -118,8 +118,9 @@ def fast(fast_module):
     fast_module.clear()
 
 
-def _t(*shape, dtype=torch.float16):
-    return torch.empty(*shape, dtype=dtype)
+def _t(*shape, dtype=torch.float16):  # small integers (never garbage: fallbacks compute with them)
+    g = torch.Generator().manual_seed(sum(shape) + len(shape))
+    return torch.randint(-2, 3, shape, generator=g).to(dtype)
 
 
 def _ints(*shape, seed=0):
@@ -205,18 +206,62 @@ def test_checks_are_the_python_plans(fast, pack_dir):  # noqa: F811
         "a misaligned": (off, w, "TN"), "b misaligned": (a, _t(128 * 64 + 1)[1:].view(128, 64), "TN"),
         "Parameter b": (a, torch.nn.Parameter(w, requires_grad=False), "TN"),
     }
+    fallbacks = 0
     for name, (x, y, layout) in cases.items():
         plan = ops._plan(x, y, layout, d, cuda=False)
-        r = fast.run(x, y, layout == "TN")
         if _eligible_by_plan(plan):
+            r = fast.run(x, y, layout == "TN")
             K = x.shape[-1]
             N = y.shape[0] if layout == "TN" else y.shape[1]
             assert r == (x.numel() // K, N, K, -1, 0), (name, plan, r)  # a miss: Python resolves it
-        else:
-            assert r is False, (name, plan, r)  # torch.matmul, decided in C++
+        else:  # torch.matmul, decided and computed in C++: its result, or its very error
+            fallbacks += 1
+            _assert_is_torch_matmul(lambda: fast.run(x, y, layout == "TN"), x, y, layout, name)
     assert fast.stats()["entries"] == 0  # run never registers anything itself
+    assert fast.stats()["fallbacks"] == fallbacks
     fast.set_host_mode(False)
-    assert fast.run(a, w, True) is False  # a CPU tensor, as on a real run: not a CUDA tensor
+    # a CPU tensor, as on a real run: not a CUDA tensor, torch.matmul
+    assert torch.equal(fast.run(a, w, True), torch.matmul(a, w.t()))
+
+
+def _assert_is_torch_matmul(call, x, y, layout, name=""):
+    """`call()` returns what torch.matmul(x, y or y.T) returns, bit for bit, or raises the same
+    exception type with the same message."""
+    yy = (y.t() if y.dim() <= 2 else y.transpose(-2, -1)) if layout == "TN" else y
+    try:
+        want = torch.matmul(x, yy)
+    except Exception as e:  # noqa: BLE001
+        with pytest.raises(type(e)) as got:
+            call()
+        assert str(got.value) == str(e), name
+        return
+    r = call()
+    assert type(r) is torch.Tensor and r.shape == want.shape and r.dtype == want.dtype, name
+    assert torch.equal(r, want), name
+
+
+def test_fallbacks_in_cpp_write_out_as_torch_matmul_does(fast):
+    a, w = _t(16, 64), _t(32, 64)
+    fast.register_fallback(16, 32, 64, True, "fp16", -1, 0)
+    out = torch.full((16, 32), float("nan"), dtype=torch.float16)
+    assert fast.run(a, w, True, out) is out and torch.equal(out, torch.matmul(a, w.t()))
+    # out of another shape: resized, as torch.matmul(out=) does (with its warning)
+    wrong = torch.empty(3, dtype=torch.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert fast.run(a, w, True, wrong) is wrong
+    assert wrong.shape == (16, 32) and torch.equal(wrong, torch.matmul(a, w.t()))
+    # out of another dtype: torch.matmul's own error
+    bad = torch.empty(16, 32, dtype=torch.float32)
+    with pytest.raises(RuntimeError) as e:
+        torch.matmul(a, w.t(), out=bad)
+    with pytest.raises(RuntimeError) as got:
+        fast.run(a, w, True, bad)
+    assert str(got.value) == str(e.value)
+    # a fp32 call (no kernel ever) with out=
+    af, wf, of = a.float(), w.float(), torch.empty(16, 32)
+    assert fast.run(af, wf, True, of) is of and torch.equal(of, af @ wf.t())
+    assert fast.stats()["fallbacks"] == 4
 
 
 def test_subclasses_and_torch_function_modes_are_left_to_python(fast):
@@ -269,7 +314,8 @@ def test_a_refusal_is_reported_once_then_falls_back(fast, fakes):
     calls = fake.calls
     assert fast.run(a, w, True) == (7, 8, 16, -1, 0, 5)  # the key and the kernel's status
     assert fake.calls == calls and fast.lookup(7, 8, 16, True, "fp16", -1, 0) is False
-    assert fast.run(a, w, True) is False
+    r = fast.run(a, w, True)  # from now on torch.matmul, computed in C++
+    assert fake.calls == calls and torch.equal(r, torch.matmul(a, w.t()))
     assert fast.stats()["refusals"] == 1
 
 

@@ -199,11 +199,19 @@ def test_cpp_path_matches_the_python_path(pack, M, N, K, monkeypatch):
 def test_host_overhead_per_call(pack, monkeypatch):
     fast = _fast_or_fail()
     a, w = _inputs(16, 1024, 4096)
+    b_nn, c = w.t().contiguous(), torch.empty(16, 1024, device="cuda", dtype=torch.float16)
     calls = {"torch.matmul": lambda: torch.matmul(a, w.t()),
              "gemmrl.matmul": lambda: gemmrl.matmul(a, w, b_layout="TN"),
              "torch.ops.gemmrl.mm": lambda: torch.ops.gemmrl.mm(a, w, "TN"),
              "gemmrl.matmul (Python dispatch)": lambda: gemmrl.matmul(a, w, b_layout="TN"),
-             "torch.ops.gemmrl.mm (Python dispatch)": lambda: torch.ops.gemmrl.mm(a, w, "TN")}
+             "torch.ops.gemmrl.mm (Python dispatch)": lambda: torch.ops.gemmrl.mm(a, w, "TN"),
+             # out=, as the harness calls both (bench --impl pack:DIR); NN has no kernel in this
+             # pack: the fallback, computed in C++, against torch.matmul called from Python
+             "torch.matmul out= TN": lambda: torch.matmul(a, w.t(), out=c),
+             "gemmrl.matmul out= TN": lambda: gemmrl.matmul(a, w, b_layout="TN", out=c),
+             "torch.matmul out= NN": lambda: torch.matmul(a, b_nn, out=c),
+             "gemmrl.matmul out= NN (fallback)": lambda: gemmrl.matmul(a, b_nn, out=c),
+             "gemmrl.matmul NN (fallback)": lambda: gemmrl.matmul(a, b_nn)}
     # host (enqueue) time: bursts of 200 calls, well under the launch queue's depth (~1000), so
     # the host never waits for the GPU; the median over 25 bursts, the implementations interleaved
     n, reps, res = 200, 25, {}

@@ -29,7 +29,9 @@ so shapes and strides trace exactly; the dispatch decision is made when the comp
 The hot path is C++ (issue #4: "a C++ dispatch table with no more host overhead than
 torch.matmul"): fastpath.cpp, built on first use (fastpath.py), does _plan's checks, reads the
 current stream, looks (M, N, K, layout, dtype, device, stream) up in its table and launches the
-kernel, allocating only the output. A key it has not seen comes back here once: Python resolves
+kernel, allocating only the output; a call it falls back on, it also serves itself with the ATen
+function torch.matmul calls (at::matmul / at::matmul_out), so a fallback costs no more host time
+than torch.matmul from Python. A key it has not seen comes back here once: Python resolves
 it (Dispatcher.call_for: the exact or nearest kernel, built and loaded, its workspace) and
 registers the call, or the fallback, in the C++ table. Where the extension cannot be built the
 whole dispatch stays in Python (one warning), with the same decisions. tests/test_runtime_gpu.py
@@ -182,9 +184,8 @@ def _mm_impl(a, b, layout: str, out=None):
         return _fallback(a, b, layout, out)
     fast = _FAST if _FAST is not _UNSET else _fast()
     if fast is not None:
-        r = fast.run(a, b, layout == "TN") if out is None else fast.run(a, b, layout == "TN", out)
-        if r is False:
-            return _fallback(a, b, layout, out)
+        # a Tensor: the kernel's result, or torch.matmul's computed in C++ (a fallback)
+        r = fast.run(a, b, layout == "TN", out)
         if r.__class__ is tuple:
             return _fast_miss(d, fast, a, b, layout, r, out)
         if r is not None:
@@ -215,9 +216,7 @@ def _fast_miss(d: Dispatcher, fast, a, b, layout: str, key: tuple, out=None):
         return _fallback(a, b, layout, out)
     if not call.fn_ptr:  # a call only Python can make
         return _py_mm(a, b, layout, d, out)
-    r = fast.run(a, b, tn) if out is None else fast.run(a, b, tn, out)  # now a hit
-    if r is False:
-        return _fallback(a, b, layout, out)
+    r = fast.run(a, b, tn, out)  # now a hit
     if r is None:  # an out= the kernel may not write directly
         return _py_mm(a, b, layout, d, out)
     if r.__class__ is not tuple:
@@ -296,17 +295,14 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, b_layout: str = "NN", out: torch
     With `out`, the result is written there and `out` returned, as torch.matmul(out=) does; a
     kernel writes it directly when it is exactly the result's shape, dtype and device,
     contiguous, 16-byte aligned and not sharing memory with the inputs."""
-    if b_layout not in LAYOUTS:
+    # every check here is on the host path of every call: cheapest first, nothing allocated
+    if b_layout != "NN" and b_layout != "TN":
         raise ValueError(f"b_layout must be one of {LAYOUTS}, got {b_layout!r}")
-    if out is not None:
-        if _needs_grad(a, b) or _is_compiling():
-            return _fallback(a, b, b_layout, out)
-        return _mm_impl(a, b, b_layout, out)
-    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):  # _needs_grad, inlined
-        return _fallback(a, b, b_layout)
+    if (a.requires_grad or b.requires_grad) and torch.is_grad_enabled():  # _needs_grad, inlined
+        return _fallback(a, b, b_layout, out)
     if _is_compiling():
-        return torch.ops.gemmrl.mm(a, b, b_layout)
-    return _mm_impl(a, b, b_layout)  # eager: the same body, without the custom op's dispatch cost
+        return _fallback(a, b, b_layout, out) if out is not None else torch.ops.gemmrl.mm(a, b, b_layout)
+    return _mm_impl(a, b, b_layout, out)  # eager: the op's body, without the custom op's dispatch cost
 
 
 # ------------------------------------------------------------------------------ nn.Linear
