@@ -6,6 +6,7 @@ both beside torch.matmul's is printed (and written to GEMMRL_TEST_OUT)."""
 import json
 import math
 import os
+import random
 import statistics
 import time
 from pathlib import Path
@@ -241,4 +242,52 @@ def test_host_overhead_per_call(pack, monkeypatch):
              "host_us_over_torch_matmul": over, "dispatch": "gemmrl.matmul and torch.ops.gemmrl.mm: "
              "the C++ fast path; '(Python dispatch)': with it turned off", "fast_path": fast.stats(),
              "device": torch.cuda.get_device_name()}, indent=1))
+    assert all(v > 0 for v in res.values())
+
+
+def test_latency_per_call_as_offline_mode_times_it(pack):
+    """What `bench --mode offline` sees: synchronize, call, synchronize, one call at a time, the
+    calls interleaved in shuffled order; medians of 600. Served TN and fallback NN at
+    16x1024x4096, fallback TN at 17x1024x4100 (K % 8: no kernel), each beside torch.matmul on the
+    same layout, and fast.run called directly (the C++ path without gemmrl.matmul's Python)."""
+    fast = _fast_or_fail()
+    a, w = _inputs(16, 1024, 4096)
+    b_nn, c = w.t().contiguous(), torch.empty(16, 1024, device="cuda", dtype=torch.float16)
+    a2, w2 = _inputs(17, 1024, 4100)
+    b2_nn, c2 = w2.t().contiguous(), torch.empty(17, 1024, device="cuda", dtype=torch.float16)
+    calls = {
+        "torch.matmul out= TN": lambda: torch.matmul(a, w.t(), out=c),
+        "gemmrl.matmul out= TN (kernel)": lambda: gemmrl.matmul(a, w, b_layout="TN", out=c),
+        "fast.run TN (kernel)": lambda: fast.run(a, w, True, c),
+        "torch.matmul out= NN": lambda: torch.matmul(a, b_nn, out=c),
+        "gemmrl.matmul out= NN (fallback)": lambda: gemmrl.matmul(a, b_nn, out=c),
+        "fast.run NN (fallback)": lambda: fast.run(a, b_nn, False, c),
+        "torch.matmul out= TN, K=4100": lambda: torch.matmul(a2, w2.t(), out=c2),
+        "gemmrl.matmul out= TN, K=4100 (fallback)": lambda: gemmrl.matmul(a2, w2, b_layout="TN", out=c2),
+        "torch.matmul out= NN, K=4100": lambda: torch.matmul(a2, b2_nn, out=c2),
+        "gemmrl.matmul out= NN, K=4100 (fallback)": lambda: gemmrl.matmul(a2, b2_nn, out=c2),
+    }
+    rng = random.Random(0)
+    per: dict[str, list[float]] = {name: [] for name in calls}
+    sync = torch.cuda.synchronize
+    with torch.inference_mode():
+        for fn in calls.values():
+            for _ in range(20):
+                fn()
+        for _ in range(600):
+            order = list(calls)
+            rng.shuffle(order)
+            for name in order:
+                sync()
+                t0 = time.perf_counter()
+                calls[name]()
+                sync()
+                per[name].append((time.perf_counter() - t0) * 1e6)
+    res = {name: statistics.median(v) for name, v in per.items()}
+    print("\nlatency us per call (offline style): " + ", ".join(f"{k} {v:.2f}" for k, v in res.items()))
+    if os.environ.get("GEMMRL_TEST_OUT"):
+        Path(os.environ["GEMMRL_TEST_OUT"], "latency-offline-style.json").write_text(json.dumps(
+            {"method": "synchronize; call; synchronize; median of 600, calls interleaved and shuffled",
+             "latency_us": res, "p10_us": {k: sorted(v)[len(v) // 10] for k, v in per.items()},
+             "fast_path": fast.stats(), "device": torch.cuda.get_device_name()}, indent=1))
     assert all(v > 0 for v in res.values())

@@ -49,6 +49,21 @@ class TorchMatmul(Impl):
         return call
 
 
+class TorchMatmulTN(Impl):
+    """torch.matmul(a, w.t()) with B given as the [N, K] weight, as nn.Linear calls it: what a
+    user of the TN layout gets from torch, to hold gemmrl.matmul's TN calls against (`pack:DIR`
+    brings it along). Not among the core baselines (the reports' best-baseline is over those)."""
+
+    name = "torch.matmul-tn"
+    layout = "TN"
+    trusted = True
+
+    def prepare(self, problem):
+        def call(a, b_nn, b_tn, c):
+            torch.matmul(a, b_tn.t(), out=c)
+        return call
+
+
 def _matmul(a, b):
     return a @ b
 
@@ -206,7 +221,9 @@ class LtExhaustive(LtAutotuned):
 
 
 def baseline_impls(store=None, device: str = "", exhaustive: bool = False,
-                   compile_: bool = False) -> list[Impl]:
+                   compile_: bool = False, extra: bool = False) -> list[Impl]:
+    """The core baselines (torch.matmul; cuBLAS, cuBLASLt heuristic and autotuned, NN and TN),
+    plus the exhaustive cuBLASLt ones, torch.compile and torch.matmul-tn when asked."""
     out: list[Impl] = [TorchMatmul()]
     for lay in ("NN", "TN"):
         out += [CublasGemm(lay), LtHeuristic(lay), LtAutotuned(lay, store, device)]
@@ -214,4 +231,6 @@ def baseline_impls(store=None, device: str = "", exhaustive: bool = False,
             out.append(LtExhaustive(lay, store, device))
     if compile_:
         out.append(TorchCompile())
+    if extra:
+        out.append(TorchMatmulTN())
     return out

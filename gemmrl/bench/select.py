@@ -7,12 +7,13 @@ def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> li
     """Implementation specs: 'baselines' (torch + cuBLAS + cuBLASLt heuristic/auto-tuning, both
     layouts), 'exhaustive', 'torch.compile', a baseline's own name, 'cuda-l2:DIR',
     'kernel:FILE.cu|FILE.so', 'pack:DIR' (gemmrl.matmul with that pack active, NN and TN, fallback
-    included: the product as a user calls it), or gemmrl's own kernels: 'gemmrl:FAMILY[+FAMILY]' (the fastest of
+    included: the product as a user calls it; with torch.matmul-tn, torch on the TN layout), or gemmrl's own kernels: 'gemmrl:FAMILY[+FAMILY]' (the fastest of
     each family's top candidates per shape; families: cutlass_sm90, raw), 'ours' (both) and
     'tuned' (the winners `gemmrl tune` stored)."""
     from gemmrl.baselines import impls as bl
 
-    all_named = {i.name: i for i in bl.baseline_impls(store, device, exhaustive=True, compile_=True)}
+    all_named = {i.name: i for i in bl.baseline_impls(store, device, exhaustive=True, compile_=True,
+                                                        extra=True)}
     out = []
     for spec in specs:
         for s in (x.strip() for x in spec.split(",") if x.strip()):
@@ -43,7 +44,9 @@ def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> li
             elif s.startswith("pack:"):
                 from gemmrl.runtime.pack_impl import PackMatmul
 
+                # with torch.matmul-tn: each layout of the product against torch on that layout
                 out += [PackMatmul(s.split(":", 1)[1], lay) for lay in ("NN", "TN")]
+                out.append(all_named["torch.matmul-tn"])
             elif s.startswith("kernel:"):
                 from gemmrl.runtime.abi import AbiImpl
 
