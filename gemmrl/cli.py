@@ -208,8 +208,8 @@ def write_report(store, device, out, subject, dtype, acc):
     from gemmrl.bench.env import gpu_slug
     from gemmrl.report.export import write_results
 
-    records = store.measurements(device=device, dtype=dtype, acc=acc)
-    records = [r for r in records if r["status"] == "ok"]
+    # each shape's ratios from one session: the latest that timed the subject
+    records = store.report_measurements(subject or "torch.matmul", device=device, dtype=dtype, acc=acc)
     if not records:
         raise click.ClickException(f"the store holds no measurements for {device} ({dtype}, acc {acc})")
     runs = [r for r in store.runs() if r["device"] == device]
@@ -275,7 +275,7 @@ def report(db, out, device, subject, dtype, acc, versus):
         from gemmrl.report.export import ReportError, write_versus
 
         subj = subject or "torch.matmul"
-        records = [r for r in store.measurements(device=device, dtype=dtype, acc=acc) if r["status"] == "ok"]
+        records = store.report_measurements(subj, device=device, dtype=dtype, acc=acc)
         prefix = report_prefix(subj, device, dtype, acc)
         for other in versus:
             if not any(r["impl"] == other for r in records):

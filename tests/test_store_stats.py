@@ -168,3 +168,29 @@ def test_tuning_effort_sums_finished_runs_for_one_precision(tmp_path):
     e = s.tuning_effort("H200", "fp16", "fp32", "gemmrl-tuned")
     assert e == {"runs": [r1, r2], "wall_s": 12.5, "unfinished_runs": [r2], "candidates": 3, "shapes": 1}
     assert s.tuning_effort("H100", "fp16", "fp32", "gemmrl-tuned")["candidates"] == 0
+
+
+def test_report_measurements_take_each_shapes_ratios_from_the_subjects_session(tmp_path):
+    s = Store(tmp_path / "r.sqlite")
+    run = s.start_run("gemmrl bench", "H200", {}, {})
+    # session 1: the subject beside the baselines; session 2 (later): the baselines alone (a noise
+    # study); session 3: an optional baseline in a session of its own; Q: never the subject
+    s.record_session(run, "s1", "H200", P, "offline", "offline:v2",
+                     {"gemmrl-tuned": _st(8.0), "torch.matmul": _st(10.0), "cuBLAS-nn": _st(9.0)})
+    s.record_session(run, "s2", "H200", P, "offline", "offline:v3:ci=0.005",
+                     {"torch.matmul": _st(20.0), "cuBLAS-nn": _st(19.0)})
+    s.record_session(run, "s3", "H200", P, "offline", "offline:v2", {"torch.compile": _st(30.0)})
+    s.record_session(run, "s4", "H200", P, "kernel", "kernel:v1", {"torch.matmul": _st(4.0)})
+    s.record_session(run, "s5", "H200", Q, "offline", "offline:v2", {"torch.matmul": _st(7.0)})
+    s.record_session(run, "s6", "H200", P, "offline", "offline:v2", {"cuBLASLt-heuristic-nn": {**_st(1.0), "status": "wrong"}})
+    got = {(r["M"], r["mode"], r["impl"]): r["median_us"] for r in s.report_measurements("gemmrl-tuned")}
+    assert got == {(P.M, "offline", "gemmrl-tuned"): 8.0, (P.M, "offline", "torch.matmul"): 10.0,
+                   (P.M, "offline", "cuBLAS-nn"): 9.0,  # the subject's session, not s2's later ones
+                   (P.M, "offline", "torch.compile"): 30.0,  # not in s1: its own latest
+                   (P.M, "kernel", "torch.matmul"): 4.0, (Q.M, "offline", "torch.matmul"): 7.0}
+    # the plain latest view pairs the subject with s2's baselines: what the report must not do
+    latest = {(r["M"], r["mode"], r["impl"]): r["median_us"] for r in s.measurements() if r["status"] == "ok"}
+    assert latest[(P.M, "offline", "torch.matmul")] == 20.0
+    # a subject never timed: the latest of everything
+    assert ({(r["M"], r["mode"], r["impl"]): r["median_us"] for r in s.report_measurements("cuda-l2")}
+            == {k: v for k, v in latest.items()})

@@ -232,6 +232,40 @@ class Store:
         rows = self.db.execute(q + " ORDER BY M, N, K, impl, mode", args).fetchall()
         return [dict(r, n=r["samples"], details=json.loads(r["details"])) for r in rows]
 
+    def report_measurements(self, subject: str, device: str | None = None, dtype: str | None = None,
+                            acc: str | None = None) -> list[dict]:
+        """The ok measurements a report on `subject` compares, ratios from one session: for each
+        (device, shape, mode), every implementation of the latest session that timed `subject`
+        ok; implementations that session did not time (an exhaustive or torch.compile baseline
+        measured in a session of its own) come from their own latest ok measurement. Where no
+        session timed the subject, the latest ok measurement of each implementation, as
+        `measurements` gives. Without this, a later run that re-times only the baselines (a
+        noise study, say) would pair them with the subject's older timings, across sessions."""
+        latest = [r for r in self.measurements(device=device, dtype=dtype, acc=acc) if r["status"] == "ok"]
+        where, args = ["impl=?", "status='ok'"], [subject]
+        for col, val in (("device", device), ("dtype", dtype), ("acc", acc)):
+            if val is not None:
+                where.append(f"{col}=?")
+                args.append(val)
+        anchor = {}  # (device, M, N, K, dtype, acc, mode) -> the session of the subject's latest record
+        for r in self.db.execute("SELECT device, M, N, K, dtype, acc, mode, session, MAX(id) FROM measurements "
+                                 f"WHERE {' AND '.join(where)} GROUP BY device, M, N, K, dtype, acc, mode", args):
+            anchor[tuple(r)[:7]] = r["session"]
+        if not anchor:
+            return latest
+        sessions = set(anchor.values())
+        marks = ",".join("?" * len(sessions))
+        in_session: dict[tuple, dict] = {}
+        for r in self.db.execute(f"SELECT * FROM measurements WHERE status='ok' AND session IN ({marks}) "
+                                 "ORDER BY id", list(sessions)):
+            k = (r["device"], r["M"], r["N"], r["K"], r["dtype"], r["acc"], r["mode"])
+            if anchor.get(k) == r["session"]:
+                in_session[k + (r["impl"],)] = dict(r, n=r["samples"], details=json.loads(r["details"]))
+        merged = {(r["device"], r["M"], r["N"], r["K"], r["dtype"], r["acc"], r["mode"], r["impl"]): r
+                  for r in latest}
+        merged.update(in_session)
+        return sorted(merged.values(), key=lambda r: (r["M"], r["N"], r["K"], r["impl"], r["mode"]))
+
     def devices(self) -> list[str]:
         return [r[0] for r in self.db.execute("SELECT DISTINCT device FROM measurements ORDER BY device")]
 
