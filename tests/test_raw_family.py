@@ -35,9 +35,10 @@ import pytest
 
 from gemmrl.core.problem import Problem
 from gemmrl.runtime.abi import REQUIRED_SYMBOLS, KernelMeta
-from gemmrl.space.raw import (ACC_COL, ACC_ROW, COUNTER_TAG, LDSM_ROW_COL, SMEM_PER_BLOCK, SM_COUNT,
-                              RawSpec, estimate_us, geometry, heuristic_specs, kernel_name, render,
-                              valid, workspace_bytes)
+from gemmrl.space import registry
+from gemmrl.space.raw import (ACC_COL, ACC_ROW, COUNTER_TAG, DEEP_MIN_KT, LDSM_ROW_COL, MAX_REDUCE_BYTES,
+                              SMEM_PER_BLOCK, SM_COUNT, RawSpec, _splits, _WARPS, estimate_us, geometry,
+                              heuristic_specs, is_deep_split, kernel_name, render, valid, workspace_bytes)
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden" / "raw"
 GOLDEN = [
@@ -190,6 +191,52 @@ def test_heuristic_specs_are_valid_ranked_and_fill_the_gpu_on_skinny_shapes(prob
         assert g.tiles * best.split_k >= SM_COUNT, (best.name, g.tiles, best.split_k)
     if problem.M <= 16 and problem.N >= 1024:
         assert any(s.swap_ab or s.block_m == 16 for s in specs)
+
+
+# the long-K small-MN shapes furthest behind cuBLASLt (results/shapes/worst-kernel-2026-11-22.txt)
+LONG_K = [Problem(256, 256, 16384), Problem(128, 512, 16384)]
+
+
+@pytest.mark.parametrize("problem", LONG_K, ids=lambda p: p.shape)
+@pytest.mark.parametrize("layout", ["NN", "TN"])
+def test_long_k_small_mn_shapes_get_split_k_16_and_a_deep_split(problem, layout):
+    specs = heuristic_specs(problem, layout)
+    assert all(valid(s, problem) is None for s in specs)
+    assert any(s.split_k >= 16 for s in specs[:3]), [s.name for s in specs]  # gemmrl build --top 3
+    tuner = registry.get("raw").candidates(problem, layout, limit=8)        # what the tuner asks for
+    assert any(s.split_k >= 16 for s in tuner) and any(is_deep_split(s, problem) for s in tuner)
+    deep = [s for s in specs if is_deep_split(s, problem)]
+    assert deep and geometry(deep[0], problem).tiles * deep[0].split_k >= 3 * SM_COUNT
+    # the deep place is taken by the best-ranked deep spec, after everything the model prefers
+    est = [estimate_us(s, problem) for s in specs]
+    assert all(a <= b + 0.01 for a, b in zip(est, est[1:]))
+
+
+@pytest.mark.parametrize("layout", ["NN", "TN"])
+def test_deep_splits_are_valid_bounded_and_only_for_long_k(layout):
+    for K in (64, 512, 1024, 4096, 16384, 65536):
+        for (bm, bn), (wm, wn) in _WARPS.items():
+            for bk in (32, 64, 128):
+                problem = Problem(256, 256, K)
+                tiles = -(-256 // bm) * -(-256 // bn)
+                kt = -(-K // bk)
+                splits = _splits(tiles, kt, bm * bn)
+                assert splits[0] == 1 and len(set(splits)) == len(splits) <= 4
+                base = splits[1] if len(splits) > 1 else 1
+                for sk in splits:
+                    spec = RawSpec(bm, bn, bk, wm, wn, 3, sk, False, layout, "fp32")
+                    why = valid(spec, problem)
+                    if why is not None:
+                        assert "shared memory" in why, (spec.name, why)  # the only rule _splits leaves to valid()
+                        continue
+                    g = geometry(spec, problem)
+                    assert sk == 1 or g.kt_per >= 2
+                    if sk > base:  # a deep split: a long K loop each, a bounded serial reduction
+                        assert g.kt_per >= DEEP_MIN_KT and sk * bm * bn * 4 <= MAX_REDUCE_BYTES, spec.name
+                        assert (sk - 1) * g.kt_per < g.kt, spec.name
+    # short K loops: nothing deeper than 8; long ones: 32 for 64x64 tiles (~4 CTAs per SM)
+    assert max(s.split_k for s in heuristic_specs(Problem(256, 256, 512), layout)) <= 8
+    assert 32 in _splits(16, 16384 // 64, 64 * 64) and max(_splits(16, 512 // 64, 64 * 64)) <= 4
 
 
 def test_workspace_is_what_split_k_needs():
@@ -436,6 +483,31 @@ def test_golden_kernel_loads_and_refuses_other_calls_before_touching_cuda(golden
         assert kern.run(fake, fake, fake, M, N, K, K, ldb, N, 0, 0) == 5
 
 
+DEEP = (RawSpec(64, 64, 64, 2, 2, 3, 32, False, "TN", "fp32"), Problem(256, 256, 16384))
+
+
+def test_deep_split_kernel_builds_for_sm90a_without_spills(tmp_path):
+    from gemmrl.build.nvcc import NvccNotFound, build_shared, nvcc_path
+
+    try:
+        nvcc_path()
+    except NvccNotFound:
+        pytest.skip("nvcc not found")
+    spec, problem = DEEP
+    assert valid(spec, problem) is None and is_deep_split(spec, problem)
+    source = render(spec, problem)
+    assert "SPLIT_K = 32" in source and "arrive_is_last" in source
+    res = build_shared(source, name=kernel_name(spec, problem), arch="sm_90a", cache_dir=tmp_path)
+    assert res.ok, res.log[-3000:]
+    k = [k for k in res.resources if "gemmrl_raw_gemm" in k.name][0]
+    assert res.spills == 0 and k.spill_stores == 0 and k.spill_loads == 0 and k.stack_bytes == 0, k
+    from gemmrl.runtime.abi import AbiKernel
+
+    kern = AbiKernel(res.path)
+    assert kern.workspace_bytes(256, 256, 16384) == workspace_bytes(spec, problem) \
+        == 16 * 32 * 64 * 64 * 4 + 8 * 16  # 16 tiles x 32 partials of 16 KiB, then the counters
+
+
 def test_golden_kernels_run_hmma_ldsm_and_cp_async_in_sass(golden_builds):
     tool = _cuobjdump()
     if tool is None:
@@ -466,6 +538,7 @@ EMU_CASES = [
     (S(block_n=16, block_k=32, warps_m=4, warps_n=1, split_k=2, swap_ab=True, layout="TN"), Problem(3, 136, 128)),
     (S(block_m=16, block_n=16, warps_m=1, warps_n=1, stages=4, split_k=4), Problem(40, 24, 512)),
     (S(block_m=128, block_n=64, block_k=32, warps_m=4, warps_n=2), Problem(130, 72, 64)),
+    (S(block_k=32, stages=3, split_k=32, layout="TN"), Problem(72, 64, 2048)),    # deep split: 32 partials
 ]
 EMU_IDS = [kernel_name(s, p) for s, p in EMU_CASES]
 # each call: inputs, cp.async applied lazily?, blocks run at once, block order (0 in order, -1 reversed, else a shuffle seed)

@@ -45,6 +45,11 @@ SMEM_PER_SM = 233472           # 228 KiB
 STATIC_SMEM = 256              # bytes kept for the kernel's static __shared__ (split-K flag)
 MAX_ACC_PER_THREAD = 128       # fp32 accumulators per thread above which ptxas spills
 MAX_SPLIT_K = 256              # the counter keeps 16 bits of count
+MAX_REDUCE_BYTES = 1 << 20     # heuristic: fp32 partials the reducing CTA may read per tile (_splits)
+TENSOR_WARPS = 8               # estimate_us: resident warps per SM that keep mma.sync busy
+SPLIT_US = 0.2                 # estimate_us: reduction latency per split (fences, counter CAS)
+DEEP_CTAS_PER_SM = 3           # heuristic: a grid this many CTAs per SM deep is a 'deep split'
+DEEP_MIN_KT = 4                # heuristic: K tiles per split below which no deep split is offered
 COUNTER_TAG = 0x67656D6D726C   # 'gemmrl': the 48-bit tag of a live counter word
 PAD = 8                        # halves of padding per shared row (16 bytes)
 
@@ -638,7 +643,20 @@ def estimate_us(spec: RawSpec, problem: Problem) -> float:
     fill per wave, plus the split-K reduction (one CTA per tile reads SPLIT_K partials after a
     fence and an atomic). Constants calibrated on an H200 (results/logs/probe-2026-11-22.log):
     mma.sync reaches about 290 TFLOP/s here, and one CTA streams its operands at about a
-    quarter of its bytes in flight per microsecond, so skinny shapes need split-K to fill HBM."""
+    quarter of its bytes in flight per microsecond, so skinny shapes need split-K to fill HBM.
+
+    Recalibrated against the store's 306 timed raw trials on the H200 (2026-11-22, issue #3):
+    - the tensor rate needs about TENSOR_WARPS resident warps per SM: one 4-warp 64x64 CTA per
+      SM runs its mma.sync chain at about half the rate (1024x512x2048 on 128 CTAs, split 1:
+      18.9 us measured, 13.2 us modelled before, 17.0 us now); this is what rewards grids of
+      several CTAs per SM, i.e. deeper splits on long-K small-MN shapes;
+    - each split adds SPLIT_US of latency to the reduction (the arrivals' fences and CAS
+      retries on one counter): 128x64x8192 16x32x128 went from 9.5 us at split 8 to 12.2 us at
+      split 16, where the partial bytes alone account for 0.3 us.
+    Rank correlation with the measured times within a shape (22 shapes with 4+ trials): 0.45
+    before, 0.58 after; the split-16 trials were the worst modelled before (7 of them, all
+    slower than modelled) and still are. Deep splits (split_k 32+) have no timings yet; the
+    per-tile partial bandwidth (5e4 B/us) is a guess the data does not constrain."""
     g = geometry(spec, problem)
     S, bm, bn, bk = spec.split_k, spec.block_m, spec.block_n, spec.block_k
     ctas = g.tiles * S
@@ -651,17 +669,22 @@ def estimate_us(spec: RawSpec, problem: Problem) -> float:
     bw = min(3.6e6, inflight / 4.0)                                   # bytes/us
     hbm = problem.min_bytes / bw
     l2 = g.tiles * (bm + bn) * g.kt * bk * 2 / (0.6e7 * busy)
-    tensor = 2 * g.tiles * bm * bn * g.kt * bk / (2.9e8 * busy * min(1.0, spec.threads / 128))
+    warps_per_sm = min(-(-ctas // SM_COUNT), per_sm) * spec.threads // 32
+    tensor = 2 * g.tiles * bm * bn * g.kt * bk / (2.9e8 * busy * min(1.0, warps_per_sm / TENSOR_WARPS))
     waves = -(-ctas // (SM_COUNT * per_sm))
     fill = 0.7 * waves
-    reduce = (1.0 + S * bm * bn * 4 / 5.0e4) if S > 1 else 0.0
+    reduce = (1.0 + SPLIT_US * S + S * bm * bn * 4 / 5.0e4) if S > 1 else 0.0
     return 1.0 + max(hbm, l2, tensor) + fill + reduce
 
 
 def heuristic_specs(problem: Problem, layout: str, acc: str | None = None, limit: int = 6) -> list[RawSpec]:
     """A small ranked list of valid specs for `problem`: tiles near the problem's size (swap_ab
-    when M is tiny and N is not), split_k chosen to reach ~2 CTAs per SM when the tiles alone
-    do not, ranked by estimate_us()."""
+    when M is tiny and N is not), split_k from _splits() (~2 CTAs per SM when the tiles alone
+    do not fill the GPU, and deeper on long K loops), ranked by estimate_us().
+
+    When the list's `limit` places hold no deep split (a grid of DEEP_CTAS_PER_SM or more CTAs
+    per SM) but one is valid, the best-ranked deep one takes the last place: the model has no
+    timings of such grids to rank them by, so a search should time one (issue #3)."""
     acc = acc or problem.acc
     M, N, K = problem.M, problem.N, problem.K
     swaps = [False] + ([True] if M < N and M <= 64 else [])
@@ -689,16 +712,47 @@ def heuristic_specs(problem: Problem, layout: str, acc: str | None = None, limit
         if seen.get(group, 0) < 2:
             seen[group] = seen.get(group, 0) + 1
             out.append(s)
-    return out[:limit]
+    out = out[:limit]
+    if out and not any(is_deep_split(s, problem) for s in out):
+        deep = next((s for s in ok if is_deep_split(s, problem)), None)
+        if deep is not None:
+            out[-1] = deep  # ranked after every spec it follows (else it would be in the list)
+    return out
+
+
+def is_deep_split(spec: RawSpec, problem: Problem) -> bool:
+    """Split-K whose grid puts DEEP_CTAS_PER_SM or more CTAs on each SM."""
+    return spec.split_k > 1 and geometry(spec, problem).tiles * spec.split_k >= DEEP_CTAS_PER_SM * SM_COUNT
 
 
 def _splits(tiles: int, kt: int, tile_elems: int) -> list[int]:
-    """split_k = 1, and the split that brings the grid to ~2 CTAs per SM (at least 2 K tiles
-    per split, reduction reads at most 512 KiB per tile), made even on the K tiles."""
+    """split_k = 1; the split that brings the grid to ~2 CTAs per SM (at least 2 K tiles per
+    split, reduction reads at most 512 KiB per tile); and for long K loops two deeper ones: the
+    split that reaches ~4 CTAs per SM and twice the first (at least DEEP_MIN_KT K tiles per
+    split, reduction at most MAX_REDUCE_BYTES per tile). Each made even on the K tiles.
+
+    Why deeper: one 64x64 CTA per SM streams its operands at only ~28 GB/s (1024x512x2048 on
+    128 CTAs: 18.9 us on the H200); its mma.sync chain is latency bound, so long-K small-MN
+    shapes need several CTAs per SM (cuBLAS and torch.compile's decompose_k split K 16-32 ways
+    there). Why bounded: the last CTA to arrive reads the S partials alone, in order, at about
+    50 GB/s (estimate_us), so 1 MiB is ~20 us of reduction, already more than any such shape
+    should take; a deeper split than that can only lose."""
     out = [1]
     want = -(-2 * SM_COUNT // tiles)
     s = min(want, kt // 2, MAX_SPLIT_K, max(1, (512 << 10) // (4 * tile_elems)))
     if s > 1:
-        s = -(-kt // -(-kt // s))  # the fewest splits with the same K tiles per split
+        s = _even(s, kt)
         out.append(s)
+    deep_hi = min(kt // DEEP_MIN_KT, MAX_SPLIT_K, MAX_REDUCE_BYTES // (4 * tile_elems))
+    for d in (-(-4 * SM_COUNT // tiles), 2 * s):
+        d = min(d, deep_hi)
+        if d > s:
+            d = _even(d, kt)
+            if d not in out:
+                out.append(d)
     return out
+
+
+def _even(s: int, kt: int) -> int:
+    """The fewest splits with the same K tiles per split as `s`: no split left short or empty."""
+    return -(-kt // -(-kt // s))
