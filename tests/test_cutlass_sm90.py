@@ -385,3 +385,41 @@ def test_heuristic_ranks_valid_diverse_specs_and_prefers_full_waves():
     # a huge problem is best served by big tiles (128x256 or larger: 705 TFLOP/s at 8192^3)
     first = heuristic_specs(Problem(16384, 16384, 16384), "NN", limit=1)[0]
     assert first.tile_m * first.tile_n >= 128 * 256
+
+
+def test_split_k_16_is_offered_for_small_tiles_only_and_ranks_on_long_k_small_mn_shapes():
+    from gemmrl.space import registry
+    from gemmrl.space.cutlass_sm90 import DEEP_SPLIT_TILE, estimate_us, heuristic_specs
+
+    for layout in ("NN", "TN"):
+        specs = enumerate_specs(layout)
+        deep = [s for s in specs if s.scheduler == "splitk" and s.splits == 16]
+        assert deep and all(s.schedule == "cooperative" and s.tile_m * s.tile_n <= DEEP_SPLIT_TILE
+                            for s in deep)
+        assert {(s.tile_m, s.tile_n) for s in deep} >= {(128, 64), (128, 128)}
+        assert all(s.splits <= 8 for s in specs if s.tile_m * s.tile_n > DEEP_SPLIT_TILE)
+        assert len(specs) <= 300  # 267 before split-K 16, 15 more (5 tiles x 3 cluster shapes)
+        # 256x256x16384: split-K 8 leaves 64 of 132 SMs idle (measured 22 us against cuBLAS's 10)
+        for problem in (Problem(256, 256, 16384), Problem(128, 512, 16384)):
+            hs = heuristic_specs(problem, layout)
+            assert all(valid(s, problem) is None for s in hs)
+            assert any(s.scheduler == "splitk" and s.splits == 16 for s in hs[:3]), [s.name for s in hs]
+            assert any(s.splits == 16 for s in registry.get("cutlass_sm90").candidates(problem, layout, 4))
+            s16 = next(s for s in hs if s.splits == 16)
+            s8 = replace(s16, splits=8)
+            assert estimate_us(s16, problem) < estimate_us(s8, problem)
+        # a short K loop or a big grid never ranks split-K 16 first
+        for problem in (Problem(512, 768, 1024), Problem(4096, 4096, 4096), Problem(256, 4096, 12288)):
+            assert heuristic_specs(problem, layout, limit=1)[0].splits < 16
+
+
+def test_split_k_16_render_differs_from_split_k_8_only_in_the_split_count():
+    s8 = CutlassSpec(128, 64, 64, 1, 1, "cooperative", "splitk", 8, 0, "heuristic", 1, "TN", "fp16", "fp32")
+    s16 = replace(s8, splits=16)
+    assert valid(s16) is None and valid(replace(s8, splits=32)) is not None
+    a, b = render(s8).splitlines(), render(s16).splitlines()
+    diff = [(x, y) for x, y in zip(a, b) if x != y]
+    # the name (comment, metadata), the fields comment and the runtime split count: one kernel type
+    assert len(a) == len(b) and len(diff) == 4, diff
+    assert all("splitk8" in x or '"splits":8' in x or "splits = 8;" in x for x, _ in diff), diff
+    assert "  args.scheduler.splits = 16;" in b
