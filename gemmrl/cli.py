@@ -204,12 +204,12 @@ def _run_with_progress(run_fn, total: int):
         return run_fn(progress, lambda m: bar.console.print(m, markup=False))
 
 
-def write_report(store, device, out, subject, dtype, acc):
+def write_report(store, device, out, subject, dtype, acc, records=None):
     from gemmrl.bench.env import gpu_slug
     from gemmrl.report.export import write_results
 
-    # each shape's ratios from one session: the latest that timed the subject
-    records = store.report_measurements(subject or "torch.matmul", device=device, dtype=dtype, acc=acc)
+    if records is None:  # each shape's ratios from one session: the latest that timed the subject
+        records = store.report_measurements(subject or "torch.matmul", device=device, dtype=dtype, acc=acc)
     if not records:
         raise click.ClickException(f"the store holds no measurements for {device} ({dtype}, acc {acc})")
     runs = [r for r in store.runs() if r["device"] == device]
@@ -269,13 +269,13 @@ def _open_for_reading(db, device, *, require_measured: bool):
 def report(db, out, device, subject, dtype, acc, versus):
     """Write CSVs (CUDA-L2's layout), the summary JSON and plots from the store (no GPU needed)."""
     store, device = _open_for_reading(db, device, require_measured=True)
-    paths = write_report(store, device, out, subject, dtype, acc)
+    subj = subject or "torch.matmul"
+    records = store.report_measurements(subj, device=device, dtype=dtype, acc=acc)
+    paths = write_report(store, device, out, subject, dtype, acc, records)
     if versus:
         from gemmrl.bench.env import gpu_slug
         from gemmrl.report.export import ReportError, write_versus
 
-        subj = subject or "torch.matmul"
-        records = store.report_measurements(subj, device=device, dtype=dtype, acc=acc)
         prefix = report_prefix(subj, device, dtype, acc)
         for other in versus:
             if not any(r["impl"] == other for r in records):

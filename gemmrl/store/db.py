@@ -247,20 +247,15 @@ class Store:
             if val is not None:
                 where.append(f"{col}=?")
                 args.append(val)
-        anchor = {}  # (device, M, N, K, dtype, acc, mode) -> the session of the subject's latest record
-        for r in self.db.execute("SELECT device, M, N, K, dtype, acc, mode, session, MAX(id) FROM measurements "
-                                 f"WHERE {' AND '.join(where)} GROUP BY device, M, N, K, dtype, acc, mode", args):
-            anchor[tuple(r)[:7]] = r["session"]
-        if not anchor:
-            return latest
-        sessions = set(anchor.values())
-        marks = ",".join("?" * len(sessions))
-        in_session: dict[tuple, dict] = {}
-        for r in self.db.execute(f"SELECT * FROM measurements WHERE status='ok' AND session IN ({marks}) "
-                                 "ORDER BY id", list(sessions)):
-            k = (r["device"], r["M"], r["N"], r["K"], r["dtype"], r["acc"], r["mode"])
-            if anchor.get(k) == r["session"]:
-                in_session[k + (r["impl"],)] = dict(r, n=r["samples"], details=json.loads(r["details"]))
+        # the subject's latest ok record per (device, shape, mode) names the session to read
+        anchor = ("SELECT device, M, N, K, dtype, acc, mode, session, MAX(id) FROM measurements "
+                  f"WHERE {' AND '.join(where)} GROUP BY device, M, N, K, dtype, acc, mode")
+        rows = self.db.execute(
+            f"SELECT m.* FROM measurements m JOIN ({anchor}) a ON m.session = a.session AND "
+            "m.device = a.device AND m.M = a.M AND m.N = a.N AND m.K = a.K AND m.dtype = a.dtype AND "
+            "m.acc = a.acc AND m.mode = a.mode WHERE m.status = 'ok' ORDER BY m.id", args).fetchall()
+        in_session = {(r["device"], r["M"], r["N"], r["K"], r["dtype"], r["acc"], r["mode"], r["impl"]):
+                      dict(r, n=r["samples"], details=json.loads(r["details"])) for r in rows}
         merged = {(r["device"], r["M"], r["N"], r["K"], r["dtype"], r["acc"], r["mode"], r["impl"]): r
                   for r in latest}
         merged.update(in_session)
