@@ -101,6 +101,11 @@ def shapes(shape_spec, dtype, acc, below, column, plain):
 @click.option("--host-ci", default=None, type=click.FloatRange(0.0005, 0.5),
               help="offline/server: sample until every median is known to within this relative CI "
                    "half-width (e.g. 0.005), at most 2000 rounds or 5 s per shape (protocol v3)")
+@click.option("--host-max-s", default=5.0, show_default=True, type=click.FloatRange(0.1, 600),
+              help="with --host-ci: the most seconds of sampling per shape and mode")
+@click.option("--server-gaps", default="each", show_default=True, type=click.Choice(["each", "round"]),
+              help="server mode: an idle gap drawn before each call, or one per round that every "
+                   "implementation waits (the same gaps for all: a fairer comparison, less noise)")
 @click.option("--budget-s", default=None, type=float, help="stop starting new shapes after this many seconds")
 @click.option("--no-verify", is_flag=True, help="skip the correctness checks (not for real results)")
 @click.option("--retime", is_flag=True, help="measure again what the store already has")
@@ -108,13 +113,18 @@ def shapes(shape_spec, dtype, acc, below, column, plain):
 @click.option("--isolate/--no-isolate", default=True, show_default=True,
               help="run each shape in a worker process: a crashing or hanging kernel is quarantined, "
                    "the run goes on")
-def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, host_ci, budget_s, no_verify,
-          retime, no_report, isolate):
+def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, host_ci, host_max_s, server_gaps,
+          budget_s, no_verify, retime, no_report, isolate):
     """Verify and time implementations over a set of shapes; results go to the store."""
     problems = _problems(shape_spec, dtype, acc)
     modes = _modes(mode_opts)
     if qps <= 0:
         raise click.BadParameter("must be positive", param_hint="--qps")
+    if host_ci is None and host_max_s != 5.0:
+        raise click.BadParameter("only bounds sampling under --host-ci (give --host-ci too)",
+                                 param_hint="--host-max-s")
+    if server_gaps != "each" and "server" not in modes:
+        raise click.BadParameter("is a server-mode setting; --mode has no server", param_hint="--server-gaps")
     from gemmrl.bench import runner
 
     runner.require_gpu()
@@ -135,11 +145,12 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, h
     except Exception as e:  # the report says so; torch.matmul still runs
         cublas_version = f"unavailable: {e}"[:200]
     prov = env.provenance(cublas_version)
-    precision = {} if host_ci is None else {"target_ci": host_ci, "max_rounds": 2000}
+    precision = {} if host_ci is None else {"target_ci": host_ci, "max_rounds": 2000, "max_s": host_max_s}
     cfg = runner.RunConfig(modes=modes, do_verify=not no_verify, retime=retime,
                            offline=timing.HostSettings(mode="offline", **precision),
                            server=timing.HostSettings(mode="server", min_rounds=40,
-                                                      **{"max_rounds": 100, **precision}, qps=qps),
+                                                      **{"max_rounds": 100, **precision}, qps=qps,
+                                                      gaps=server_gaps),
                            deadline=time.monotonic() + budget_s if budget_s else None)
     settings = {"modes": modes, "impls": [i.name for i in impls], "shapes": shape_spec,
                 **{m: timing.settings_dict(getattr(cfg, m)) for m in modes}, "verify": not no_verify}

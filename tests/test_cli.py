@@ -38,6 +38,12 @@ def test_bench_refuses_a_machine_without_gpu(monkeypatch):
 def test_bench_checks_arguments_before_the_gpu():
     r = CliRunner().invoke(main, ["bench", "--shapes", "grid", "--mode", "fastest"])
     assert r.exit_code == 2 and "unknown mode" in r.output
+    r = CliRunner().invoke(main, ["bench", "--shapes", "64x64x64", "--mode", "server", "--host-max-s", "20"])
+    assert r.exit_code == 2 and "--host-max-s" in r.output and "--host-ci" in r.output
+    r = CliRunner().invoke(main, ["bench", "--shapes", "64x64x64", "--mode", "offline", "--server-gaps", "round"])
+    assert r.exit_code == 2 and "--server-gaps" in r.output and "server" in r.output
+    r = CliRunner().invoke(main, ["bench", "--shapes", "64x64x64", "--mode", "server", "--server-gaps", "pairs"])
+    assert r.exit_code == 2 and "pairs" in r.output
 
 
 def _fill(store):

@@ -3,6 +3,7 @@ within a target, instead of for a fixed time (pure parts; the GPU loop calls Hos
 
 import math
 import random
+import statistics
 
 import pytest
 
@@ -42,3 +43,35 @@ def test_done_v2_rule_is_unchanged_and_v3_stops_on_precision_or_caps():
     assert v3.done(40, 0.6, tight)  # precise: stop, however short
     assert not v3.done(40, 0.6, loose)  # not precise and under max_s: go on (v2 would stop here)
     assert v3.done(40, 5.1, loose) and v3.done(2000, 0.0, loose)  # the caps
+
+
+def test_server_gaps_round_is_its_own_protocol_and_checked():
+    each = HostSettings(mode="server", target_ci=0.005)
+    rnd = HostSettings(mode="server", target_ci=0.005, gaps="round")
+    assert each.protocol() == "server:v3:ci=0.005:qps=1000"  # unchanged: earlier runs still resume
+    assert rnd.protocol() == "server:v3:ci=0.005:qps=1000:gaps=round"
+    assert HostSettings(mode="server", gaps="round").protocol() == "server:v2:qps=1000:gaps=round"
+    with pytest.raises(ValueError, match="gaps must be one of"):
+        HostSettings(mode="server", gaps="paired")
+    with pytest.raises(ValueError, match="server-mode setting"):
+        HostSettings(mode="offline", gaps="round")
+    with pytest.raises(ValueError, match="max_s"):
+        HostSettings(max_s=0)
+
+
+def test_draw_gaps_each_keeps_the_old_draws_and_round_shares_one():
+    from gemmrl.bench.timing import draw_gaps
+
+    order = ["a", "b", "c", "d"]
+    s_each = HostSettings(mode="server", qps=2000.0)
+    # "each": the draws the timer made before gaps= existed, one expovariate per call in order
+    old = random.Random(7)
+    assert draw_gaps(random.Random(7), order, s_each) == [old.expovariate(2000.0) for _ in order]
+    rng = random.Random(3)
+    rounds = [draw_gaps(rng, order, HostSettings(mode="server", qps=2000.0, gaps="round")) for _ in range(4000)]
+    assert all(len(set(g)) == 1 and len(g) == 4 for g in rounds)  # one gap, waited by every call
+    firsts = [g[0] for g in rounds]
+    assert len(set(firsts)) == len(firsts)  # a fresh draw every round
+    assert statistics.fmean(firsts) == pytest.approx(1 / 2000.0, rel=0.05)  # still exponential at the QPS
+    assert statistics.median(firsts) == pytest.approx(math.log(2) / 2000.0, rel=0.06)
+    assert draw_gaps(random.Random(0), order, HostSettings(mode="offline")) == [0.0] * 4

@@ -6,7 +6,10 @@
 - offline: CUDA-L2's method: fresh random inputs every round, implementations shuffled, one
   call per sample timed with the host clock between two device syncs.
 - server: offline with an exponential idle gap (Poisson arrivals at a target QPS) before each
-  call, so clocks and caches are cold as in real-time serving.
+  call, so clocks and caches are cold as in real-time serving. With gaps="round" every
+  implementation of a round waits the same drawn gap (each call's gap is still exponential at
+  the target QPS), so the gap lengths, which move a call's time, are the same sample for every
+  implementation: common random numbers, a variance reduction for the comparison.
 
 Every timed output is checked against a reference computed outside the clock; an
 implementation whose output is wrong, or that raises, gets status 'wrong'/'error' and no time.
@@ -44,6 +47,9 @@ class KernelSettings:
         return "kernel:v1"
 
 
+GAP_DRAWS = ("each", "round")
+
+
 @dataclass(frozen=True)
 class HostSettings:
     mode: str = "offline"
@@ -57,12 +63,25 @@ class HostSettings:
     # budget_s; None: the v2 rule
     target_ci: float | None = None
     max_s: float = 5.0
+    # server mode: "each" draws an idle gap before every call; "round" draws one per round and
+    # every implementation waits it (the same gaps for all: common random numbers)
+    gaps: str = "each"
+
+    def __post_init__(self):
+        if self.gaps not in GAP_DRAWS:
+            raise ValueError(f"gaps must be one of {GAP_DRAWS}, got {self.gaps!r}")
+        if self.gaps != "each" and self.mode != "server":
+            raise ValueError("gaps='round' is a server-mode setting (offline mode has no idle gaps)")
+        if not self.max_s > 0:
+            raise ValueError(f"max_s must be positive, got {self.max_s!r}")
 
     def protocol(self) -> str:
         # v2: 30 offline / 40 server samples at least (v1 took 20 / 15: too noisy in server mode)
         # v3: v2 plus a precision target (target_ci)
         base = f"{self.mode}:v2" if self.target_ci is None else f"{self.mode}:v3:ci={self.target_ci:g}"
-        return base + (f":qps={self.qps:g}" if self.mode == "server" else "")
+        if self.mode != "server":
+            return base
+        return base + f":qps={self.qps:g}" + (f":gaps={self.gaps}" if self.gaps != "each" else "")
 
     def done(self, rounds: int, elapsed_s: float, samples: dict) -> bool:
         """Whether host timing stops after `rounds` timed rounds (warm-up excluded)."""
@@ -73,6 +92,17 @@ class HostSettings:
         if self.target_ci is None:
             return elapsed_s > self.budget_s
         return elapsed_s > self.max_s or precise_enough(samples, self.target_ci)
+
+
+def draw_gaps(rng: random.Random, order: list, settings: HostSettings) -> list[float]:
+    """The idle gap (seconds) before each call of a round, in `order`: none offline; in server
+    mode exponential at settings.qps, one draw per call ("each") or one per round that every
+    call waits ("round")."""
+    if settings.mode != "server":
+        return [0.0] * len(order)
+    if settings.gaps == "round":
+        return [rng.expovariate(settings.qps)] * len(order)
+    return [rng.expovariate(settings.qps) for _ in order]
 
 
 def settings_dict(s) -> dict:
@@ -212,7 +242,9 @@ def time_kernel(problem: Problem, calls: dict, *, l2_bytes: int, settings: Kerne
 
 
 def time_host(problem: Problem, calls: dict, *, settings: HostSettings = HostSettings(),
-              seed: int = 0) -> dict[str, dict]:
+              seed: int = 0, trace: list | None = None) -> dict[str, dict]:
+    """Host-clock timing (offline or server mode). `trace`, if given, receives one
+    (round, name, gap_s, time_us) per timed call, warm-up included (round < warmup_rounds)."""
     if settings.mode not in ("offline", "server"):
         raise ValueError(f"host timing mode must be offline or server, got {settings.mode!r}")
     if settings.mode == "server" and not settings.qps > 0:
@@ -237,12 +269,12 @@ def time_host(problem: Problem, calls: dict, *, settings: HostSettings = HostSet
         if not order:
             break
         rng.shuffle(order)
-        for name in order:
+        for name, gap in zip(order, draw_gaps(rng, order, settings)):
             fn = calls[name]
             if check:
                 c.fill_(float("nan"))
-            if settings.mode == "server":
-                _sleep(rng.expovariate(settings.qps))
+            if gap:
+                _sleep(gap)
             try:
                 sync()
                 t0 = _perf_counter()
@@ -260,6 +292,8 @@ def time_host(problem: Problem, calls: dict, *, settings: HostSettings = HostSet
                     continue
             if r >= settings.warmup_rounds:
                 samples[name].append((t1 - t0) * 1e6)
+            if trace is not None:
+                trace.append((r, name, gap, (t1 - t0) * 1e6))
         done = r + 1 - settings.warmup_rounds
         if done > 0 and settings.done(done, _perf_counter() - start,
                                       {n: v for n, v in samples.items() if n not in failed}):
@@ -272,7 +306,7 @@ def time_host(problem: Problem, calls: dict, *, settings: HostSettings = HostSet
             out[name] = failed[name]
         else:
             out[name] = {**summarize_samples(samples[name]), "status": "ok",
-                         "details": {"qps": settings.qps} if settings.mode == "server" else {}}
+                         "details": {"qps": settings.qps, "gaps": settings.gaps} if settings.mode == "server" else {}}
     return out
 
 
