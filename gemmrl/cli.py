@@ -99,13 +99,15 @@ def shapes(shape_spec, dtype, acc, below, column, plain):
 @click.option("--subject", default=None, help="implementation whose speedups the report shows")
 @click.option("--qps", default=1000.0, show_default=True, help="server mode: mean arrivals per second")
 @click.option("--host-ci", default=None, type=click.FloatRange(0.0005, 0.5),
-              help="offline/server: sample until every median is known to within this relative CI "
-                   "half-width (e.g. 0.005), at most 2000 rounds or 5 s per shape (protocol v3)")
+              help="offline/server: sample until every median (server: mean) is known to within this "
+                   "relative CI half-width (e.g. 0.005), at most 2000 rounds or --host-max-s per shape "
+                   "(protocol v3; v4 in server mode)")
 @click.option("--host-max-s", default=5.0, show_default=True, type=click.FloatRange(0.1, 600),
               help="with --host-ci: the most seconds of sampling per shape and mode")
-@click.option("--server-gaps", default="each", show_default=True, type=click.Choice(["each", "round"]),
-              help="server mode: an idle gap drawn before each call, or one per round that every "
-                   "implementation waits (the same gaps for all: a fairer comparison, less noise)")
+@click.option("--server-gaps", default=None, type=click.Choice(["each", "round"]),
+              help="server mode: one idle gap per round that every implementation waits (round, the "
+                   "default: the same gaps for all, a fairer comparison, less noise), or a gap drawn "
+                   "before each call (each: the protocol before 2026-11-22's fourth session)")
 @click.option("--budget-s", default=None, type=float, help="stop starting new shapes after this many seconds")
 @click.option("--no-verify", is_flag=True, help="skip the correctness checks (not for real results)")
 @click.option("--retime", is_flag=True, help="measure again what the store already has")
@@ -123,7 +125,7 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, h
     if host_ci is None and host_max_s != 5.0:
         raise click.BadParameter("only bounds sampling under --host-ci (give --host-ci too)",
                                  param_hint="--host-max-s")
-    if server_gaps != "each" and "server" not in modes:
+    if server_gaps is not None and "server" not in modes:
         raise click.BadParameter("is a server-mode setting; --mode has no server", param_hint="--server-gaps")
     from gemmrl.bench import runner
 
@@ -150,7 +152,7 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, h
                            offline=timing.HostSettings(mode="offline", **precision),
                            server=timing.HostSettings(mode="server", min_rounds=40,
                                                       **{"max_rounds": 100, **precision}, qps=qps,
-                                                      gaps=server_gaps),
+                                                      gaps=server_gaps or "round", stat="mean"),
                            deadline=time.monotonic() + budget_s if budget_s else None)
     settings = {"modes": modes, "impls": [i.name for i in impls], "shapes": shape_spec,
                 **{m: timing.settings_dict(getattr(cfg, m)) for m in modes}, "verify": not no_verify}

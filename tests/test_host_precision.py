@@ -75,3 +75,23 @@ def test_draw_gaps_each_keeps_the_old_draws_and_round_shares_one():
     assert statistics.fmean(firsts) == pytest.approx(1 / 2000.0, rel=0.05)  # still exponential at the QPS
     assert statistics.median(firsts) == pytest.approx(math.log(2) / 2000.0, rel=0.06)
     assert draw_gaps(random.Random(0), order, HostSettings(mode="offline")) == [0.0] * 4
+
+
+def test_mean_rule_is_v4_and_stops_on_the_means_ci():
+    from gemmrl.bench.stats import mean_ci_rel
+
+    rng = random.Random(5)
+    # a bimodal server-like draw: the mean's CI shrinks as 1/sqrt(n) and is what v4 stops on
+    draw = [rng.choice((30.0, 90.0)) * (1 + 0.05 * rng.gauss(0, 1)) for _ in range(4000)]
+    sd, mean = statistics.stdev(draw), statistics.fmean(draw)
+    assert mean_ci_rel(draw) == pytest.approx(1.96 * sd / math.sqrt(4000) / mean, rel=1e-9)
+    assert mean_ci_rel(draw[:7]) == math.inf and mean_ci_rel(draw[:100]) > mean_ci_rel(draw[:1600])
+    v4 = HostSettings(mode="server", target_ci=0.03, stat="mean", gaps="round", max_s=20.0)
+    assert v4.protocol() == "server:v4:ci=0.03:qps=1000:gaps=round"
+    # stat= changes only the precision rule: without a target the protocol is still v2
+    assert HostSettings(mode="server", stat="mean").protocol() == "server:v2:qps=1000"
+    samples = {"a": draw[:2000], "b": draw[2000:]}
+    assert mean_ci_rel(draw[:2000]) < 0.03 and v4.done(2000 - 1, 1.0, samples)
+    assert not v4.done(60, 1.0, {"a": draw[:60]})  # 60 bimodal samples: the mean is not known to 3%
+    with pytest.raises(ValueError, match="stat must be"):
+        HostSettings(stat="mode")

@@ -434,3 +434,23 @@ def test_family_breakdown_groups_the_subjects_speedups_by_winner_family_and_buck
     assert sum(b["count"] for b in out["raw"]["buckets"].values()) == 2
     assert family_breakdown(recs, "gemmrl", {}, mode="offline") == {}
     assert family_breakdown(recs, "gemmrl", fams, mode="offline", column="nope") == {}
+
+
+def test_server_mode_compares_means_and_the_other_modes_medians():
+    """Server-mode times are bimodal (cold and warm calls): the reports compare means there, as
+    CUDA-L2 does, and medians in kernel and offline modes; the noise uses the same statistic."""
+    recs = []
+    for mode in ("offline", "server"):
+        # the subject's median is faster, its mean slower (a heavier slow mode)
+        recs += [rec(64, 64, 64, "ours", mode, 10.0, mean_us=30.0),
+                 rec(64, 64, 64, "torch.matmul", mode, 20.0, mean_us=20.0),
+                 rec(64, 64, 64, "torch.matmul@repeat", mode, 20.0, mean_us=26.0)]
+    for mode, want in (("offline", 2.0), ("server", 20.0 / 30.0)):
+        cols, rows = speedup_rows(recs, "ours", mode)
+        assert rows[0][cols.index("torch.matmul")] == pytest.approx(want)
+    s = summarize(recs, "ours", PEAKS)
+    assert s["noise"]["offline"]["torch.matmul"]["max"] == pytest.approx(0.0)
+    assert s["noise"]["server"]["torch.matmul"]["max"] == pytest.approx(0.3)
+    cols, rows = times_rows(recs, "server", PEAKS)
+    ours = next(r for r in rows if r[cols.index("impl")] == "ours")
+    assert ours[cols.index("tflops")] == pytest.approx(2 * 64 ** 3 / 30e-6 / 1e12)

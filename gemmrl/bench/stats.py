@@ -62,6 +62,21 @@ def median_ci_rel(samples_us, z: float = 1.96) -> float:
     return (xs[hi] - xs[lo]) / 2 / med
 
 
-def precise_enough(samples: dict, target_rel: float, z: float = 1.96) -> bool:
-    """Whether every implementation's median is known to within `target_rel` (median_ci_rel)."""
-    return all(median_ci_rel(v, z) <= target_rel for v in samples.values())
+def mean_ci_rel(samples_us, z: float = 1.96) -> float:
+    """Half-width of the normal-approximation confidence interval of the mean (z * sd / sqrt(n)),
+    relative to the mean; inf below 8 samples."""
+    xs = [float(x) for x in samples_us]
+    n = len(xs)
+    if n < 8:
+        return math.inf
+    mean = statistics.fmean(xs)
+    return z * statistics.stdev(xs) / math.sqrt(n) / mean
+
+
+CI_RULES = {"median": median_ci_rel, "mean": mean_ci_rel}
+
+
+def precise_enough(samples: dict, target_rel: float, z: float = 1.96, stat: str = "median") -> bool:
+    """Whether every implementation's `stat` (median or mean) is known to within `target_rel`."""
+    ci = CI_RULES[stat]
+    return all(ci(v, z) <= target_rel for v in samples.values())

@@ -66,8 +66,14 @@ class HostSettings:
     # server mode: "each" draws an idle gap before every call; "round" draws one per round and
     # every implementation waits it (the same gaps for all: common random numbers)
     gaps: str = "each"
+    # the statistic the precision target is on: the median, or the mean (server mode's: its
+    # cold calls make the distribution bimodal and the median unstable; the reports compare
+    # server-mode means)
+    stat: str = "median"
 
     def __post_init__(self):
+        if self.stat not in ("median", "mean"):
+            raise ValueError(f"stat must be 'median' or 'mean', got {self.stat!r}")
         if self.gaps not in GAP_DRAWS:
             raise ValueError(f"gaps must be one of {GAP_DRAWS}, got {self.gaps!r}")
         if self.gaps != "each" and self.mode != "server":
@@ -77,8 +83,11 @@ class HostSettings:
 
     def protocol(self) -> str:
         # v2: 30 offline / 40 server samples at least (v1 took 20 / 15: too noisy in server mode)
-        # v3: v2 plus a precision target (target_ci)
-        base = f"{self.mode}:v2" if self.target_ci is None else f"{self.mode}:v3:ci={self.target_ci:g}"
+        # v3: v2 plus a precision target (target_ci) on the median; v4: on the mean
+        if self.target_ci is None:
+            base = f"{self.mode}:v2"
+        else:
+            base = f"{self.mode}:{'v4' if self.stat == 'mean' else 'v3'}:ci={self.target_ci:g}"
         if self.mode != "server":
             return base
         return base + f":qps={self.qps:g}" + (f":gaps={self.gaps}" if self.gaps != "each" else "")
@@ -91,7 +100,7 @@ class HostSettings:
             return False
         if self.target_ci is None:
             return elapsed_s > self.budget_s
-        return elapsed_s > self.max_s or precise_enough(samples, self.target_ci)
+        return elapsed_s > self.max_s or precise_enough(samples, self.target_ci, stat=self.stat)
 
 
 def draw_gaps(rng: random.Random, order: list, settings: HostSettings) -> list[float]:
