@@ -19,7 +19,9 @@ def __getattr__(name):
     if name in _LAZY:
         import importlib
 
-        value = getattr(importlib.import_module(_LAZY[name]), name)
+        mod = importlib.import_module(_LAZY[name])
+        # matmul: the C++ fast path's own function where it loads (built once, on first use)
+        value = mod.public_matmul() if name == "matmul" else getattr(mod, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'gemmrl' has no attribute {name!r}")

@@ -5,8 +5,9 @@ on shapes the pack does not serve, while a GPU test that times the same calls in
 torch.inference_mode() measured 0.2 to 0.6 us. This times, with the harness's own offline timer
 (time_host: fresh inputs, shuffled order, synchronize-call-synchronize), the layers of the call
 one by one: torch.matmul, fast.run (the C++ path alone), ops._mm_impl (plus Python dispatch),
-gemmrl.matmul (plus its argument checks) and the bench's PackMatmul call, under grad mode (as
-bench runs), torch.no_grad() and torch.inference_mode():
+ops.matmul (plus its argument checks: gemmrl.matmul until 2026-11-22's fourth session),
+gemmrl.matmul (the C++ module's matmul() since) and the bench's PackMatmul call, under grad mode
+(as bench runs), torch.no_grad() and torch.inference_mode():
 
     python scripts/fallback-gap.py PACK_DIR OUT_DIR [--shapes 128x256x64,...]
 
@@ -61,6 +62,7 @@ def main() -> None:
             "fast.run out= NN": lambda a, b, bt, c: run(a, b, False, c),
             "ops._mm_impl out= NN": lambda a, b, bt, c: mm_impl(a, b, "NN", c),
             "gemmrl.matmul out= NN": lambda a, b, bt, c: gemmrl.matmul(a, b, out=c),
+            "ops.matmul out= NN (Python frame)": lambda a, b, bt, c: ops.matmul(a, b, out=c),
             "bench pack call NN": pack_nn,
             "torch.matmul out= TN": lambda a, b, bt, c: torch.matmul(a, bt.t(), out=c),
             "fast.run out= TN": lambda a, b, bt, c: run(a, bt, True, c),

@@ -340,7 +340,8 @@ def test_import_gemmrl_stays_light():
             "f = gemmrl.matmul; assert 'torch' in sys.modules; print(f.__module__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "gemmrl.runtime.ops"
+    # the Python function, or the C++ fast path's own where it loads (a GPU machine)
+    assert out.stdout.strip() in ("gemmrl.runtime.ops", "gemmrl_fastpath")
 
 
 # ------------------------------------------------------------------------------- presets

@@ -440,6 +440,100 @@ def test_without_the_extension_the_python_path_decides(served, monkeypatch):
     assert torch.equal(gemmrl.matmul(a, w, b_layout="TN"), torch.matmul(a, w.t()))  # CPU: fallback
 
 
+# ------------------------------------------------------------------- gemmrl.matmul in C
+
+def test_c_matmul_is_gemmrl_matmul_and_serves_like_the_python_one(served, fast, fakes):
+    """The C++ module's matmul() (gemmrl.matmul where it loads): hits, misses resolved through
+    Python once, out=, fallbacks computed in C++ and registered, fp32 decided in C++."""
+    d, resolved = served
+    cm = ops.public_matmul()
+    assert cm is fast.matmul and cm.__name__ == "matmul"
+    a, w = _ints(16, 64), _ints(128, 64, seed=1)
+    ref = a.float() @ w.float().t()
+    with torch.inference_mode():
+        for _ in range(3):
+            assert torch.equal(cm(a, w, b_layout="TN").float(), ref + 1)
+        o = torch.empty(16, 128, dtype=torch.float16)
+        assert cm(a, w, b_layout="TN", out=o) is o and torch.equal(o.float(), ref + 1)
+        b = _ints(64, 128, seed=2)
+        assert torch.equal(cm(a, b).float(), a.float() @ b.float() + 1)  # NN: its own kernel
+        assert torch.equal(cm(a, b, b_layout="NN", out=None).float(), a.float() @ b.float() + 1)
+    assert resolved == [(16, 128, 64, "TN", "fp16", -1), (16, 128, 64, "NN", "fp16", -1)]
+    s = fast.stats()
+    assert (s["misses"], s["served"]) == (2, 2)
+    assert s["hits"] == 4 + 2  # every call a hit: the two misses' too, once Python registered them
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 20, generator=g).half(), torch.randn(8, 20, generator=g).half()  # no kernel
+    with torch.inference_mode():
+        for _ in range(3):
+            assert torch.equal(cm(x, y, b_layout="TN"), torch.matmul(x, y.t()))
+        xf, yf = torch.randn(8, 16, generator=g), torch.randn(16, 8, generator=g)
+        assert torch.equal(cm(xf, yf), torch.matmul(xf, yf))  # fp32: decided in C++
+    assert fast.lookup(4, 8, 20, True, "fp16", -1, 0) is False
+    assert fast.stats()["misses"] == 3 and fast.stats()["fallbacks"] >= 3
+
+
+def test_c_matmul_without_a_pack_is_torch_matmul_and_touches_no_table(served, fast):
+    ops.use_pack(None)
+    cm = ops.public_matmul()
+    a, w = _ints(16, 64), _ints(128, 64, seed=1)
+    o = torch.empty(16, 128, dtype=torch.float16)
+    assert torch.equal(cm(a, w, b_layout="TN"), torch.matmul(a, w.t()))
+    assert cm(a, w, b_layout="TN", out=o) is o and torch.equal(o, torch.matmul(a, w.t()))
+    s = fast.stats()
+    assert (s["entries"], s["misses"], s["hits"], s["fallbacks"]) == (0, 0, 0, 2)
+
+
+def test_c_matmul_hands_python_its_errors_grad_and_modes(served, fast):
+    cm = ops.public_matmul()
+    a, w = _ints(16, 64), _ints(128, 64, seed=1)
+    with pytest.raises(ValueError, match="b_layout must be one of"):
+        cm(a, w, b_layout="NT")
+    with pytest.raises(ValueError, match="b_layout must be one of"):
+        cm(a, w, b_layout=1)
+    with pytest.raises(TypeError):
+        cm(a, w, "TN")  # b_layout is keyword-only, as in Python
+    with pytest.raises(TypeError):
+        cm(a, w, layout="TN")
+    with pytest.raises(TypeError):
+        cm(a)
+    x = torch.randn(4, 64, requires_grad=True)  # autograd: torch.matmul, gradients flow
+    cm(x, torch.randn(64, 8)).sum().backward()
+    assert x.grad is not None and fast.stats()["misses"] == 0
+
+    seen = []
+
+    class Watch(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    x, y = torch.randn(4, 20).half(), torch.randn(8, 20).half()
+    with Watch():  # a mode sees the fallback's torch.matmul: the call went the Python way
+        assert torch.equal(cm(x, y, b_layout="TN"), torch.matmul(x, y.t()))
+    assert seen.count("matmul") >= 2
+
+
+def test_c_matmul_traces_under_torch_compile(served, fast):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    cm = ops.public_matmul()
+    torch._dynamo.reset()
+    try:
+        fn = torch.compile(lambda a, b: cm(a, b, b_layout="TN") * 2, backend=backend, fullgraph=True)
+        a, w = _ints(16, 64), _ints(128, 64, seed=1)
+        with torch.inference_mode():
+            assert torch.equal(fn(a, w).float(), (a.float() @ w.float().t() + 1) * 2)  # the op ran the kernel
+        ops_in_graph = {n.target for n in graphs[0].graph.nodes if n.op == "call_function"}
+        assert ops_in_graph & {torch.ops.gemmrl.mm, torch.ops.gemmrl.mm.default}, ops_in_graph
+    finally:
+        torch._dynamo.reset()
+
+
 # ------------------------------------------------------------------------------- loading
 
 def test_a_build_failure_warns_once_and_dispatch_stays_in_python(monkeypatch):

@@ -165,6 +165,7 @@ def _fast_or_fail():
 @pytest.mark.parametrize("M, N, K", [(256, 1024, 512), (300, 1024, 512), (16, 1024, 4096)])
 def test_cpp_path_matches_the_python_path(pack, M, N, K, monkeypatch):
     fast = _fast_or_fail()
+    assert gemmrl.matmul is fast.matmul  # with CUDA, gemmrl.matmul is the C++ module's own
     a, w = _inputs(M, N, K, seed=3)
     dev = torch.cuda.current_device()
     s = torch.cuda.Stream()
@@ -180,10 +181,10 @@ def test_cpp_path_matches_the_python_path(pack, M, N, K, monkeypatch):
         o_cpp = torch.full_like(c_cpp, float("nan"))
         assert gemmrl.matmul(a, w, b_layout="TN", out=o_cpp) is o_cpp  # out=: written by the kernel
         with monkeypatch.context() as m:
-            m.setattr(ops, "_FAST", None)  # the Python dispatch, same kernel
-            c_py = gemmrl.matmul(a, w, b_layout="TN")
+            m.setattr(ops, "_FAST", None)  # the Python dispatch (ops.matmul), same kernel
+            c_py = ops.matmul(a, w, b_layout="TN")
             o_py = torch.full_like(c_py, float("nan"))
-            assert gemmrl.matmul(a, w, b_layout="TN", out=o_py) is o_py
+            assert ops.matmul(a, w, b_layout="TN", out=o_py) is o_py
     torch.cuda.synchronize()
     assert torch.equal(o_cpp, c_cpp) and torch.equal(o_py, c_py)
     assert c_cpp.shape == c_py.shape and c_cpp.dtype == c_py.dtype
@@ -204,7 +205,8 @@ def test_host_overhead_per_call(pack, monkeypatch):
     calls = {"torch.matmul": lambda: torch.matmul(a, w.t()),
              "gemmrl.matmul": lambda: gemmrl.matmul(a, w, b_layout="TN"),
              "torch.ops.gemmrl.mm": lambda: torch.ops.gemmrl.mm(a, w, "TN"),
-             "gemmrl.matmul (Python dispatch)": lambda: gemmrl.matmul(a, w, b_layout="TN"),
+             "ops.matmul (Python frame, C++ table)": lambda: ops.matmul(a, w, b_layout="TN"),
+             "gemmrl.matmul (Python dispatch)": lambda: ops.matmul(a, w, b_layout="TN"),
              "torch.ops.gemmrl.mm (Python dispatch)": lambda: torch.ops.gemmrl.mm(a, w, "TN"),
              # out=, as the harness calls both (bench --impl pack:DIR); NN has no kernel in this
              # pack: the fallback, computed in C++, against torch.matmul called from Python
@@ -261,6 +263,7 @@ def test_latency_per_call_as_offline_mode_times_it(pack):
         "fast.run TN (kernel)": lambda: fast.run(a, w, True, c),
         "torch.matmul out= NN": lambda: torch.matmul(a, b_nn, out=c),
         "gemmrl.matmul out= NN (fallback)": lambda: gemmrl.matmul(a, b_nn, out=c),
+        "ops.matmul out= NN (fallback, Python frame)": lambda: ops.matmul(a, b_nn, out=c),
         "fast.run NN (fallback)": lambda: fast.run(a, b_nn, False, c),
         "torch.matmul out= TN, K=4100": lambda: torch.matmul(a2, w2.t(), out=c2),
         "gemmrl.matmul out= TN, K=4100 (fallback)": lambda: gemmrl.matmul(a2, w2, b_layout="TN", out=c2),

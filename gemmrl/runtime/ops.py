@@ -67,13 +67,60 @@ def _fast():
     if _FAST is _UNSET:
         from gemmrl.runtime import fastpath
 
-        _FAST = fastpath.get() if torch.cuda.is_available() else None
+        f = fastpath.get() if torch.cuda.is_available() else None
+        if f is not None:
+            _wire(f)
+        _FAST = f
     return _FAST
 
 
+def _wire(fast) -> None:
+    """Tell the C++ module's matmul() what Python serves (the full call, and a key it missed) and
+    whether a pack is active."""
+    fast.set_python(matmul, _c_miss)
+    fast.set_active(_ACTIVE is not None)
+
+
 def _clear_fast() -> None:
+    """After a pack switch: the table's entries were the previous pack's calls."""
     if _FAST is not _UNSET and _FAST is not None:
         _FAST.clear()
+        _wire(_FAST)
+
+
+_POLYFILLED: set[int] = set()
+
+
+def _traced_matmul(a, b, *, b_layout: str = "NN", out=None):
+    """What dynamo traces in place of the C matmul (torch.compiler.substitute_in_graph)."""
+    return matmul(a, b, b_layout=b_layout, out=out)
+
+
+def public_matmul():
+    """gemmrl.matmul: the C++ module's matmul() where it loads (no Python frame on the call: the
+    host time of torch.matmul's own call), else `matmul` below. Both take and do the same; the C
+    one hands Python every call it does not serve itself, and dynamo traces `matmul` for it."""
+    f = _fast()
+    fn = getattr(f, "matmul", None) if f is not None else None
+    if fn is None:
+        return matmul
+    if id(fn) not in _POLYFILLED:
+        sub = getattr(torch.compiler, "substitute_in_graph", None)
+        if sub is None:  # an older torch: torch.compile breaks the graph at the call instead
+            warnings.warn("gemmrl: this torch has no torch.compiler.substitute_in_graph; "
+                          "torch.compile will not trace gemmrl.matmul", RuntimeWarning, stacklevel=2)
+        else:
+            sub(fn, skip_signature_check=True)(_traced_matmul)
+        _POLYFILLED.add(id(fn))
+    return fn
+
+
+def _c_miss(a, b, layout: str, key: tuple, out=None):
+    """The C matmul() missed `key` (or its kernel refused): what _mm_impl does with a miss."""
+    d, fast = _ACTIVE, _FAST
+    if d is None or fast is _UNSET or fast is None:
+        return _fallback(a, b, layout, out)
+    return _fast_miss(d, fast, a, b, layout, key, out)
 
 
 # ------------------------------------------------------------------------------ activation

@@ -46,7 +46,7 @@ class PackMatmul(Impl):
         d = self._activate()
         if problem.acc != d.pack.acc:
             raise UnsupportedProblem(f"{self.name}: the pack accumulates in {d.pack.acc}, the problem in {problem.acc}")
-        matmul = ops.matmul
+        matmul = ops.public_matmul()  # gemmrl.matmul, as a user calls it
         if self.layout == "TN":
             def call(a, b_nn, b_tn, c):
                 matmul(a, b_tn, b_layout="TN", out=c)
