@@ -1,0 +1,79 @@
+"""How many rounds a host timing mode needs for two timings of one implementation to agree:
+pure analysis of a trace of every sample (scripts/server-noise.py writes one; no GPU).
+
+A trace row is (shape, gaps, round, name, time_us), several `name`s being the same call timed
+under different names. For a chunk size n, the rounds are cut into consecutive chunks of n;
+in each chunk every pair of names is compared by a statistic (median, mean or 10%-trimmed
+mean) of its n samples. The disagreements |s_j / s_i - 1| over all shapes, chunks and pairs say
+what a run of n rounds would report as noise.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections import defaultdict
+from typing import Iterable
+
+STATISTICS = ("median", "mean", "trimmed")
+
+
+def _stat(values: list[float], stat: str) -> float:
+    if stat == "median":
+        return statistics.median(values)
+    if stat == "mean":
+        return statistics.fmean(values)
+    if stat == "trimmed":
+        v = sorted(values)
+        k = len(v) // 10
+        return statistics.fmean(v[k:len(v) - k])
+    raise ValueError(f"stat must be one of {STATISTICS}, got {stat!r}")
+
+
+def chunk_disagreements(rows: Iterable[dict], n: int, stat: str, *, warmup_rounds: int = 0) -> dict[str, list[float]]:
+    """Per gap scheme: the relative disagreements of every pair of names within every chunk of
+    `n` consecutive rounds (rounds below `warmup_rounds` left out; a chunk missing a name's
+    sample is skipped)."""
+    if n < 1:
+        raise ValueError(f"chunk size must be >= 1, got {n}")
+    if stat not in STATISTICS:
+        raise ValueError(f"stat must be one of {STATISTICS}, got {stat!r}")
+    data: dict = defaultdict(lambda: defaultdict(dict))  # (shape, gaps) -> name -> round -> us
+    for r in rows:
+        rnd = int(r["round"])
+        if rnd < warmup_rounds:
+            continue
+        t = float(r["time_us"])
+        if not t > 0:
+            raise ValueError(f"time_us must be positive, got {r['time_us']!r} ({r['shape']} round {rnd})")
+        data[(r["shape"], r["gaps"])][r["name"]][rnd] = t
+    out: dict[str, list[float]] = defaultdict(list)
+    for (_shape, gaps), per_name in sorted(data.items()):
+        names = sorted(per_name)
+        rounds = sorted(set().union(*(per_name[x].keys() for x in names)))
+        for c0 in range(0, len(rounds) - n + 1, n):
+            chunk = rounds[c0:c0 + n]
+            if any(rd not in per_name[x] for x in names for rd in chunk):
+                continue
+            s = {x: _stat([per_name[x][rd] for rd in chunk], stat) for x in names}
+            out[gaps] += [abs(s[j] / s[i] - 1) for i, j in itertools.combinations(names, 2)]
+    return dict(out)
+
+
+def agreement_table(rows: list[dict], sizes: Iterable[int], stats: Iterable[str] = STATISTICS, *,
+                    tolerance: float = 0.02, warmup_rounds: int = 0) -> list[dict]:
+    """One row per (gaps, n, stat): pairs compared, the share within `tolerance`, median, p90
+    and max disagreement."""
+    table = []
+    for n in sizes:
+        for stat in stats:
+            for gaps, d in sorted(chunk_disagreements(rows, n, stat, warmup_rounds=warmup_rounds).items()):
+                if not d:
+                    continue
+                d = sorted(d)
+                table.append({"gaps": gaps, "rounds": n, "stat": stat, "pairs": len(d),
+                              "within": sum(x <= tolerance for x in d) / len(d),
+                              "median": statistics.median(d), "p90": d[int(0.9 * (len(d) - 1))],
+                              "max": d[-1]})
+    table.sort(key=lambda r: (r["gaps"], r["rounds"], STATISTICS.index(r["stat"])))
+    return table
