@@ -203,11 +203,32 @@ def test_render_changes_when_any_field_changes(field):
     if field == "splits":
         base = replace(BASE, scheduler="splitk", splits=2)
         other = replace(base, splits=4)
+    elif field == "reduction":
+        base = replace(BASE, scheduler="splitk", splits=4)
+        other = replace(base, reduction="nondeterministic")
     else:
         base, other = BASE, replace(BASE, **{field: MUTATIONS[field]})
     assert valid(other) is None, valid(other)
     assert render(base) != render(other)
     assert base.name != other.name and base.key() != other.key()
+
+
+def test_nondeterministic_reduction_is_a_split_k_option_that_keeps_old_keys():
+    det = replace(BASE, scheduler="splitk", splits=8)
+    nd = replace(det, reduction="nondeterministic")
+    # the default is left out of the dict, the key and the rendered spec: every spec made before
+    # the field existed keeps its key, its source and its cached build
+    assert "reduction" not in det.to_dict() and nd.to_dict()["reduction"] == "nondeterministic"
+    assert '"reduction"' not in render(det) and "ReductionMode::Deterministic" in render(det)
+    assert "ReductionMode::Nondeterministic" in render(nd)
+    assert nd.name == det.name.replace("_splitk8_", "_splitk8nd_")
+    assert CutlassSpec.from_name(nd.name) == nd and CutlassSpec.from_name(det.name) == det
+    assert CutlassSpec.from_dict(nd.to_dict()) == nd and CutlassSpec.from_dict(det.to_dict()) == det
+    assert "reduction mode needs split-K" in valid(replace(BASE, reduction="nondeterministic"))
+    assert "reduction must be one of" in valid(replace(det, reduction="atomic"))
+    sk = replace(BASE, scheduler="streamk")
+    assert valid(replace(sk, reduction="nondeterministic")) is None
+    assert CutlassSpec.from_name(replace(sk, reduction="nondeterministic").name).reduction == "nondeterministic"
 
 
 def test_render_states_the_spec_in_cutlass_terms():
@@ -398,7 +419,14 @@ def test_split_k_16_is_offered_for_small_tiles_only_and_ranks_on_long_k_small_mn
                             for s in deep)
         assert {(s.tile_m, s.tile_n) for s in deep} >= {(128, 64), (128, 128)}
         assert all(s.splits <= 8 for s in specs if s.tile_m * s.tile_n > DEEP_SPLIT_TILE)
-        assert len(specs) <= 300  # 267 before split-K 16, 15 more (5 tiles x 3 cluster shapes)
+        det = [s for s in specs if s.reduction == "deterministic"]
+        nd = [s for s in specs if s.reduction == "nondeterministic"]
+        assert len(det) <= 300  # 267 before split-K 16, 15 more (5 tiles x 3 cluster shapes)
+        # every split-K spec of a tile up to 128x128 again with the nondeterministic reduction
+        assert sorted(s.name for s in nd) == sorted(
+            replace(s, reduction="nondeterministic").name for s in det
+            if s.scheduler == "splitk" and s.tile_m * s.tile_n <= DEEP_SPLIT_TILE)
+        assert len(specs) == len(det) + len(nd) and len(nd) > 0
         # 256x256x16384: split-K 8 leaves 64 of 132 SMs idle (measured 22 us against cuBLAS's 10)
         for problem in (Problem(256, 256, 16384), Problem(128, 512, 16384)):
             hs = heuristic_specs(problem, layout)

@@ -460,7 +460,7 @@ def test_c_matmul_is_gemmrl_matmul_and_serves_like_the_python_one(served, fast, 
         assert torch.equal(cm(a, b, b_layout="NN", out=None).float(), a.float() @ b.float() + 1)
     assert resolved == [(16, 128, 64, "TN", "fp16", -1), (16, 128, 64, "NN", "fp16", -1)]
     s = fast.stats()
-    assert (s["misses"], s["served"]) == (2, 2)
+    assert (s["misses"], s["served"], s["to_python"]) == (2, 2, 0)
     assert s["hits"] == 4 + 2  # every call a hit: the two misses' too, once Python registered them
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(4, 20, generator=g).half(), torch.randn(8, 20, generator=g).half()  # no kernel
@@ -481,7 +481,7 @@ def test_c_matmul_without_a_pack_is_torch_matmul_and_touches_no_table(served, fa
     assert torch.equal(cm(a, w, b_layout="TN"), torch.matmul(a, w.t()))
     assert cm(a, w, b_layout="TN", out=o) is o and torch.equal(o, torch.matmul(a, w.t()))
     s = fast.stats()
-    assert (s["entries"], s["misses"], s["hits"], s["fallbacks"]) == (0, 0, 0, 2)
+    assert (s["entries"], s["misses"], s["hits"], s["fallbacks"], s["to_python"]) == (0, 0, 0, 2, 0)
 
 
 def test_c_matmul_hands_python_its_errors_grad_and_modes(served, fast):
@@ -497,9 +497,10 @@ def test_c_matmul_hands_python_its_errors_grad_and_modes(served, fast):
         cm(a, w, layout="TN")
     with pytest.raises(TypeError):
         cm(a)
+    assert fast.stats()["to_python"] == 5  # each call above, handed whole to Python
     x = torch.randn(4, 64, requires_grad=True)  # autograd: torch.matmul, gradients flow
     cm(x, torch.randn(64, 8)).sum().backward()
-    assert x.grad is not None and fast.stats()["misses"] == 0
+    assert x.grad is not None and fast.stats()["misses"] == 0 and fast.stats()["to_python"] == 6
 
     seen = []
 

@@ -87,6 +87,7 @@ PyObject* g_str_nn = nullptr;  // "NN", "TN": interned at module init
 PyObject* g_str_tn = nullptr;
 bool g_host_mode = false;  // test only: CPU tensors accepted (stream 0, or the current one with CUDA)
 uint64_t g_hits = 0, g_misses = 0, g_fallbacks = 0, g_refusals = 0;
+uint64_t g_to_python = 0;  // matmul() calls handed to Python whole (not misses: those are g_misses)
 
 PyObject* key_tuple(const Key& k, int extra, bool with_extra) {
   if (with_extra) {
@@ -247,6 +248,7 @@ PyObject* g_py_miss = nullptr;
 bool g_active = false;  // a pack is active (ops.use_pack); without one every call is torch.matmul's
 
 PyObject* to_python(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  ++g_to_python;
   if (!g_py_matmul) {
     PyErr_SetString(PyExc_RuntimeError, "gemmrl fast path: matmul() before set_python()");
     return nullptr;
@@ -436,17 +438,18 @@ PyObject* forget(PyObject* /*self*/, PyObject* args) {
 
 PyObject* clear(PyObject* /*self*/, PyObject* /*unused*/) {
   g_table.clear();
-  g_hits = g_misses = g_fallbacks = g_refusals = 0;
+  g_hits = g_misses = g_fallbacks = g_refusals = g_to_python = 0;
   Py_RETURN_NONE;
 }
 
 PyObject* stats(PyObject* /*self*/, PyObject* /*unused*/) {
   size_t served = 0;
   for (const auto& kv : g_table) served += kv.second.fn != nullptr;
-  return Py_BuildValue("{s:n,s:n,s:K,s:K,s:K,s:K,s:n,s:O,s:O}", "entries", (Py_ssize_t)g_table.size(),
+  return Py_BuildValue("{s:n,s:n,s:K,s:K,s:K,s:K,s:K,s:n,s:O,s:O}", "entries", (Py_ssize_t)g_table.size(),
                        "served", (Py_ssize_t)served, "hits", (unsigned long long)g_hits, "misses",
                        (unsigned long long)g_misses, "fallbacks", (unsigned long long)g_fallbacks,
-                       "refusals", (unsigned long long)g_refusals, "limit", (Py_ssize_t)g_limit,
+                       "refusals", (unsigned long long)g_refusals, "to_python", (unsigned long long)g_to_python,
+                       "limit", (Py_ssize_t)g_limit,
                        "host_mode", g_host_mode ? Py_True : Py_False, "cuda_stream",
 #ifdef GEMMRL_FASTPATH_CUDA
                        Py_True

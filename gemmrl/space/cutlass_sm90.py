@@ -31,6 +31,10 @@ RENDER_VERSION = "1"  # bump when render() output changes for an unchanged spec
 
 SCHEDULES = ("cooperative", "pingpong")
 SCHEDULERS = ("persistent", "streamk", "splitk")
+# how split-K / stream-K CTAs sum their partial tiles (CUTLASS's ReductionMode): in turn, in K
+# order (deterministic: each waits for the one before), or atomically in any order after the
+# first (nondeterministic: bit-for-bit results may differ between runs; no turnstile)
+REDUCTIONS = ("deterministic", "nondeterministic")
 RASTERS = ("heuristic", "along_m", "along_n")
 SWIZZLES = (1, 2, 4, 8)
 LAYOUTS = ("NN", "TN")
@@ -75,12 +79,16 @@ class CutlassSpec:
     layout: str = "TN"  # NN | TN
     dtype: str = "fp16"  # fp16 | bf16
     acc: str = "fp32"  # fp32 | fp16
+    reduction: str = "deterministic"  # split-K / stream-K only: REDUCTIONS
 
     @property
     def name(self) -> str:
         """Procedural name encoding every field, e.g.
-        sm90_coop_128x256x64_c2x1_persist_s0_rh_sw1_tn_f16_f32."""
+        sm90_coop_128x256x64_c2x1_persist_s0_rh_sw1_tn_f16_f32 (split-K 8, nondeterministic
+        reduction: ..._splitk8nd_...)."""
         sched = f"splitk{self.splits}" if self.scheduler == "splitk" else _ABBREV.get(self.scheduler, self.scheduler)
+        if self.reduction == "nondeterministic":
+            sched += "nd"
         return (f"sm90_{_ABBREV.get(self.schedule, self.schedule)}_{self.tile_m}x{self.tile_n}x{self.tile_k}"
                 f"_c{self.cluster_m}x{self.cluster_n}_{sched}_s{self.stages}"
                 f"_{_ABBREV.get(self.raster, self.raster)}_sw{self.swizzle}_{str(self.layout).lower()}"
@@ -88,11 +96,16 @@ class CutlassSpec:
 
     def key(self) -> str:
         """Stable content hash of the fields (and the family): the machine's name for a spec."""
-        blob = json.dumps({"family": FAMILY, **asdict(self)}, sort_keys=True, separators=(",", ":"))
+        blob = json.dumps({"family": FAMILY, **self.to_dict()}, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields; `reduction` only when it is not the default, so that every spec made
+        before the field existed keeps its key, its rendered source and its builds."""
+        d = asdict(self)
+        if d["reduction"] == "deterministic":
+            del d["reduction"]
+        return d
 
     @staticmethod
     def from_dict(d: dict) -> "CutlassSpec":
@@ -111,17 +124,20 @@ class CutlassSpec:
         g = m.groupdict()
         inv = {v: k for k, v in _ABBREV.items()}
         sched = g["sched"]
+        reduction = "deterministic"
+        if sched.endswith("nd"):
+            sched, reduction = sched[:-2], "nondeterministic"
         return CutlassSpec(
             tile_m=int(g["tm"]), tile_n=int(g["tn"]), tile_k=int(g["tk"]),
             cluster_m=int(g["cm"]), cluster_n=int(g["cn"]), schedule=inv[g["schedule"]],
             scheduler="splitk" if sched.startswith("splitk") else inv[sched],
             splits=int(sched[6:]) if sched.startswith("splitk") else 1, stages=int(g["stages"]),
             raster=inv[g["raster"]], swizzle=int(g["sw"]), layout=g["layout"].upper(),
-            dtype=inv[g["dtype"]], acc=inv[g["acc"]])
+            dtype=inv[g["dtype"]], acc=inv[g["acc"]], reduction=reduction)
 
 
 _NAME_RE = re.compile(r"sm90_(?P<schedule>coop|pp)_(?P<tm>\d+)x(?P<tn>\d+)x(?P<tk>\d+)_c(?P<cm>\d+)x(?P<cn>\d+)"
-                      r"_(?P<sched>persist|streamk|splitk\d+)_s(?P<stages>\d+)_(?P<raster>rh|rm|rn)_sw(?P<sw>\d+)"
+                      r"_(?P<sched>persist|streamk(?:nd)?|splitk\d+(?:nd)?)_s(?P<stages>\d+)_(?P<raster>rh|rm|rn)_sw(?P<sw>\d+)"
                       r"_(?P<layout>nn|tn)_(?P<dtype>f16|bf16)_(?P<acc>f32|f16)")
 
 
@@ -188,7 +204,7 @@ def valid(spec: CutlassSpec, problem=None) -> str | None:
     reason it is not. Every rule CUTLASS or the hardware imposes that we know of is here."""
     s = spec
     for fname, allowed in (("schedule", SCHEDULES), ("scheduler", SCHEDULERS), ("raster", RASTERS),
-                           ("layout", LAYOUTS), ("dtype", DTYPES), ("acc", ACCS)):
+                           ("layout", LAYOUTS), ("dtype", DTYPES), ("acc", ACCS), ("reduction", REDUCTIONS)):
         if getattr(s, fname) not in allowed:
             return f"{fname} must be one of {', '.join(allowed)}, got {getattr(s, fname)!r}"
     for fname in ("tile_m", "tile_n", "tile_k", "cluster_m", "cluster_n", "splits", "stages", "swizzle"):
@@ -216,6 +232,8 @@ def valid(spec: CutlassSpec, problem=None) -> str | None:
             return f"scheduler 'splitk' needs splits in 2..{MAX_SPLITS}, got {s.splits}"
     elif s.splits != 1:
         return f"splits={s.splits} needs scheduler 'splitk' (it is {s.scheduler!r}); use splits=1"
+    if s.reduction != "deterministic" and s.scheduler == "persistent":
+        return "a reduction mode needs split-K or stream-K (the persistent scheduler has no partial tiles)"
     if s.swizzle not in SWIZZLES:
         return f"swizzle must be one of {', '.join(map(str, SWIZZLES))}, got {s.swizzle}"
     regs = accumulator_registers(s)
@@ -264,7 +282,8 @@ def enumerate_specs(layout: str = "TN", dtype: str = "fp16", acc: str = "fp32") 
     and split-K (2, 4, 8) for cooperative, two tile orders; auto stage counts. All pass valid().
     Split-K 16 only for tiles of at most 128x128 (DEEP_SPLIT_TILE): the long-K small-MN shapes
     it is for (256x256x16384: 8 tiles of 128x64) fill the GPU only that way, while a bigger tile
-    would reduce 16 partials of 128 KiB+ each (issue #3)."""
+    would reduce 16 partials of 128 KiB+ each (issue #3). The same split-K tiles come again with
+    the nondeterministic reduction (no turnstile: CTAs add their partials in any order)."""
     out = []
     for schedule in SCHEDULES:
         for tm in _TILE_M:
@@ -288,10 +307,13 @@ def enumerate_specs(layout: str = "TN", dtype: str = "fp16", acc: str = "fp32") 
                                                    raster, swizzle, layout, dtype, acc)
                                 if valid(spec) is None:
                                     out.append(spec)
+                                    if scheduler == "splitk" and tm * tn <= DEEP_SPLIT_TILE:
+                                        out.append(replace(spec, reduction="nondeterministic"))
     return out
 
 
 SMS = 132  # H100 / H200 SXM
+TURNSTILE_GBS = 50.0  # a guess at one SM's rate reading and writing a partial tile (estimate_us)
 
 
 def estimate_us(spec: CutlassSpec, problem, tflops_per_sm: float = 5.5, gbs: float = 3300.0,
@@ -339,6 +361,10 @@ def estimate_us(spec: CutlassSpec, problem, tflops_per_sm: float = 5.5, gbs: flo
     if splits > 1:
         partial_bytes = 2 * 4 * units * spec.tile_m * spec.tile_n  # fp32 partials out and back in
         reduce = 2.0 + partial_bytes / (gbs * 1e3)
+        if spec.reduction == "nondeterministic":
+            # a prior, not yet fitted: the turnstile the fitted term includes is gone, each of
+            # the splits - 1 waits passing one fp32 partial tile at TURNSTILE_GBS per SM
+            reduce = max(2.0, reduce - 0.5 * (splits - 1) * 2 * 4 * spec.tile_m * spec.tile_n / (TURNSTILE_GBS * 1e3))
     return max(compute, memory) + reduce + 3.0
 
 
@@ -349,7 +375,7 @@ def heuristic_specs(problem, layout: str, acc: str | None = None, limit: int = 8
     specs.sort(key=lambda s: (estimate_us(s, problem), s.name))
     out, seen = [], set()
     for s in specs:
-        k = (s.tile_m, s.tile_n, s.tile_k, s.schedule, s.scheduler)
+        k = (s.tile_m, s.tile_n, s.tile_k, s.schedule, s.scheduler, s.reduction)
         if k not in seen:
             seen.add(k)
             out.append(s)
@@ -569,11 +595,12 @@ def render(spec: CutlassSpec, problem=None) -> str:
     else:
         mode = "SplitK" if s.scheduler == "splitk" else "Heuristic"
         scheduler_tag = "cutlass::gemm::StreamKScheduler"
+        reduction = "Nondeterministic" if s.reduction == "nondeterministic" else "Deterministic"
         scheduler_args = (f"  args.scheduler.splits = {s.splits};\n"
                           f"  args.scheduler.decomposition_mode =\n"
                           f"      cutlass::gemm::kernel::detail::DecompositionMode::{mode};\n"
                           f"  args.scheduler.reduction_mode =\n"
-                          f"      cutlass::gemm::kernel::detail::ReductionMode::Deterministic;\n")
+                          f"      cutlass::gemm::kernel::detail::ReductionMode::{reduction};\n")
     if s.stages:
         stage_count = f"cutlass::gemm::collective::StageCount<{s.stages}>"
     else:
@@ -586,7 +613,7 @@ def render(spec: CutlassSpec, problem=None) -> str:
         extended_mma=("" if s.tile_n in BASE_MMA_N else
                       "// tile_n is not a base wgmma N: one wide MMA atom needs cute's extended shapes\n"
                       "#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED 1\n"),
-        spec_json=json.dumps(asdict(s), sort_keys=True, separators=(",", ":")),
+        spec_json=json.dumps(s.to_dict(), sort_keys=True, separators=(",", ":")),
         b_expr="B" if nn else "B^T",
         element_in=_CPP_ELEMENT[s.dtype], element_acc=_CPP_ELEMENT[s.acc],
         layout_b="cutlass::layout::RowMajor" if nn else "cutlass::layout::ColumnMajor",
