@@ -371,10 +371,12 @@ def test_matmul_fallbacks_are_registered_and_exactly_torch_matmul(served, fast):
         x, y = torch.randn(8, 16, generator=g), torch.randn(16, 8, generator=g)
         assert torch.equal(gemmrl.matmul(x, y), torch.matmul(x, y))  # fp32: decided in C++, not registered
     assert resolved == []
-    assert fast.lookup(4, 8, 20, True, "fp16", -1, 0) is False
-    assert fast.lookup(16, 8, 64, True, "bf16", -1, 0) is False
+    # no kernel for these shapes at all: registered per shape, not per (device, stream), and
+    # decided before the device and stream are read
+    assert fast.lookup(4, 8, 20, True, "fp16", -1, 0) is None and fast.is_unserved(4, 8, 20, True, "fp16")
+    assert fast.is_unserved(16, 8, 64, True, "bf16") and not fast.is_unserved(16, 8, 64, False, "bf16")
     s = fast.stats()
-    assert (s["misses"], s["entries"], s["served"], s["hits"]) == (2, 2, 0, 0)
+    assert (s["misses"], s["entries"], s["unserved"], s["served"], s["hits"]) == (2, 0, 2, 0, 0)
     # with grad: torch.matmul before any dispatch, gradients flow
     x = torch.randn(4, 64, requires_grad=True)
     gemmrl.matmul(x, torch.randn(8, 64).half().float().t().contiguous()).sum().backward()
@@ -407,6 +409,13 @@ def test_a_refusal_seen_by_the_python_path_reaches_the_table(served, fast):
 
 
 def test_use_pack_clears_the_table(served, fast, pack_dir):  # noqa: F811
+    fast.register_unserved(4, 8, 20, True, "fp16")
+    with pytest.raises(ValueError, match="positive"):
+        fast.register_unserved(0, 8, 20, True, "fp16")
+    with pytest.raises(ValueError, match="dtype"):
+        fast.register_unserved(4, 8, 20, True, "fp8")
+    ops.use_pack(pack_dir, nearest=math.inf)
+    assert not fast.is_unserved(4, 8, 20, True, "fp16")  # the new pack may serve it
     a, w = _ints(16, 64), _ints(32, 64, seed=1)
     gemmrl.matmul(a, w, b_layout="TN")
     assert fast.stats()["served"] == 1
@@ -469,7 +478,7 @@ def test_c_matmul_is_gemmrl_matmul_and_serves_like_the_python_one(served, fast, 
             assert torch.equal(cm(x, y, b_layout="TN"), torch.matmul(x, y.t()))
         xf, yf = torch.randn(8, 16, generator=g), torch.randn(16, 8, generator=g)
         assert torch.equal(cm(xf, yf), torch.matmul(xf, yf))  # fp32: decided in C++
-    assert fast.lookup(4, 8, 20, True, "fp16", -1, 0) is False
+    assert fast.is_unserved(4, 8, 20, True, "fp16")
     assert fast.stats()["misses"] == 3 and fast.stats()["fallbacks"] >= 3
 
 

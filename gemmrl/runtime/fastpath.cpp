@@ -82,6 +82,9 @@ struct Entry {
 };
 
 std::unordered_map<Key, Entry, KeyHash> g_table;
+// shapes the active pack has no kernel for at all, whatever the device or stream: torch.matmul
+// serves them, decided before reading the current device and stream (register_unserved)
+std::unordered_map<Key, bool, KeyHash> g_unserved;  // keyed with stream 0, device 0
 size_t g_limit = 1 << 16;  // a full table is cleared (entries come back from Python's caches)
 PyObject* g_str_nn = nullptr;  // "NN", "TN": interned at module init
 PyObject* g_str_tn = nullptr;
@@ -161,9 +164,6 @@ PyObject* run_plain(PyObject* pa, PyObject* pb, bool tn, PyObject* pout) {
     if (a.dim() < 2 || b.dim() != 2) return fallback(a, b, tn, pout);
     if (b.device() != a.device()) return fallback(a, b, tn, pout);
     const c10::DeviceIndex dev = a.device().index();
-#ifdef GEMMRL_FASTPATH_CUDA
-    if (a.is_cuda() && dev != c10::cuda::current_device()) return fallback(a, b, tn, pout);
-#endif
     if (!a.is_contiguous() || !b.is_contiguous()) return fallback(a, b, tn, pout);
     const int64_t K = a.size(-1);
     const int64_t N = tn ? b.size(0) : b.size(1);
@@ -171,9 +171,16 @@ PyObject* run_plain(PyObject* pa, PyObject* pb, bool tn, PyObject* pout) {
     if (Kb != K) return fallback(a, b, tn, pout);
     const int64_t M = K ? a.numel() / K : 0;
     if (M == 0 || N == 0) return fallback(a, b, tn, pout);
+    if (!g_unserved.empty() &&
+        g_unserved.count(Key{M, N, K, 0, static_cast<int8_t>(st), 0, tn}) != 0) {
+      return fallback(a, b, tn, pout);
+    }
     if ((reinterpret_cast<uintptr_t>(a.data_ptr()) | reinterpret_cast<uintptr_t>(b.data_ptr())) & 15) {
       return fallback(a, b, tn, pout);
     }
+#ifdef GEMMRL_FASTPATH_CUDA
+    if (a.is_cuda() && dev != c10::cuda::current_device()) return fallback(a, b, tn, pout);
+#endif
     if (M > INT_MAX || N > INT_MAX || K > INT_MAX) Py_RETURN_NONE;  // the ABI takes int
     uintptr_t stream = 0;  // host mode without CUDA
 #ifdef GEMMRL_FASTPATH_CUDA
@@ -398,6 +405,35 @@ PyObject* register_call(PyObject* /*self*/, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// (M, N, K, tn, dtype): the pack has no kernel for this shape (any device, any stream)
+PyObject* register_unserved(PyObject* /*self*/, PyObject* args) {
+  long long M, N, K;
+  int tn;
+  const char* dtype;
+  int8_t st;
+  if (!PyArg_ParseTuple(args, "LLLps:register_unserved", &M, &N, &K, &tn, &dtype) || !parse_dtype(dtype, &st)) {
+    return nullptr;
+  }
+  if (M <= 0 || N <= 0 || K <= 0) {
+    PyErr_SetString(PyExc_ValueError, "M, N and K must be positive");
+    return nullptr;
+  }
+  if (g_unserved.size() >= g_limit) g_unserved.clear();
+  g_unserved[Key{M, N, K, 0, st, 0, tn != 0}] = true;
+  Py_RETURN_NONE;
+}
+
+PyObject* is_unserved(PyObject* /*self*/, PyObject* args) {
+  long long M, N, K;
+  int tn;
+  const char* dtype;
+  int8_t st;
+  if (!PyArg_ParseTuple(args, "LLLps:is_unserved", &M, &N, &K, &tn, &dtype) || !parse_dtype(dtype, &st)) {
+    return nullptr;
+  }
+  return PyBool_FromLong(g_unserved.count(Key{M, N, K, 0, st, 0, tn != 0}) != 0);
+}
+
 PyObject* register_fallback(PyObject* /*self*/, PyObject* args) {
   Key k;
   if (!parse_key(args, &k, "LLLpsiK:register_fallback")) return nullptr;
@@ -438,6 +474,7 @@ PyObject* forget(PyObject* /*self*/, PyObject* args) {
 
 PyObject* clear(PyObject* /*self*/, PyObject* /*unused*/) {
   g_table.clear();
+  g_unserved.clear();
   g_hits = g_misses = g_fallbacks = g_refusals = g_to_python = 0;
   Py_RETURN_NONE;
 }
@@ -445,7 +482,8 @@ PyObject* clear(PyObject* /*self*/, PyObject* /*unused*/) {
 PyObject* stats(PyObject* /*self*/, PyObject* /*unused*/) {
   size_t served = 0;
   for (const auto& kv : g_table) served += kv.second.fn != nullptr;
-  return Py_BuildValue("{s:n,s:n,s:K,s:K,s:K,s:K,s:K,s:n,s:O,s:O}", "entries", (Py_ssize_t)g_table.size(),
+  return Py_BuildValue("{s:n,s:n,s:n,s:K,s:K,s:K,s:K,s:K,s:n,s:O,s:O}", "entries", (Py_ssize_t)g_table.size(),
+                       "unserved", (Py_ssize_t)g_unserved.size(),
                        "served", (Py_ssize_t)served, "hits", (unsigned long long)g_hits, "misses",
                        (unsigned long long)g_misses, "fallbacks", (unsigned long long)g_fallbacks,
                        "refusals", (unsigned long long)g_refusals, "to_python", (unsigned long long)g_to_python,
@@ -493,6 +531,9 @@ PyMethodDef methods[] = {
      "run(a, b, tn[, out]): the result (the kernel's, or torch.matmul's computed here: a fallback), a key tuple (miss or refusal) or None (Python decides)"},
     {"register", register_call, METH_VARARGS,
      "register(M, N, K, tn, dtype, device, stream, fn, ws, ldb): a resolved kernel call"},
+    {"register_unserved", register_unserved, METH_VARARGS,
+     "register_unserved(M, N, K, tn, dtype): no kernel of the pack serves this shape (any device, stream)"},
+    {"is_unserved", is_unserved, METH_VARARGS, "is_unserved(M, N, K, tn, dtype)"},
     {"register_fallback", register_fallback, METH_VARARGS,
      "register_fallback(M, N, K, tn, dtype, device, stream): torch.matmul serves this key"},
     {"lookup", lookup, METH_VARARGS, "lookup(M, N, K, tn, dtype, device, stream)"},

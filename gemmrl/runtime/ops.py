@@ -250,12 +250,15 @@ def _fast_miss(d: Dispatcher, fast, a, b, layout: str, key: tuple, out=None):
         return _fallback(a, b, layout, out)
     # the C++ checks passed (they are _plan's): what is left is the pack's part of _plan
     call = None
-    if dtype == d.pack.dtype and d.lookup(M, N, K, layout, dtype) is not None:
+    served = dtype == d.pack.dtype and d.lookup(M, N, K, layout, dtype) is not None
+    if served:
         call = d.call_for(M, N, K, layout, dtype, dev, stream)
     with _SWITCH:
         if d is not _ACTIVE:  # the pack changed meanwhile: register nothing of the old one
             return _py_mm(a, b, layout, d, out)
-        if call is None:
+        if not served:  # no kernel for the shape at all: decided before device and stream next time
+            fast.register_unserved(M, N, K, tn, dtype)
+        elif call is None:  # a kernel, but not on this device (its build or load failed)
             fast.register_fallback(M, N, K, tn, dtype, dev, stream)
         elif call.fn_ptr:
             fast.register(M, N, K, tn, dtype, dev, stream, call.fn_ptr, call.ws, call.ldb)
