@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import math
 import sys
 import time
 from pathlib import Path
@@ -147,7 +148,10 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, h
     except Exception as e:  # the report says so; torch.matmul still runs
         cublas_version = f"unavailable: {e}"[:200]
     prov = env.provenance(cublas_version)
-    precision = {} if host_ci is None else {"target_ci": host_ci, "max_rounds": 2000, "max_s": host_max_s}
+    # at most 2,000 rounds, or more where --host-max-s allows (server mode: about 110 rounds a
+    # second with 8 implementations at 1,000 QPS)
+    precision = {} if host_ci is None else {"target_ci": host_ci, "max_rounds": max(2000, math.ceil(200 * host_max_s)),
+                                            "max_s": host_max_s}
     cfg = runner.RunConfig(modes=modes, do_verify=not no_verify, retime=retime,
                            offline=timing.HostSettings(mode="offline", **precision),
                            server=timing.HostSettings(mode="server", min_rounds=40,
