@@ -40,6 +40,7 @@
 #include <cstdint>
 #include <cstring>
 #include <unordered_map>
+#include <unordered_set>
 
 namespace {
 
@@ -84,7 +85,7 @@ struct Entry {
 std::unordered_map<Key, Entry, KeyHash> g_table;
 // shapes the active pack has no kernel for at all, whatever the device or stream: torch.matmul
 // serves them, decided before reading the current device and stream (register_unserved)
-std::unordered_map<Key, bool, KeyHash> g_unserved;  // keyed with stream 0, device 0
+std::unordered_set<Key, KeyHash> g_unserved;  // keyed with stream 0, device 0
 size_t g_limit = 1 << 16;  // a full table is cleared (entries come back from Python's caches)
 PyObject* g_str_nn = nullptr;  // "NN", "TN": interned at module init
 PyObject* g_str_tn = nullptr;
@@ -375,6 +376,16 @@ bool parse_key(PyObject* args, Key* k, const char* fmt, PyObject** ws = nullptr,
   return parse_dtype(dtype, &k->dtype);
 }
 
+// (M, N, K, tn, dtype) from a tuple of arguments: a Key for every device and stream (both 0)
+bool parse_shape_key(PyObject* args, const char* fmt, Key* k) {
+  long long M, N, K;
+  int tn;
+  const char* dtype;
+  if (!PyArg_ParseTuple(args, fmt, &M, &N, &K, &tn, &dtype)) return false;
+  *k = Key{M, N, K, 0, 0, 0, tn != 0};
+  return parse_dtype(dtype, &k->dtype);
+}
+
 void put(const Key& k, Entry e) {
   if (g_table.size() >= g_limit && g_table.find(k) == g_table.end()) g_table.clear();
   g_table[k] = std::move(e);
@@ -407,31 +418,21 @@ PyObject* register_call(PyObject* /*self*/, PyObject* args) {
 
 // (M, N, K, tn, dtype): the pack has no kernel for this shape (any device, any stream)
 PyObject* register_unserved(PyObject* /*self*/, PyObject* args) {
-  long long M, N, K;
-  int tn;
-  const char* dtype;
-  int8_t st;
-  if (!PyArg_ParseTuple(args, "LLLps:register_unserved", &M, &N, &K, &tn, &dtype) || !parse_dtype(dtype, &st)) {
-    return nullptr;
-  }
-  if (M <= 0 || N <= 0 || K <= 0) {
+  Key k;
+  if (!parse_shape_key(args, "LLLps:register_unserved", &k)) return nullptr;
+  if (k.M <= 0 || k.N <= 0 || k.K <= 0) {
     PyErr_SetString(PyExc_ValueError, "M, N and K must be positive");
     return nullptr;
   }
   if (g_unserved.size() >= g_limit) g_unserved.clear();
-  g_unserved[Key{M, N, K, 0, st, 0, tn != 0}] = true;
+  g_unserved.insert(k);
   Py_RETURN_NONE;
 }
 
 PyObject* is_unserved(PyObject* /*self*/, PyObject* args) {
-  long long M, N, K;
-  int tn;
-  const char* dtype;
-  int8_t st;
-  if (!PyArg_ParseTuple(args, "LLLps:is_unserved", &M, &N, &K, &tn, &dtype) || !parse_dtype(dtype, &st)) {
-    return nullptr;
-  }
-  return PyBool_FromLong(g_unserved.count(Key{M, N, K, 0, st, 0, tn != 0}) != 0);
+  Key k;
+  if (!parse_shape_key(args, "LLLps:is_unserved", &k)) return nullptr;
+  return PyBool_FromLong(g_unserved.count(k) != 0);
 }
 
 PyObject* register_fallback(PyObject* /*self*/, PyObject* args) {
@@ -454,17 +455,12 @@ PyObject* lookup(PyObject* /*self*/, PyObject* args) {
 
 // a kernel refused this shape: every (device, stream) entry of it becomes a fallback
 PyObject* forget(PyObject* /*self*/, PyObject* args) {
-  long long M, N, K;
-  int tn;
-  const char* dtype;
-  int8_t st;
-  if (!PyArg_ParseTuple(args, "LLLps:forget", &M, &N, &K, &tn, &dtype) || !parse_dtype(dtype, &st)) {
-    return nullptr;
-  }
+  Key f;
+  if (!parse_shape_key(args, "LLLps:forget", &f)) return nullptr;
   long n = 0;
   for (auto& kv : g_table) {
     const Key& k = kv.first;
-    if (k.M == M && k.N == N && k.K == K && k.tn == (tn != 0) && k.dtype == st) {
+    if (k.M == f.M && k.N == f.N && k.K == f.K && k.tn == f.tn && k.dtype == f.dtype) {
       kv.second = Entry{};
       ++n;
     }
