@@ -327,14 +327,17 @@ def report(db, out, device, subject, dtype, acc, versus):
 @click.option("--built-only", is_flag=True,
               help="propose CUTLASS (generic) kernels only where the build cache already holds them "
                    "(see gemmrl build); per-shape kernels are always built")
+@click.option("--match", "match", default=None, metavar="REGEX",
+              help="propose only kernels whose name matches this regular expression (re.search), e.g. "
+                   "'splitk[0-9]+sr' for split-K with the separate reduction; the earlier trials still count")
 @click.option("--layouts", default="NN,TN", show_default=True)
 @click.option("--db", default=DEFAULT_DB, show_default=True)
 @click.option("--out", default="results", show_default=True)
 @click.option("--ray", "ray_address", default=None, metavar="ADDRESS",
               help="evaluate candidates on a Ray cluster, one worker per GPU of the same model as "
                    "this one ('auto', or host:port); needs pip install 'gemmrl[distributed]'")
-def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only, family_opts, layouts, db, out,
-         ray_address, no_report, reuse_baselines):
+def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only, family_opts, match, layouts, db,
+         out, ray_address, no_report, reuse_baselines):
     """Search kernels per shape with speed over the best baseline as the reward; keep the winners.
 
     Baselines are measured first (kernel mode) where the store lacks them; then the model-free
@@ -344,6 +347,13 @@ def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only
     and the report is written."""
     problems = _problems(shape_spec, dtype, acc)
     lays = _layouts(layouts)
+    if match is not None:
+        import re
+
+        try:
+            re.compile(match)
+        except re.error as e:
+            raise click.BadParameter(f"not a regular expression: {e}", param_hint="--match") from None
     from gemmrl.space import registry
 
     try:
@@ -403,7 +413,7 @@ def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only
             res = run_tune(problems, store, device, evaluate, candidates=candidates, batch=batch,
                            budget_s=budget_s or float("inf"), layouts=lays, run_id=run_id, on_trial=on_trial,
                            deadline=time.monotonic() + wall_s if wall_s else None,
-                           generic_built_only=built_only, families=fams)
+                           generic_built_only=built_only, families=fams, match=match)
             search_wall = time.monotonic() - t_search
         finally:
             close()

@@ -11,7 +11,8 @@
 #              carried CUTLASS build cache unpacked first, so tuned winners load without nvcc
 #   tune       gemmrl tune on $TUNE_SHAPES (default subset), $TUNE_CANDIDATES (8) per shape, CUTLASS
 #              kernels only from the carried build cache (.ext/carry/gcache.tgz or .txz: tar of
-#              $GEMMRL_CACHE/builds made by `gemmrl build` on any machine with nvcc)
+#              $GEMMRL_CACHE/builds made by `gemmrl build` on any machine with nvcc); $TUNE_MATCH, if
+#              set, limits the search to kernel names matching that regular expression
 # Each step resumes from results/gemmrl.sqlite, and stops starting new shapes after BUDGET_S
 # seconds (default 500), so a 10-minute device call always returns its store. TOTAL_S (default 560)
 # caps the whole step: the tune is cut at that point, whatever it is doing, so the store is copied.
@@ -58,7 +59,7 @@ case "$step" in
         cap=$(cap_at $((budget + 300)))
         echo "tune: search budget ${budget}s, cut at ${cap}s" | tee "$out/tune.log"
         timeout "$cap" python3 -m gemmrl.cli tune --db "$db" --out "$out/results" --shapes "$shapes" \
-            --candidates "${TUNE_CANDIDATES:-8}" --built-only --wall-s "$budget" 2>&1 | tee -a "$out/tune.log"; rc=${PIPESTATUS[0]} ;;
+            --candidates "${TUNE_CANDIDATES:-8}" --built-only ${TUNE_MATCH:+--match "$TUNE_MATCH"} --wall-s "$budget" 2>&1 | tee -a "$out/tune.log"; rc=${PIPESTATUS[0]} ;;
   *) echo "unknown step $step: tests | subset | hostmodes | bench | tune" >&2; exit 2 ;;
 esac
 # gzip: files come back at most 16 MiB each, and the store outgrew that (a plain copy was dropped)

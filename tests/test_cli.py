@@ -117,6 +117,8 @@ def test_tune_checks_layouts_and_refuses_without_gpu(monkeypatch):
     assert r.exit_code == 2 and "layouts are NN and/or TN" in r.output
     r = CliRunner().invoke(main, ["tune", "--shapes", "64x64x64", "--family", "triton"])
     assert r.exit_code == 2 and "unknown kernel family 'triton'" in r.output
+    r = CliRunner().invoke(main, ["tune", "--shapes", "64x64x64", "--match", "splitk(sr"])
+    assert r.exit_code == 2 and "not a regular expression" in r.output
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     r = CliRunner().invoke(main, ["tune", "--shapes", "64x64x64"])

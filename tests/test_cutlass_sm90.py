@@ -231,6 +231,73 @@ def test_nondeterministic_reduction_is_a_split_k_option_that_keeps_old_keys():
     assert CutlassSpec.from_name(replace(sk, reduction="nondeterministic").name).reduction == "nondeterministic"
 
 
+SR = CutlassSpec(128, 128, 64, 1, 1, "cooperative", "splitk", 8, 0, "heuristic", 1, "TN", "fp16", "fp32",
+                 "separate")
+
+
+def test_separate_reduction_is_a_split_k_mode_with_its_own_rules():
+    assert valid(SR) is None and SR.name == "sm90_coop_128x128x64_c1x1_splitk8sr_s0_rh_sw1_tn_f16_f32"
+    assert CutlassSpec.from_name(SR.name) == SR and CutlassSpec.from_dict(SR.to_dict()) == SR
+    assert SR.to_dict()["reduction"] == "separate"
+    det = replace(SR, reduction="deterministic")
+    assert len({SR.key(), det.key(), replace(SR, reduction="nondeterministic").key()}) == 3
+    # deeper splits than CUTLASS's own split-K, and ping-pong (the GEMM is a persistent batch)
+    assert valid(replace(SR, splits=64)) is None and "splits in 2..64" in valid(replace(SR, splits=65))
+    assert "splits in 2..16" in valid(replace(det, splits=32))
+    assert valid(replace(SR, schedule="pingpong", tile_m=64)) is None
+    assert "only the persistent scheduler" in valid(replace(det, schedule="pingpong", tile_m=64))
+    assert "fp32 partials" in valid(replace(SR, acc="fp16"))
+    assert "split-K mode" in valid(replace(SR, scheduler="streamk", splits=1))
+    # K is cut into `splits` equal chunks, each a whole number of 16-byte rows
+    assert valid(SR, Problem(256, 256, 16384)) is None and valid(SR, Problem(256, 256, 64)) is None
+    why = valid(SR, Problem(256, 256, 16384 + 8))
+    assert "multiple of 8 splits x 8" in why
+    # the fp32 partials double the epilogue's staging buffers
+    assert cs.epilogue_smem_bytes(SR) > cs.epilogue_smem_bytes(det)
+
+
+def test_separate_reduction_renders_a_batched_gemm_and_a_deterministic_reduction():
+    src = render(SR)
+    assert "PersistentScheduler" in src and "StreamKScheduler" not in src
+    assert "using ElementD = float;" in src and "using ElementOut = cutlass::half_t;" in src
+    assert "constexpr int kSplits = 8;" in src
+    assert "args.problem_shape = cute::make_shape(M, N, K / kSplits, kSplits);" in src
+    # A and B step by one K chunk per batch (TN: both K-contiguous); the partials are packed
+    assert "StrideA stride_a = cute::make_stride(int64_t(lda), cute::Int<1>{}, chunk);" in src
+    assert "StrideB stride_b = cute::make_stride(int64_t(ldb), cute::Int<1>{}, chunk);" in src
+    nn = render(replace(SR, layout="NN"))
+    assert "StrideB stride_b = cute::make_stride(cute::Int<1>{}, int64_t(ldb), int64_t(ldb) * chunk);" in nn
+    # the reduction: its own kernel, launched behind the GEMM as a programmatic dependent launch,
+    # summing the chunks in one fixed order
+    assert "splitk_reduce<cutlass::half_t, 8>" in src and "cudaLaunchKernelEx" in src
+    assert "cudaLaunchAttributeProgrammaticStreamSerialization" in src
+    assert "griddepcontrol.wait" in src and src.index("#define CUTLASS_ENABLE_GDC_FOR_SM90") < src.index("#include")
+    assert "for (int s = 1; s < Splits; ++s)" in src and "atomicAdd" not in src
+    assert "K % (kSplits * kAlignment)" in src
+    # nothing of it leaks into the other specs (their sources, keys and builds are unchanged)
+    for other in (replace(SR, reduction="deterministic"), BASE):
+        assert "splitk_reduce" not in render(other) and "CUTLASS_ENABLE_GDC" not in render(other)
+    assert "cutlass::bfloat16_t" in render(replace(SR, dtype="bf16"))
+
+
+def test_separate_reduction_is_enumerated_and_modelled():
+    from gemmrl.space.cutlass_sm90 import estimate_us
+
+    specs = [s for s in enumerate_specs("NN") if s.reduction == "separate"]
+    assert {s.splits for s in specs} == set(cs.SEPARATE_SPLITS)
+    assert {s.schedule for s in specs} == {"cooperative", "pingpong"}
+    assert all((s.cluster_m, s.cluster_n) == (1, 1) and s.scheduler == "splitk" for s in specs)
+    p = Problem(256, 256, 16384)
+    by_splits = {s.splits: estimate_us(s, p) for s in specs if (s.tile_m, s.tile_n, s.tile_k) == (128, 128, 64)
+                 and s.schedule == "cooperative"}
+    # 4 tiles: 8 splits leave most SMs idle, 32 fill them, 64 only add partials
+    assert by_splits[32] < by_splits[8] and by_splits[32] < by_splits[64]
+    # partials that fit in L2 cost less than partials that do not
+    big = Problem(4096, 4096, 16384)
+    s8 = replace(SR, layout="NN")
+    assert estimate_us(replace(s8, splits=64), big) > estimate_us(s8, big)
+
+
 def test_render_states_the_spec_in_cutlass_terms():
     nn = render(GOLDEN_SPECS[0])
     assert "using LayoutB = cutlass::layout::RowMajor;" in nn
@@ -286,7 +353,8 @@ def test_no_stale_golden_files():
 
 # -- real builds (nvcc, no GPU) -----------------------------------------------------------------
 
-COMPILED = [GOLDEN_SPECS[0], GOLDEN_SPECS[1]]  # cooperative fp32-acc NN c2x1; ping-pong TN fp16-acc
+# cooperative fp32-acc NN c2x1; ping-pong TN fp16-acc; split-K 8 with the separate reduction (TN)
+COMPILED = [GOLDEN_SPECS[0], GOLDEN_SPECS[1], SR]
 
 
 def _cutlass_dirs():
@@ -298,7 +366,7 @@ def _cutlass_dirs():
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    """Both specs compiled at once (about 100 s each with two in parallel on 2 cores)."""
+    """The specs compiled two at a time (about 100 s each with two in parallel on 2 cores)."""
     from gemmrl.build.nvcc import NvccNotFound, build_shared, nvcc_path
 
     dirs = _cutlass_dirs()
@@ -386,6 +454,11 @@ def test_abi_guards_refuse_before_touching_the_device(builds, spec):
     assert k.run(0, p, p, 64, 64, 64, 64, ldb, 64, 0, 0) == 4  # null A
     assert k.run(p + 2, p, p, 64, 64, 64, 64, ldb, 64, 0, 0) == 4  # misaligned A
     assert k.workspace_bytes(0, 64, 64) == 0
+    if cs.separate(spec):
+        K = 8 * 8 * spec.splits  # a K the chunks divide
+        assert k.run(p, p, p, 64, 64, K + 8, K + 8, ldb, 64, p, 0) == 6  # K not in equal 16-byte chunks
+        assert k.run(p, p, p, 64, 64, K, K, ldb, 64, 0, 0) == 7  # the partials need a workspace
+        assert k.workspace_bytes(64, 64, K + 8) == 0
 
 
 def test_heuristic_ranks_valid_diverse_specs_and_prefers_full_waves():

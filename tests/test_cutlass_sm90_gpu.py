@@ -32,6 +32,12 @@ SPECS = [
     CutlassSpec(128, 128, 64, 1, 1, "cooperative", "streamk", 1, 0, "heuristic", 1, "TN", "bf16", "fp32"),
     # split-K 4, NN, 1x2 cluster (A multicast), explicit stages, raster along N with swizzle
     CutlassSpec(128, 128, 64, 1, 2, "cooperative", "splitk", 4, 3, "along_n", 4, "NN", "fp16", "fp32"),
+    # split-K 8 with the separate reduction kernel, NN, cooperative
+    CutlassSpec(128, 128, 64, 1, 1, "cooperative", "splitk", 8, 0, "heuristic", 1, "NN", "fp16", "fp32",
+                "separate"),
+    # split-K 16 with the separate reduction kernel, TN, ping-pong, bf16
+    CutlassSpec(64, 128, 64, 1, 1, "pingpong", "splitk", 16, 0, "heuristic", 1, "TN", "bf16", "fp32",
+                "separate"),
 ]
 
 
@@ -42,8 +48,12 @@ def built():
     except FileNotFoundError as e:
         pytest.skip(f"CUTLASS headers not found ({e})")
 
-    def one(spec):
-        return build_shared(render(spec), name=spec.name, include_dirs=dirs, extra_flags=cs.BUILD_FLAGS)
+    from gemmrl.build.ahead import job_for
+
+    def one(spec):  # the build the product makes (and a carried build cache holds)
+        assert dirs
+        job = job_for(spec, Problem(1664, 1408, 2048, spec.dtype, spec.acc))
+        return build_shared(job.source, name=job.name, **job.kwargs)
 
     with ThreadPoolExecutor(len(SPECS)) as ex:
         return dict(zip((s.name for s in SPECS), ex.map(one, SPECS)))
@@ -52,11 +62,16 @@ def built():
 def _problems(spec: CutlassSpec) -> list[Problem]:
     """residue_problems() of a base shape, kept where valid() accepts them (K and N multiples of
     8), plus residues in every dimension that TMA must clip, a tiny problem, and one with wave
-    quantization on 132 SMs (143 128x128 tiles: stream-K splits the last wave)."""
+    quantization on 132 SMs (143 128x128 tiles: stream-K splits the last wave). The separate
+    reduction serves K in multiples of 8 x splits: its K values are rounded up to those."""
     d, a = spec.dtype, spec.acc
     cands = residue_problems(Problem(512, 768, 1024, d, a)) + [
         Problem(513, 776, 1032, d, a), Problem(127, 136, 72, d, a), Problem(1, 8, 8, d, a),
         Problem(1664, 1408, 2048, d, a)]
+    if cs.separate(spec):
+        step = 8 * spec.splits
+        cands = [Problem(p.M, p.N, -(-p.K // step) * step, d, a) for p in cands]
+        cands = list(dict.fromkeys(cands)) + [Problem(256, 256, 16384, d, a), Problem(72, 1000, 8 * step, d, a)]
     keep = [p for p in cands if valid(spec, p) is None]
     assert len(keep) >= 6
     return keep
@@ -91,10 +106,11 @@ def test_unaligned_shapes_are_refused_without_launching(built, spec):
     assert bool((c == 7).all()), "C changed although the call was refused"
 
 
-@pytest.mark.parametrize("spec", [SPECS[0], SPECS[2]], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", [SPECS[0], SPECS[2], SPECS[4], SPECS[5]], ids=lambda s: s.name)
 def test_cuda_graph_capture_and_replay(built, spec):
-    """The call is capturable (stream-K's workspace clear is a memset node) and replays with
-    the inputs' current values."""
+    """The call is capturable (stream-K's workspace clear is a memset node; the separate
+    reduction's second kernel a programmatic dependent launch) and replays with the inputs'
+    current values."""
     r = built[spec.name]
     assert r.ok, r.log[-2000:]
     impl = AbiImpl(r.path, name=spec.name)

@@ -88,3 +88,25 @@ def test_a_new_shape_set_learns_from_the_stores_other_shapes(tmp_path):
     fresh = ModelFreePolicy(layouts=("TN",), seed=0)
     run_tune([p3], store, "H200", fake_evaluate, candidates=3, batch=3, layouts=("TN",), policy=fresh)
     assert fresh.model.observed() == 3
+
+
+def test_match_limits_the_search_to_matching_kernels_and_resumes_from_all_trials(tmp_path):
+    store = Store(tmp_path / "s.sqlite")
+    run_tune([P1], store, "H100", fake_evaluate, candidates=4, batch=4, layouts=("TN",),
+             policy=ModelFreePolicy(layouts=("TN",), seed=0))
+    res = run_tune([P1], store, "H100", fake_evaluate, candidates=10, batch=3, layouts=("TN",),
+                   match=r"splitk[0-9]+sr", families=("cutlass_sm90",))
+    # the four earlier trials count towards the 10; the six new ones are all separate-reduction kernels
+    assert len(res.trials) == 6
+    assert all(t.candidate.spec.reduction == "separate" for t in res.trials)
+    assert len({t.candidate.name for t in res.trials}) == 6
+
+
+def test_policy_filter_combines_built_only_and_match():
+    from gemmrl.search.run import policy_filter
+    from gemmrl.space.cutlass_sm90 import CutlassSpec
+
+    assert policy_filter() is None
+    allow = policy_filter(match="_pp_")
+    pp = CutlassSpec(64, 128, 64, schedule="pingpong")
+    assert allow("cutlass_sm90", pp, P1) and not allow("cutlass_sm90", CutlassSpec(), P1)

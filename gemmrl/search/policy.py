@@ -144,7 +144,7 @@ _LADDERS = {
     "cutlass_sm90": {
         "tile_m": (64, 128, 192, 256), "tile_n": (16, 32, 64, 96, 128, 160, 192, 224, 256),
         "tile_k": (32, 64, 128), "cluster_m": (1, 2), "cluster_n": (1, 2),
-        "splits": (1, 2, 3, 4, 6, 8, 12, 16), "stages": (0, 2, 3, 4, 5, 6, 7, 8), "swizzle": (1, 2, 4, 8)},
+        "splits": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), "stages": (0, 2, 3, 4, 5, 6, 7, 8), "swizzle": (1, 2, 4, 8)},
     "raw": {
         "block_m": (16, 32, 64, 128, 256), "block_n": (16, 32, 64, 128, 256), "block_k": (16, 32, 64, 128),
         "warps_m": (1, 2, 4, 8), "warps_n": (1, 2, 4, 8), "stages": (2, 3, 4),
@@ -268,7 +268,8 @@ def _features(family: str, spec, problem: Problem, est_us: float) -> list[float]
         sw = _log2(spec.swizzle) / 3
         f += [pp, pp * small, pp * lK, sk, sk * fill, float(spec.scheduler == "splitk"), c21, c12, c21 * lM,
               c12 * lN, k128, k128 * lK, sw, sw * lN, float(spec.raster == "along_m"),
-              float(spec.raster == "along_n"), float(spec.layout == "NN"), spec.stages / 8]
+              float(spec.raster == "along_n"), float(spec.layout == "NN"), spec.stages / 8,
+              float(spec.reduction == "nondeterministic"), float(spec.reduction == "separate")]
     elif family == "raw":
         swap = float(spec.swap_ab)
         st = spec.stages / 4

@@ -103,13 +103,32 @@ def built_generic_only():
     return allow
 
 
+def policy_filter(generic_built_only: bool = False, match: str | None = None):
+    """The policy's `allow` filter: built generic kernels only, and/or names matching `match`
+    (re.search); None when neither is asked for."""
+    import re
+
+    built = built_generic_only() if generic_built_only else None
+    pattern = re.compile(match) if match is not None else None
+    if built is None and pattern is None:
+        return None
+
+    def allow(family: str, spec, problem) -> bool:
+        if pattern is not None and not pattern.search(spec.name):
+            return False
+        return built is None or built(family, spec, problem)
+    return allow
+
+
 def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, batch: int = 8,
              budget_s: float = float("inf"), layouts=("NN", "TN"), run_id: int | None = None,
              policy=None, on_trial=None, deadline: float | None = None,
-             generic_built_only: bool = False, families: tuple | None = None) -> TuneResult:
+             generic_built_only: bool = False, families: tuple | None = None,
+             match: str | None = None) -> TuneResult:
     """Tune, resuming from the trials already in the store; store every trial and the winners.
     The policy also learns from the store's trials of other shapes on this device (its cost
-    model, and transfer from the nearest tuned shapes), so a new shape set starts informed."""
+    model, and transfer from the nearest tuned shapes), so a new shape set starts informed.
+    `match`: a regular expression; only kernels whose name it finds are proposed."""
     problems = list(problems)
     wanted = {p.key() for p in problems}
     stored = stored_history(store, device, None)
@@ -117,7 +136,7 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
     others = [t for t in stored if t.problem.key() not in wanted]
     policy = policy or ModelFreePolicy(**({"families": tuple(families)} if families else {}),
                                        layouts=tuple(layouts),
-                                       allow=built_generic_only() if generic_built_only else None)
+                                       allow=policy_filter(generic_built_only, match))
     if others:
         policy.observe(others)
 

@@ -31,10 +31,13 @@ RENDER_VERSION = "1"  # bump when render() output changes for an unchanged spec
 
 SCHEDULES = ("cooperative", "pingpong")
 SCHEDULERS = ("persistent", "streamk", "splitk")
-# how split-K / stream-K CTAs sum their partial tiles (CUTLASS's ReductionMode): in turn, in K
+# how split-K / stream-K CTAs sum their partial tiles: CUTLASS's ReductionMode, in turn, in K
 # order (deterministic: each waits for the one before), or atomically in any order after the
-# first (nondeterministic: bit-for-bit results may differ between runs; no turnstile)
-REDUCTIONS = ("deterministic", "nondeterministic")
+# first (nondeterministic: bit-for-bit results may differ between runs; no turnstile); or
+# 'separate' (split-K only, ours): the GEMM runs as a batch of `splits` K chunks writing fp32
+# partials to the workspace, and a second kernel sums them in chunk order (deterministic, no
+# CTA ever waits for another; costs a second launch and the partials' round trip through L2)
+REDUCTIONS = ("deterministic", "nondeterministic", "separate")
 RASTERS = ("heuristic", "along_m", "along_n")
 SWIZZLES = (1, 2, 4, 8)
 LAYOUTS = ("NN", "TN")
@@ -43,6 +46,7 @@ ACCS = ("fp32", "fp16")
 CLUSTERS = ((1, 1), (2, 1), (1, 2))
 TILE_KS = (32, 64, 128)
 MAX_SPLITS = 16
+MAX_SEPARATE_SPLITS = 64  # the separate reduction has no turnstile: deeper splits are worth offering
 
 SMEM_CAPACITY = 232448  # bytes of shared memory one sm90 block may use (227 KiB; CUTLASS's figure)
 ELEMENT_BYTES = 2  # fp16 and bf16
@@ -61,6 +65,7 @@ KERNEL_MISC_BYTES = 128  # order barriers, scheduler storage, alignment of the p
 _ABBREV = {"cooperative": "coop", "pingpong": "pp", "persistent": "persist", "streamk": "streamk",
            "heuristic": "rh", "along_m": "rm", "along_n": "rn", "fp16": "f16", "bf16": "bf16",
            "fp32": "f32"}
+_REDUCTION_SUFFIX = {"deterministic": "", "nondeterministic": "nd", "separate": "sr"}
 
 
 @dataclass(frozen=True)
@@ -85,10 +90,9 @@ class CutlassSpec:
     def name(self) -> str:
         """Procedural name encoding every field, e.g.
         sm90_coop_128x256x64_c2x1_persist_s0_rh_sw1_tn_f16_f32 (split-K 8, nondeterministic
-        reduction: ..._splitk8nd_...)."""
+        reduction: ..._splitk8nd_...; separate reduction kernel: ..._splitk32sr_...)."""
         sched = f"splitk{self.splits}" if self.scheduler == "splitk" else _ABBREV.get(self.scheduler, self.scheduler)
-        if self.reduction == "nondeterministic":
-            sched += "nd"
+        sched += _REDUCTION_SUFFIX.get(self.reduction, "")
         return (f"sm90_{_ABBREV.get(self.schedule, self.schedule)}_{self.tile_m}x{self.tile_n}x{self.tile_k}"
                 f"_c{self.cluster_m}x{self.cluster_n}_{sched}_s{self.stages}"
                 f"_{_ABBREV.get(self.raster, self.raster)}_sw{self.swizzle}_{str(self.layout).lower()}"
@@ -125,8 +129,9 @@ class CutlassSpec:
         inv = {v: k for k, v in _ABBREV.items()}
         sched = g["sched"]
         reduction = "deterministic"
-        if sched.endswith("nd"):
-            sched, reduction = sched[:-2], "nondeterministic"
+        for mode, suffix in _REDUCTION_SUFFIX.items():
+            if suffix and sched.endswith(suffix):
+                sched, reduction = sched[:-len(suffix)], mode
         return CutlassSpec(
             tile_m=int(g["tm"]), tile_n=int(g["tn"]), tile_k=int(g["tk"]),
             cluster_m=int(g["cm"]), cluster_n=int(g["cn"]), schedule=inv[g["schedule"]],
@@ -137,7 +142,7 @@ class CutlassSpec:
 
 
 _NAME_RE = re.compile(r"sm90_(?P<schedule>coop|pp)_(?P<tm>\d+)x(?P<tn>\d+)x(?P<tk>\d+)_c(?P<cm>\d+)x(?P<cn>\d+)"
-                      r"_(?P<sched>persist|streamk(?:nd)?|splitk\d+(?:nd)?)_s(?P<stages>\d+)_(?P<raster>rh|rm|rn)_sw(?P<sw>\d+)"
+                      r"_(?P<sched>persist|streamk(?:nd)?|splitk\d+(?:nd|sr)?)_s(?P<stages>\d+)_(?P<raster>rh|rm|rn)_sw(?P<sw>\d+)"
                       r"_(?P<layout>nn|tn)_(?P<dtype>f16|bf16)_(?P<acc>f32|f16)")
 
 
@@ -166,13 +171,21 @@ def epilogue_tile(spec: CutlassSpec) -> tuple[int, int]:
     return rows, math.gcd(min(32, spec.tile_n), spec.tile_n)
 
 
+def separate(spec: CutlassSpec) -> bool:
+    """Split-K with the separate reduction kernel: the GEMM writes fp32 partials (a batch over K
+    chunks, persistent scheduler) and a second kernel sums them."""
+    return spec.scheduler == "splitk" and spec.reduction == "separate"
+
+
 def epilogue_smem_bytes(spec: CutlassSpec) -> int:
     """sizeof(CollectiveEpilogue::SharedStorage) with a void C: up to two D staging buffers
-    (aligned to the 1 KiB swizzle atom) plus the unused C-load pipeline's barriers."""
+    (aligned to the 1 KiB swizzle atom) plus the unused C-load pipeline's barriers. D is the
+    fp32 partial under the separate reduction."""
     em, en = epilogue_tile(spec)
     epi_tiles = (spec.tile_m // em) * (spec.tile_n // en)
     stages_d, stages_c = min(epi_tiles, 2), min(epi_tiles, 4)
-    return _round_up(stages_d * em * en * ELEMENT_BYTES + stages_c * 16, 1024)
+    d_bytes = 4 if separate(spec) else ELEMENT_BYTES
+    return _round_up(stages_d * em * en * d_bytes + stages_c * 16, 1024)
 
 
 def stage_bytes(spec: CutlassSpec) -> int:
@@ -225,15 +238,21 @@ def valid(spec: CutlassSpec, problem=None) -> str | None:
                 f"and the swizzled smem atom is 32 or 64 elements), got {s.tile_k}")
     if (s.cluster_m, s.cluster_n) not in CLUSTERS:
         return f"cluster must be 1x1, 2x1 or 1x2, got {s.cluster_m}x{s.cluster_n}"
-    if s.schedule == "pingpong" and s.scheduler != "persistent":
-        return f"the ping-pong kernel supports only the persistent scheduler, not {s.scheduler!r}"
+    if s.schedule == "pingpong" and s.scheduler != "persistent" and not separate(s):
+        return (f"the ping-pong kernel supports only the persistent scheduler, not {s.scheduler!r} "
+                f"(or split-K with the separate reduction)")
     if s.scheduler == "splitk":
-        if not 2 <= s.splits <= MAX_SPLITS:
-            return f"scheduler 'splitk' needs splits in 2..{MAX_SPLITS}, got {s.splits}"
+        top = MAX_SEPARATE_SPLITS if separate(s) else MAX_SPLITS
+        if not 2 <= s.splits <= top:
+            return f"scheduler 'splitk' needs splits in 2..{top}{' (separate reduction)' if separate(s) else ''}, got {s.splits}"
     elif s.splits != 1:
         return f"splits={s.splits} needs scheduler 'splitk' (it is {s.scheduler!r}); use splits=1"
     if s.reduction != "deterministic" and s.scheduler == "persistent":
         return "a reduction mode needs split-K or stream-K (the persistent scheduler has no partial tiles)"
+    if s.reduction == "separate" and s.scheduler != "splitk":
+        return "the separate reduction is a split-K mode (scheduler 'splitk'), not stream-K"
+    if separate(s) and s.acc != "fp32":
+        return "the separate reduction sums fp32 partials of an fp32 accumulator; acc must be fp32"
     if s.swizzle not in SWIZZLES:
         return f"swizzle must be one of {', '.join(map(str, SWIZZLES))}, got {s.swizzle}"
     regs = accumulator_registers(s)
@@ -265,6 +284,9 @@ def _serves(s: CutlassSpec, problem) -> str | None:
     if N % TMA_ALIGN_ELEMS:
         whose = "B [K,N] and C [M,N] rows" if s.layout == "NN" else "C [M,N] rows"
         return f"N={N} is not a multiple of {TMA_ALIGN_ELEMS}: TMA needs 16-byte {whose}"
+    if separate(s) and K % (s.splits * TMA_ALIGN_ELEMS):
+        return (f"K={K} is not a multiple of {s.splits} splits x {TMA_ALIGN_ELEMS}: the separate "
+                f"reduction cuts K into equal chunks, each starting on a 16-byte boundary")
     return None
 
 
@@ -283,7 +305,9 @@ def enumerate_specs(layout: str = "TN", dtype: str = "fp16", acc: str = "fp32") 
     Split-K 16 only for tiles of at most 128x128 (DEEP_SPLIT_TILE): the long-K small-MN shapes
     it is for (256x256x16384: 8 tiles of 128x64) fill the GPU only that way, while a bigger tile
     would reduce 16 partials of 128 KiB+ each (issue #3). The same split-K tiles come again with
-    the nondeterministic reduction (no turnstile: CTAs add their partials in any order)."""
+    the nondeterministic reduction (no turnstile: CTAs add their partials in any order), and
+    split-K 4-64 with the separate reduction kernel for a few tiles of both schedules (fp32
+    accumulators only)."""
     out = []
     for schedule in SCHEDULES:
         for tm in _TILE_M:
@@ -309,10 +333,29 @@ def enumerate_specs(layout: str = "TN", dtype: str = "fp16", acc: str = "fp32") 
                                     out.append(spec)
                                     if scheduler == "splitk" and tm * tn <= DEEP_SPLIT_TILE:
                                         out.append(replace(spec, reduction="nondeterministic"))
+    # split-K with the separate reduction kernel: for long K over a handful of tiles, where the
+    # in-kernel reductions serialise (issue #3); 1x1 clusters (the K chunks share no operand)
+    for schedule, tm, tn in _SEPARATE_TILES:
+        for tk in (64, 128):
+            if tk == 128 and tm + tn > 256:
+                continue
+            for splits in SEPARATE_SPLITS:
+                spec = CutlassSpec(tm, tn, tk, 1, 1, schedule, "splitk", splits, 0, "heuristic", 1,
+                                   layout, dtype, acc, "separate")
+                if valid(spec) is None:
+                    out.append(spec)
     return out
 
 
+_SEPARATE_TILES = (("cooperative", 128, 64), ("cooperative", 128, 128), ("cooperative", 128, 256),
+                   ("cooperative", 256, 128), ("pingpong", 64, 64), ("pingpong", 64, 128),
+                   ("pingpong", 128, 64), ("pingpong", 128, 128))
+SEPARATE_SPLITS = (4, 8, 16, 32, 64)
+
+
 SMS = 132  # H100 / H200 SXM
+L2_BYTES = 50 << 20  # H100 / H200
+SEPARATE_LAUNCH_US = 1.5  # a guess: the reduction kernel's launch and tail behind the GEMM
 TURNSTILE_GBS = 50.0  # a guess at one SM's rate reading and writing a partial tile (estimate_us)
 
 
@@ -356,6 +399,12 @@ def estimate_us(spec: CutlassSpec, problem, tflops_per_sm: float = 5.5, gbs: flo
     hbm_gbs = gbs * min(1.0, units / usable) ** 0.5  # fewer fetching SMs, less of HBM reached
     memory = compulsory / (hbm_gbs * 1e3) + reread / (l2_gbs * 1e3)
     reduce = 0.0
+    if separate(spec):
+        # a prior, not yet fitted: the partials go out and come back through L2 when they fit
+        # in it (else HBM), plus the reduction kernel's launch behind the GEMM
+        partial_bytes = 2 * 4 * splits * problem.M * problem.N
+        rate = l2_gbs if partial_bytes / 2 <= L2_BYTES * 0.6 else gbs
+        return max(compute, memory) + SEPARATE_LAUNCH_US + partial_bytes / (rate * 1e3) + 3.0
     if spec.scheduler == "streamk" and splits == 1 and tiles % usable:
         reduce = 2.0 + 8 * usable * spec.tile_m * spec.tile_n / (gbs * 1e3)  # the split last wave
     if splits > 1:
@@ -434,7 +483,7 @@ using namespace cute;
 
 using ElementA = ${element_in};
 using ElementB = ${element_in};
-using ElementD = ${element_in};  // the ABI's C
+${element_d_line}
 using ElementAccumulator = ${element_acc};
 using ElementCompute = ${element_acc};
 using LayoutA = cutlass::layout::RowMajor;  // A [M,K] row-major: K-contiguous
@@ -500,13 +549,10 @@ typename Gemm::Arguments make_arguments(const void* A, const void* B, void* C, i
   using StrideA = typename GemmKernel::StrideA;
   using StrideB = typename GemmKernel::StrideB;
   using StrideD = typename GemmKernel::StrideD;
-  StrideA stride_a = cute::make_stride(int64_t(lda), cute::Int<1>{}, int64_t(lda) * M);
-  StrideB stride_b = ${stride_b};
-  StrideD stride_d = cute::make_stride(int64_t(ldc), cute::Int<1>{}, int64_t(ldc) * M);
-
+${strides}
   typename Gemm::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
-  args.problem_shape = cute::make_shape(M, N, K, 1);
+  args.problem_shape = ${problem_shape};
   args.mainloop.ptr_A = static_cast<ElementA const*>(A);
   args.mainloop.dA = stride_a;
   args.mainloop.ptr_B = static_cast<ElementB const*>(B);
@@ -523,7 +569,7 @@ typename Gemm::Arguments make_arguments(const void* A, const void* B, void* C, i
   args.scheduler.max_swizzle_size = ${swizzle};
 ${scheduler_args}  return args;
 }
-
+${reduce_kernel}
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) const char* gemmrl_meta(void) {
@@ -543,7 +589,11 @@ extern "C" __attribute__((visibility("default"))) const char* gemmrl_cutlass_inf
   return text;
 }
 
-extern "C" __attribute__((visibility("default"))) size_t gemmrl_workspace_bytes(int M, int N, int K) {
+${entry_points}""")
+
+
+# The ABI's two entry points for a GEMM that writes C itself.
+_ENTRY_POINTS = Template(r"""extern "C" __attribute__((visibility("default"))) size_t gemmrl_workspace_bytes(int M, int N, int K) {
   if (M <= 0 || N <= 0 || K <= 0) return 0;
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
@@ -581,6 +631,112 @@ extern "C" __attribute__((visibility("default"))) int gemmrl_run(
 }
 """)
 
+# ... and for the separate reduction: the GEMM is a batch of K chunks writing fp32 partials into
+# the workspace (after CUTLASS's own, if any), then gemmrl_separate::splitk_reduce writes C.
+_ENTRY_POINTS_SEPARATE = Template(r"""// The workspace: CUTLASS's own bytes (if any), then the fp32 partials [kSplits][M][N] from a
+// 256-byte boundary.
+static size_t partials_offset(size_t cutlass_bytes) { return (cutlass_bytes + 255) / 256 * 256; }
+
+extern "C" __attribute__((visibility("default"))) size_t gemmrl_workspace_bytes(int M, int N, int K) {
+  if (M <= 0 || N <= 0 || K <= 0 || K % (kSplits * kAlignment)) return 0;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  int sms = sm_count(device);
+  if (sms <= 0) return 0;
+  size_t own = Gemm::get_workspace_size(make_arguments(nullptr, nullptr, nullptr, M, N, K, K, ${ldb_packed}, N,
+                                                       device, sms));
+  return partials_offset(own) + size_t(kSplits) * size_t(M) * size_t(N) * sizeof(float);
+}
+
+// Two launches on `stream`: the GEMM, then the reduction gemmrl_separate::splitk_reduce (programmatic dependent launch: it may be
+// scheduled early and waits in griddepcontrol.wait until the GEMM's writes are visible). A
+// return of kLaunchFailed after the GEMM launched means the reduction did not: C is not written.
+extern "C" __attribute__((visibility("default"))) int gemmrl_run(
+    const void* A, const void* B, void* C, int M, int N, int K, int lda, int ldb, int ldc,
+    void* workspace, cudaStream_t stream) {
+  if (M <= 0 || N <= 0 || K <= 0) return kBadSize;
+  if (lda < K || ldb < ${ldb_min} || ldc < N) return kBadLeadingDim;
+  if (K % kAlignment || N % kAlignment || lda % kAlignment || ldb % kAlignment || ldc % kAlignment)
+    return kMisalignedExtent;
+  if (K % (kSplits * kAlignment)) return kCannotImplement;  // equal K chunks on 16-byte boundaries
+  if (!A || !B || !C || (reinterpret_cast<uintptr_t>(A) | reinterpret_cast<uintptr_t>(B) |
+                         reinterpret_cast<uintptr_t>(C)) % 16)
+    return kBadPointer;
+  if (!workspace || reinterpret_cast<uintptr_t>(workspace) % 16) return kBadWorkspace;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return kNoDevice;
+  int sms = sm_count(device);
+  if (sms <= 0) return kNoDevice;
+  typename Gemm::Arguments args = make_arguments(A, B, nullptr, M, N, K, lda, ldb, ldc, device, sms);
+  size_t own = Gemm::get_workspace_size(args);
+  float* partials = reinterpret_cast<float*>(static_cast<char*>(workspace) + partials_offset(own));
+  args.epilogue.ptr_D = partials;
+  if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return kCannotImplement;
+  Gemm gemm;
+  if (gemm.initialize(args, own > 0 ? workspace : nullptr, stream) != cutlass::Status::kSuccess)
+    return kInitFailed;
+  if (gemm.run(stream) != cutlass::Status::kSuccess) return kLaunchFailed;
+  const int64_t quads = int64_t(M) * (N / 4);
+  cudaLaunchConfig_t config = {};
+  constexpr int threads = gemmrl_separate::kReduceThreads;
+  config.gridDim = dim3(unsigned(std::min<int64_t>((quads + threads - 1) / threads, int64_t(sms) * 16)));
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  // the element type spelled out: nvcc's host stub cannot name an alias from an anonymous namespace
+  if (cudaLaunchKernelEx(&config, gemmrl_separate::splitk_reduce<${out_cpp}, ${splits}>,
+                         static_cast<const float*>(partials), static_cast<${out_cpp}*>(C), M, N, ldc) != cudaSuccess)
+    return kLaunchFailed;
+  return kOk;
+}
+""")
+
+_REDUCE_KERNEL = r"""
+}  // namespace
+
+// (a kernel in a named namespace: nvcc's host stubs cannot name one in an anonymous namespace)
+namespace gemmrl_separate {
+
+// The separate reduction: C[m][n] = the sum over K chunks s = 0..Splits-1, in that order, of the
+// fp32 partials P[s][m][n], rounded once to C's type. Deterministic: no atomics, one order.
+// Four consecutive n per thread (N % 8 == 0): float4 loads, one 8-byte store.
+constexpr int kReduceThreads = 128;
+
+template <typename Out, int Splits>
+__global__ void __launch_bounds__(kReduceThreads)
+splitk_reduce(const float* __restrict__ partials, Out* __restrict__ C, int M, int N, int ldc) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the GEMM has finished and its writes are visible
+#endif
+  const int64_t quads_per_row = N / 4, quads = int64_t(M) * quads_per_row;
+  const int64_t slice = quads;  // float4 per [M,N] partial
+  const float4* p4 = reinterpret_cast<const float4*>(partials);
+  for (int64_t i = int64_t(blockIdx.x) * kReduceThreads + threadIdx.x; i < quads;
+       i += int64_t(gridDim.x) * kReduceThreads) {
+    const int64_t m = i / quads_per_row, n = (i - m * quads_per_row) * 4;
+    float4 acc = __ldcs(p4 + i);
+#pragma unroll 8
+    for (int s = 1; s < Splits; ++s) {
+      const float4 v = __ldcs(p4 + i + s * slice);
+      acc.x += v.x;
+      acc.y += v.y;
+      acc.z += v.z;
+      acc.w += v.w;
+    }
+    alignas(8) Out out[4] = {Out(acc.x), Out(acc.y), Out(acc.z), Out(acc.w)};
+    *reinterpret_cast<uint2*>(C + m * ldc + n) = *reinterpret_cast<const uint2*>(out);
+  }
+}
+
+}  // namespace gemmrl_separate
+
+namespace {
+"""
 
 def render(spec: CutlassSpec, problem=None) -> str:
     """The complete .cu source of `spec`: pure and deterministic. The kernel is generic over the
@@ -590,7 +746,8 @@ def render(spec: CutlassSpec, problem=None) -> str:
         raise ValueError(f"{spec.name}: {why}")
     s = spec
     nn = s.layout == "NN"
-    if s.scheduler == "persistent":
+    sr = separate(s)
+    if s.scheduler == "persistent" or sr:  # the separate reduction's GEMM is a persistent batch
         scheduler_tag, scheduler_args = "cutlass::gemm::PersistentScheduler", ""
     else:
         mode = "SplitK" if s.scheduler == "splitk" else "Heuristic"
@@ -606,13 +763,44 @@ def render(spec: CutlassSpec, problem=None) -> str:
     else:
         stage_count = ("cutlass::gemm::collective::StageCountAutoCarveout<\n"
                        "        static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>")
+    stride_b = ("cute::make_stride(cute::Int<1>{}, int64_t(ldb), int64_t(ldb) * K)" if nn
+                else "cute::make_stride(int64_t(ldb), cute::Int<1>{}, int64_t(ldb) * N)")
+    if sr:
+        element_d_line = (f"using ElementD = float;  // the GEMM's output: fp32 partials, an [M,N] slice per K chunk\n"
+                          f"using ElementOut = {_CPP_ELEMENT[s.dtype]};  // the ABI's C, written by the reduction\n"
+                          f"constexpr int kSplits = {s.splits};  // K chunks: the GEMM's batch, summed by splitk_reduce")
+        kc = "int64_t(K / kSplits)"
+        strides = (
+            f"  const int64_t chunk = {kc};  // K per split: the batch stride of A and of B\n"
+            f"  StrideA stride_a = cute::make_stride(int64_t(lda), cute::Int<1>{{}}, chunk);\n"
+            f"  StrideB stride_b = "
+            + ("cute::make_stride(cute::Int<1>{}, int64_t(ldb), int64_t(ldb) * chunk);\n" if nn
+               else "cute::make_stride(int64_t(ldb), cute::Int<1>{}, chunk);\n")
+            + "  StrideD stride_d = cute::make_stride(int64_t(N), cute::Int<1>{}, int64_t(N) * M);  // packed partials\n")
+        problem_shape = "cute::make_shape(M, N, K / kSplits, kSplits)"
+        entry = _ENTRY_POINTS_SEPARATE
+        prefix = ("// split-K with a separate reduction kernel: the GEMM signals its dependent launch early\n"
+                  "#define CUTLASS_ENABLE_GDC_FOR_SM90 1\n#include <algorithm>\n")
+        reduce_kernel = _REDUCE_KERNEL
+    else:
+        element_d_line = f"using ElementD = {_CPP_ELEMENT[s.dtype]};  // the ABI's C"
+        strides = ("  StrideA stride_a = cute::make_stride(int64_t(lda), cute::Int<1>{}, int64_t(lda) * M);\n"
+                   f"  StrideB stride_b = {stride_b};\n"
+                   "  StrideD stride_d = cute::make_stride(int64_t(ldc), cute::Int<1>{}, int64_t(ldc) * M);\n")
+        problem_shape = "cute::make_shape(M, N, K, 1)"
+        entry, prefix, reduce_kernel = _ENTRY_POINTS, "", ""
     meta = {"layout": s.layout, "dtype": s.dtype, "acc": s.acc, "name": s.name, "family": FAMILY,
             "key": s.key()}
     return _TEMPLATE.substitute(
         name=s.name, version=RENDER_VERSION,
-        extended_mma=("" if s.tile_n in BASE_MMA_N else
-                      "// tile_n is not a base wgmma N: one wide MMA atom needs cute's extended shapes\n"
-                      "#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED 1\n"),
+        extended_mma=prefix + ("" if s.tile_n in BASE_MMA_N else
+                               "// tile_n is not a base wgmma N: one wide MMA atom needs cute's extended shapes\n"
+                               "#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED 1\n"),
+        element_d_line=element_d_line, strides=strides, problem_shape=problem_shape,
+        reduce_kernel=reduce_kernel,
+        ldb_min="N" if nn else "K",
+        entry_points=entry.substitute(ldb_min="N" if nn else "K", ldb_packed="N" if nn else "K",
+                                      out_cpp=_CPP_ELEMENT[s.dtype], splits=s.splits),
         spec_json=json.dumps(s.to_dict(), sort_keys=True, separators=(",", ":")),
         b_expr="B" if nn else "B^T",
         element_in=_CPP_ELEMENT[s.dtype], element_acc=_CPP_ELEMENT[s.acc],
@@ -626,9 +814,6 @@ def render(spec: CutlassSpec, problem=None) -> str:
                            else "cutlass::epilogue::TmaWarpSpecialized"),
         scheduler_tag=scheduler_tag, scheduler_args=scheduler_args, stage_count=stage_count,
         smem_capacity=SMEM_CAPACITY,
-        stride_b=("cute::make_stride(cute::Int<1>{}, int64_t(ldb), int64_t(ldb) * K)" if nn
-                  else "cute::make_stride(int64_t(ldb), cute::Int<1>{}, int64_t(ldb) * N)"),
-        ldb_min="N" if nn else "K", ldb_packed="N" if nn else "K",
         raster=_CPP_RASTER[s.raster], swizzle=s.swizzle,
         meta_c=json.dumps(meta, separators=(", ", ": ")).replace("\\", "\\\\").replace('"', '\\"'),
     )
