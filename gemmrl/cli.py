@@ -100,15 +100,20 @@ def shapes(shape_spec, dtype, acc, below, column, plain):
 @click.option("--subject", default=None, help="implementation whose speedups the report shows")
 @click.option("--qps", default=1000.0, show_default=True, help="server mode: mean arrivals per second")
 @click.option("--host-ci", default=None, type=click.FloatRange(0.0005, 0.5),
-              help="offline/server: sample until every median (server: mean) is known to within this "
-                   "relative CI half-width (e.g. 0.005), at most 2000 rounds or --host-max-s per shape "
-                   "(protocol v3; v4 in server mode)")
+              help="offline/server: sample until every median (server: the --server-stat) is known to "
+                   "within this relative CI half-width (e.g. 0.005), at most 2000 rounds or --host-max-s "
+                   "per shape (protocol v3; server mode v5 (paired) or v4 (mean))")
 @click.option("--host-max-s", default=5.0, show_default=True, type=click.FloatRange(0.1, 600),
               help="with --host-ci: the most seconds of sampling per shape and mode")
 @click.option("--server-gaps", default=None, type=click.Choice(["each", "round"]),
               help="server mode: one idle gap per round that every implementation waits (round, the "
                    "default: the same gaps for all, a fairer comparison, less noise), or a gap drawn "
                    "before each call (each: the protocol before 2026-11-22's fourth session)")
+@click.option("--server-stat", default="paired", show_default=True, type=click.Choice(["paired", "mean"]),
+              help="server mode: the statistic the precision target is on and the reports compare: "
+                   "paired (each call's time over its round's median time, whose median is robust "
+                   "to the machine state the round's calls share; every record keeps its mean too) "
+                   "or mean")
 @click.option("--budget-s", default=None, type=float, help="stop starting new shapes after this many seconds")
 @click.option("--no-verify", is_flag=True, help="skip the correctness checks (not for real results)")
 @click.option("--retime", is_flag=True, help="measure again what the store already has")
@@ -117,7 +122,7 @@ def shapes(shape_spec, dtype, acc, below, column, plain):
               help="run each shape in a worker process: a crashing or hanging kernel is quarantined, "
                    "the run goes on")
 def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, host_ci, host_max_s, server_gaps,
-          budget_s, no_verify, retime, no_report, isolate):
+          server_stat, budget_s, no_verify, retime, no_report, isolate):
     """Verify and time implementations over a set of shapes; results go to the store."""
     problems = _problems(shape_spec, dtype, acc)
     modes = _modes(mode_opts)
@@ -156,7 +161,7 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, h
                            offline=timing.HostSettings(mode="offline", **precision),
                            server=timing.HostSettings(mode="server", min_rounds=40,
                                                       **{"max_rounds": 100, **precision}, qps=qps,
-                                                      gaps=server_gaps or "round", stat="mean"),
+                                                      gaps=server_gaps or "round", stat=server_stat),
                            deadline=time.monotonic() + budget_s if budget_s else None)
     settings = {"modes": modes, "impls": [i.name for i in impls], "shapes": shape_spec,
                 **{m: timing.settings_dict(getattr(cfg, m)) for m in modes}, "verify": not no_verify}

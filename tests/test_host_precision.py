@@ -95,3 +95,52 @@ def test_mean_rule_is_v4_and_stops_on_the_means_ci():
     assert not v4.done(60, 1.0, {"a": draw[:60]})  # 60 bimodal samples: the mean is not known to 3%
     with pytest.raises(ValueError, match="stat must be"):
         HostSettings(stat="mode")
+
+
+def test_paired_rounds_divide_out_the_rounds_state():
+    from gemmrl.bench.stats import PairedRounds
+
+    p = PairedRounds()
+    assert p.ratio("a", "b") is None and p.ratios(["a", "b"]) == {"a": {}, "b": {}}
+    rng = random.Random(1)
+    for _ in range(400):
+        state = rng.choice((30.0, 90.0))  # shared by the round's calls
+        cold = lambda: 1.5 if rng.random() < 0.2 else 1.0  # noqa: E731  (and each call's own)
+        p.add_round({"a": state * cold(), "b": state * 1.10 * cold(), "c": state * 0.95 * cold()})
+    r = p.ratios(["a", "b", "c"])
+    assert r["a"]["b"] == pytest.approx(1.10) and r["a"]["c"] == pytest.approx(0.95)
+    assert r["b"]["a"] == pytest.approx(1 / r["a"]["b"]) and r["c"]["b"] == pytest.approx(1.10 / 0.95)
+    assert p.precise_enough(["a", "b", "c"], 0.01)
+    q = PairedRounds()
+    q.add_round({"a": 1.0, "b": 2.0})
+    assert not q.precise_enough(["a", "b"], 0.5)  # under 8 rounds nothing is known
+    assert PairedRounds().precise_enough(["a", "missing"], 0.5) is False
+    # an implementation absent from some rounds (failed, say) is compared on the rounds both ran
+    p.add_round({"a": 10.0, "c": 30.0})
+    assert len(p.log_ratios("a", "c")) == 401 and len(p.log_ratios("a", "b")) == 400
+    with pytest.raises(ValueError, match="finite and positive"):
+        p.add_round({"a": 0.0})
+
+
+def test_paired_rule_is_v5_server_only_and_stops_on_the_ratios_ci():
+    from gemmrl.bench.stats import PairedRounds
+
+    v5 = HostSettings(mode="server", target_ci=0.01, stat="paired", gaps="round", max_s=20.0)
+    assert v5.protocol() == "server:v5:ci=0.01:qps=1000:gaps=round"
+    with pytest.raises(ValueError, match="server-mode statistic"):
+        HostSettings(mode="offline", stat="paired")
+    rng = random.Random(2)
+    p = PairedRounds()
+    samples = {"a": [], "b": []}
+    for _ in range(60):
+        state = rng.choice((30.0, 90.0))
+        rnd = {"a": state * (1 + 0.002 * rng.gauss(0, 1)), "b": state * 1.2 * (1 + 0.002 * rng.gauss(0, 1))}
+        p.add_round(rnd)
+        for k, v in rnd.items():
+            samples[k].append(v)
+    # the means are far from known to 1% (the state is bimodal); the paired ratios are
+    assert not precise_enough(samples, 0.01, stat="mean")
+    assert v5.done(60, 1.0, samples, p)
+    assert not v5.done(20, 1.0, samples, p)  # under min_rounds (30)
+    with pytest.raises(ValueError, match="needs the rounds"):
+        v5.done(60, 1.0, samples)

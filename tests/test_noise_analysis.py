@@ -47,3 +47,23 @@ def test_bad_input_is_refused():
         chunk_disagreements([], 5, "mode")
     with pytest.raises(ValueError, match="time_us must be positive"):
         chunk_disagreements(_trace(2, draw=lambda rng, r, n: 0.0), 1, "mean")
+
+
+def test_the_paired_statistic_removes_a_state_the_rounds_share():
+    # gaps=round: every call of a round sees the same machine state (30 or 90 us), and a call is
+    # cold (1.5x) at random on its own, plus 1% noise: the paired statistic divides the state out
+    # and is robust to the cold calls; the mean is not
+    def shared(rng, r, n, states={}):
+        state = states.setdefault(r, random.Random(r).choice((30.0, 90.0)))
+        return state * (1.5 if rng.random() < 0.3 else 1.0) * (1 + 0.01 * rng.gauss(0, 1))
+
+    rows = _trace(3000, gaps="round", draw=shared, names=("a", "b", "c"))
+    t = {r["stat"]: r for r in agreement_table(rows, [150])}
+    assert t["paired"]["pairs"] == t["mean"]["pairs"] == 60
+    assert t["paired"]["within"] == 1.0 and t["paired"]["max"] < 0.01
+    assert t["mean"]["within"] < 0.9
+    # a real difference is kept: b 5% slower in every round
+    rows = _trace(200, gaps="round", draw=lambda rng, r, n: (30.0 if r % 2 else 90.0) * (1.05 if n == "b" else 1.0),
+                  names=("a", "b"))
+    (row,) = agreement_table(rows, [100], ["paired"])
+    assert row["median"] == pytest.approx(0.05)

@@ -18,6 +18,7 @@ from gemmrl.report.export import (
     summarize,
     table_csv,
     times_rows,
+    versus_rows,
     write_results,
 )
 
@@ -229,6 +230,40 @@ def test_times_rows_without_peaks_leave_roofline_empty():
     assert all(r[columns.index("bound")] is None for r in rows)
     assert all(r[columns.index("tflops")] > 0 for r in rows)
     assert table_csv(columns, rows).splitlines()[1].endswith(",,")
+
+
+def test_server_reports_compare_paired_ratios_where_recorded_else_means():
+    def srv(impl, median, mean, paired=None):
+        details = {"qps": 1000.0, "gaps": "round"} | ({"paired": paired} if paired is not None else {})
+        return rec(64, 64, 64, impl, "server", median, mean_us=mean, details=details)
+
+    # the paired ratio says torch.matmul takes 1.5x gemmrl's time in the same rounds; the means
+    # would say 1.0, the medians 2.0
+    records = [srv("gemmrl", 5.0, 10.0, {"torch.matmul": 1.5, "gemmrl@repeat": 1.01}),
+               srv("torch.matmul", 10.0, 10.0, {"gemmrl": 1 / 1.5}),
+               srv("gemmrl@repeat", 5.0, 12.0, {"gemmrl": 1 / 1.01})]
+    columns, rows = speedup_rows(records, "gemmrl", "server")
+    assert rows[0][columns.index("torch.matmul")] == pytest.approx(1.5)
+    assert versus_rows(records, "gemmrl", "torch.matmul")[1][0][1] == pytest.approx(1.5)
+    # the noise check of a repeat uses the pair too (the means differ by 20%)
+    noise = summarize(records, "gemmrl", PEAKS)["noise"]["server"]["gemmrl"]
+    assert noise["median"] == pytest.approx(0.01)
+    # the times shown stay the means
+    columns, rows = times_rows(records, "server", None)
+    assert sorted(r[columns.index("mean_us")] for r in rows) == [10.0, 10.0, 12.0]
+    # without a pair (records before protocol v5, or a baseline not timed beside it) the means
+    records = [srv("gemmrl", 5.0, 10.0, {"cuBLAS-tn": 0.5}), srv("torch.matmul", 10.0, 15.0)]
+    columns, rows = speedup_rows(records, "gemmrl", "server")
+    assert rows[0][columns.index("torch.matmul")] == pytest.approx(1.5)
+    # a bad ratio is not used
+    records = [srv("gemmrl", 5.0, 10.0, {"torch.matmul": float("nan")}), srv("torch.matmul", 10.0, 15.0)]
+    columns, rows = speedup_rows(records, "gemmrl", "server")
+    assert rows[0][columns.index("torch.matmul")] == pytest.approx(1.5)
+    # offline and kernel modes compare medians whatever the details hold
+    records = [rec(64, 64, 64, "gemmrl", "offline", 5.0, details={"paired": {"torch.matmul": 9.0}}),
+               rec(64, 64, 64, "torch.matmul", "offline", 10.0)]
+    columns, rows = speedup_rows(records, "gemmrl", "offline")
+    assert rows[0][columns.index("torch.matmul")] == pytest.approx(2.0)
 
 
 # ----------------------------------------------------------------------------- summary

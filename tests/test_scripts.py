@@ -36,7 +36,7 @@ def test_server_noise_report_reads_a_trace(tmp_path):
                        capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode == 0, r.stderr
     rows = [line for line in r.stdout.splitlines() if line.startswith("| round |")]
-    assert len(rows) == 5 * 3  # 5 chunk sizes x 3 statistics
+    assert len(rows) == 5 * 4  # 5 chunk sizes x 4 statistics (median, mean, trimmed, paired)
     assert all("| 0% |" in line and "3.00%" in line for line in rows)
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "server-noise-report.py")],
                        capture_output=True, text=True, env=ENV, timeout=300)

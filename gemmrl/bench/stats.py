@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 
@@ -80,3 +81,73 @@ def precise_enough(samples: dict, target_rel: float, z: float = 1.96, stat: str 
     """Whether every implementation's `stat` (median or mean) is known to within `target_rel`."""
     ci = CI_RULES[stat]
     return all(ci(v, z) <= target_rel for v in samples.values())
+
+
+class PairedRounds:
+    """Server mode's paired comparison. The calls of one round share the machine's state (every
+    implementation waits the same idle gap: gaps='round'), so their times move together; the
+    time of j relative to i is taken as the median over rounds of t_j / t_i within a round
+    (exp of the median log-ratio), which that shared state divides out.
+
+    Checked on 4 copies of torch.matmul timed 1,500 rounds per shape (results/logs/server-noise-
+    trace-2026-11-22d.csv.gz), with known factors applied to copies (1.05; 0.8, 1.1, 1.5):
+    copies agreed with the truth within 2% in 92% of 150-round chunks and all 300-round chunks,
+    against 65% and 85% by the ratio of means; bias under 0.1%. (A one-pivot variant, each call
+    over its round's median call, was biased by 0.7% when implementations differ.)"""
+
+    CHECK_EVERY = 10  # rounds between precision checks (a check sorts every pair's ratios)
+
+    def __init__(self):
+        self.rounds: list[dict[str, float]] = []
+        self._checked_at, self._precise = -1, False
+
+    def add_round(self, times_us: dict[str, float]) -> None:
+        """One round's per-implementation times (those timed ok in it)."""
+        if any(not (math.isfinite(t) and t > 0) for t in times_us.values()):
+            raise ValueError("timing samples must be finite and positive")
+        if times_us:
+            self.rounds.append(dict(times_us))
+
+    def log_ratios(self, i: str, j: str) -> list[float]:
+        """log(t_j / t_i) in every round that timed both."""
+        return [math.log(r[j] / r[i]) for r in self.rounds if i in r and j in r]
+
+    def ratio(self, i: str, j: str) -> float | None:
+        """t_j / t_i as the median of the rounds' ratios; None without a common round."""
+        lr = self.log_ratios(i, j)
+        return math.exp(statistics.median(lr)) if lr else None
+
+    def ratios(self, names) -> dict[str, dict[str, float]]:
+        """{i: {j: t_j / t_i}} for every ordered pair of `names` with a common round."""
+        names = list(names)
+        out: dict[str, dict[str, float]] = {n: {} for n in names}
+        for a, b in itertools.combinations(names, 2):
+            r = self.ratio(a, b)
+            if r is not None:
+                out[a][b], out[b][a] = r, 1.0 / r
+        return out
+
+    def precise_enough(self, names, target_rel: float, z: float = 1.96) -> bool:
+        """Whether every pair's median ratio is known to within `target_rel` (order-statistic CI
+        of the median log-ratio); checked every CHECK_EVERY rounds, the last answer kept between."""
+        n = len(self.rounds)
+        if n - self._checked_at < self.CHECK_EVERY and self._checked_at >= 0:
+            return self._precise
+        self._checked_at = n
+        names = list(names)
+        ok = len(names) < 2 or all(
+            _log_median_ci(self.log_ratios(a, b), z) <= math.log1p(target_rel)
+            for a, b in itertools.combinations(names, 2))
+        self._precise = ok
+        return ok
+
+
+def _log_median_ci(logs: list[float], z: float) -> float:
+    """Half-width of the order-statistic CI of the median of `logs`; inf below 8 values."""
+    xs = sorted(logs)
+    n = len(xs)
+    if n < 8:
+        return math.inf
+    half = z * math.sqrt(n) / 2
+    lo, hi = max(0, math.floor(n / 2 - half)), min(n - 1, math.ceil(n / 2 + half))
+    return (xs[hi] - xs[lo]) / 2

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from gemmrl.bench.stats import precise_enough, summarize_samples
+from gemmrl.bench.stats import PairedRounds, precise_enough, summarize_samples
 from gemmrl.core.problem import Problem
 from gemmrl.verify.checks import TORCH_DTYPES, clocks_intact, rel_error
 
@@ -48,6 +48,7 @@ class KernelSettings:
 
 
 GAP_DRAWS = ("each", "round")
+HOST_STATS = ("median", "mean", "paired")
 
 
 @dataclass(frozen=True)
@@ -66,14 +67,17 @@ class HostSettings:
     # server mode: "each" draws an idle gap before every call; "round" draws one per round and
     # every implementation waits it (the same gaps for all: common random numbers)
     gaps: str = "each"
-    # the statistic the precision target is on: the median, or the mean (server mode's: its
-    # cold calls make the distribution bimodal and the median unstable; the reports compare
-    # server-mode means)
+    # the statistic the precision target is on: the median, the mean (server mode's cold calls
+    # make the distribution bimodal and the median unstable), or 'paired' (server mode only:
+    # every pair's median within-round time ratio, stats.PairedRounds; the reports compare
+    # these ratios where a record has them)
     stat: str = "median"
 
     def __post_init__(self):
-        if self.stat not in ("median", "mean"):
-            raise ValueError(f"stat must be 'median' or 'mean', got {self.stat!r}")
+        if self.stat not in HOST_STATS:
+            raise ValueError(f"stat must be one of {', '.join(HOST_STATS)}, got {self.stat!r}")
+        if self.stat == "paired" and self.mode != "server":
+            raise ValueError("stat='paired' is a server-mode statistic (its rounds share an idle gap)")
         if self.gaps not in GAP_DRAWS:
             raise ValueError(f"gaps must be one of {GAP_DRAWS}, got {self.gaps!r}")
         if self.gaps != "each" and self.mode != "server":
@@ -83,24 +87,33 @@ class HostSettings:
 
     def protocol(self) -> str:
         # v2: 30 offline / 40 server samples at least (v1 took 20 / 15: too noisy in server mode)
-        # v3: v2 plus a precision target (target_ci) on the median; v4: on the mean
+        # v3: v2 plus a precision target (target_ci) on the median; v4: on the mean; v5: on the
+        # paired statistic (stats.PairedRounds)
         if self.target_ci is None:
             base = f"{self.mode}:v2"
         else:
-            base = f"{self.mode}:{'v4' if self.stat == 'mean' else 'v3'}:ci={self.target_ci:g}"
+            version = {"median": "v3", "mean": "v4", "paired": "v5"}[self.stat]
+            base = f"{self.mode}:{version}:ci={self.target_ci:g}"
         if self.mode != "server":
             return base
         return base + f":qps={self.qps:g}" + (f":gaps={self.gaps}" if self.gaps != "each" else "")
 
-    def done(self, rounds: int, elapsed_s: float, samples: dict) -> bool:
-        """Whether host timing stops after `rounds` timed rounds (warm-up excluded)."""
+    def done(self, rounds: int, elapsed_s: float, samples: dict, paired: PairedRounds | None = None) -> bool:
+        """Whether host timing stops after `rounds` timed rounds (warm-up excluded). `paired`:
+        the rounds' ratios, which the 'paired' statistic's precision target is on."""
         if rounds >= self.max_rounds:
             return True
         if rounds < self.min_rounds:
             return False
         if self.target_ci is None:
             return elapsed_s > self.budget_s
-        return elapsed_s > self.max_s or precise_enough(samples, self.target_ci, stat=self.stat)
+        if elapsed_s > self.max_s:
+            return True
+        if self.stat == "paired":
+            if paired is None:
+                raise ValueError("stat='paired' needs the rounds' PairedRounds")
+            return paired.precise_enough(samples, self.target_ci)
+        return precise_enough(samples, self.target_ci, stat=self.stat)
 
 
 def draw_gaps(rng: random.Random, order: list, settings: HostSettings) -> list[float]:
@@ -264,6 +277,7 @@ def time_host(problem: Problem, calls: dict, *, settings: HostSettings = HostSet
     (a, b_nn, b_tn, c), = make_sets(problem, 1, gen)
     recheck_every = 1 if problem.M * problem.N <= (1 << 26) else 8
     samples: dict[str, list[float]] = {n: [] for n in calls}
+    paired = PairedRounds()
     failed: dict[str, dict] = {}
     sync = torch.cuda.synchronize
     start = _perf_counter()
@@ -278,6 +292,7 @@ def time_host(problem: Problem, calls: dict, *, settings: HostSettings = HostSet
         if not order:
             break
         rng.shuffle(order)
+        this_round: dict[str, float] = {}
         for name, gap in zip(order, draw_gaps(rng, order, settings)):
             fn = calls[name]
             if check:
@@ -301,21 +316,29 @@ def time_host(problem: Problem, calls: dict, *, settings: HostSettings = HostSet
                     continue
             if r >= settings.warmup_rounds:
                 samples[name].append((t1 - t0) * 1e6)
+                this_round[name] = (t1 - t0) * 1e6
             if trace is not None:
                 trace.append((r, name, gap, (t1 - t0) * 1e6))
+        if settings.mode == "server":
+            paired.add_round({n: t for n, t in this_round.items() if n not in failed})
         done = r + 1 - settings.warmup_rounds
         if done > 0 and settings.done(done, _perf_counter() - start,
-                                      {n: v for n, v in samples.items() if n not in failed}):
+                                      {n: v for n, v in samples.items() if n not in failed}, paired):
             break
     if (why := clocks_intact()):
         return {n: _fail("cheat", f"timer patching: {why}") for n in calls}
     out = {}
+    ok_names = [n for n in calls if n not in failed]
+    ratios = paired.ratios(ok_names) if settings.mode == "server" else {}
     for name in calls:
         if name in failed:
             out[name] = failed[name]
         else:
-            out[name] = {**summarize_samples(samples[name]), "status": "ok",
-                         "details": {"qps": settings.qps, "gaps": settings.gaps} if settings.mode == "server" else {}}
+            details = {}
+            if settings.mode == "server":
+                # t_other / t_self, each the median of the rounds' ratios (stats.PairedRounds)
+                details = {"qps": settings.qps, "gaps": settings.gaps, "paired": ratios.get(name, {})}
+            out[name] = {**summarize_samples(samples[name]), "status": "ok", "details": details}
     return out
 
 

@@ -7,7 +7,9 @@ any other impl is a candidate; '<impl>@repeat' is a second timing of <impl> in t
 used only to measure noise.
 
 Speedup = baseline time / subject time, where a time is the median in kernel and offline modes
-and the mean in server mode (_Rec.time). Tables hold floats (None for an empty cell); the CSV
+and the mean in server mode (_Rec.time); in server mode a record of protocol v5 carries, in
+details['paired'], the median within-round ratio to every implementation timed beside it, and
+those ratios are used instead (_Rec.over). Tables hold floats (None for an empty cell); the CSV
 writer prints them with 3 decimals as CUDA-L2's eval_results files do. Matplotlib is imported
 only when plots are written, so the tables and the summary work without it.
 """
@@ -27,7 +29,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from gemmrl.bench.stats import repeat_noise, roofline_floor_us
+from gemmrl.bench.stats import roofline_floor_us
 from gemmrl.bench.stats import tflops as stats_tflops
 from gemmrl.core.problem import Problem, ProblemError, bucket_label, size_bucket
 
@@ -59,7 +61,8 @@ TIMES_COLUMNS = ["mnk", "M", "N", "K", "impl", "median_us", "mean_us", "p90_us",
 _REQUIRED = ("M", "N", "K", "dtype", "acc", "impl", "mode", "median_us")
 _STAT_KEYS = ("count", "mean", "geomean", "median", "min", "max", "share_slower")
 NOISE_TOLERANCE = 0.02
-# the mode whose reports compare mean times (the others compare medians): _Rec.time
+# the mode whose reports compare mean times, or paired ratios where recorded (the others compare
+# medians): _Rec.time, _Rec.over
 SERVER_STAT_MODE = "server"
 
 
@@ -101,7 +104,7 @@ def _problem(rec: dict, where: str) -> Problem:
 class _Rec:
     """A checked record: its Problem, impl, mode, times and device."""
 
-    __slots__ = ("problem", "impl", "mode", "median", "mean", "p90", "n", "device")
+    __slots__ = ("problem", "impl", "mode", "median", "mean", "p90", "n", "device", "paired")
 
     def __init__(self, rec: dict, index: int):
         if not isinstance(rec, dict):
@@ -122,16 +125,33 @@ class _Rec:
         n = rec.get("n")
         self.n = None if n is None else int(n)
         self.device = None if rec.get("device") is None else str(rec["device"])
+        details = rec.get("details")
+        self.paired: dict[str, float] = {}  # server mode: other impl -> t_other / t_self, same rounds
+        raw = details.get("paired") if isinstance(details, dict) and self.mode == SERVER_STAT_MODE else None
+        if isinstance(raw, dict):
+            for other in raw:
+                v = _positive_time(raw, other, where, required=False)
+                if v is not None:
+                    self.paired[str(other)] = v
 
     @property
     def time(self) -> float:
-        """The time the report compares: the mean in server mode (as CUDA-L2 reports it; its
-        cold calls make the distribution bimodal, and the median then jumps between the modes:
-        timed twice it agreed within 2% on 78% of shapes where the mean did on 94-100%), the
-        median in kernel and offline modes."""
+        """The time the report shows: the mean in server mode (as CUDA-L2 reports it; its cold
+        calls make the distribution bimodal, and the median then jumps between the modes: timed
+        twice it agreed within 2% on 78% of shapes where the mean did on 94-100%), the median in
+        kernel and offline modes. Ratios in server mode prefer `over`."""
         if self.mode == SERVER_STAT_MODE and self.mean is not None:
             return self.mean
         return self.median
+
+    def over(self, other: "_Rec") -> float:
+        """other's time over this one's: in server mode the median of the two's within-round
+        ratios where this record has it (bench.stats.PairedRounds, protocol v5: the machine
+        state a round's calls share divides out), else the ratio of their times."""
+        paired = self.paired.get(other.impl)
+        if paired is not None:
+            return paired
+        return other.time / self.time
 
 
 def _check(records: Iterable[dict]) -> list[_Rec]:
@@ -248,23 +268,23 @@ def speedup_rows(records: Iterable[dict], subject: str, mode: str) -> tuple[list
         raise ReportError(f"subject {subject!r} is a repeat timing, not an implementation")
     recs = [r for r in _check(records) if r.mode == mode]
     _single_setting(recs, f"speedup_rows(mode={mode!r})")
-    times: dict[tuple, dict[str, float]] = defaultdict(dict)
+    by: dict[tuple, dict[str, _Rec]] = defaultdict(dict)
     problems: dict[tuple, Problem] = {}
     for r in recs:
-        times[r.problem.key()][r.impl] = r.time
+        by[r.problem.key()][r.impl] = r
         problems[r.problem.key()] = r.problem
     present = {r.impl for r in recs}
     cols, sources = _speedup_plan(present, subject)
     rows = []
     for key in sorted(problems, key=lambda k: _shape_sort_key(problems[k])):
-        t = times[key]
+        t = by[key]
         row: list = [problems[key].mnk]
         subj = t.get(subject)
         for impls in sources:
             if subj is None or any(i not in t for i in impls):
                 row.append(None)
             else:
-                row.append(min(t[i] for i in impls) / subj)
+                row.append(min(subj.over(t[i]) for i in impls))
         rows.append(row)
     return ["mnk"] + cols, rows
 
@@ -279,18 +299,18 @@ def versus_rows(records: Iterable[dict], subject: str, other: str) -> tuple[list
     recs = [r for r in _check(records) if r.impl in (subject, other)]
     _single_setting(recs, "versus_rows")
     modes = _sorted_modes(r.mode for r in recs)
-    times: dict[tuple, dict[tuple[str, str], float]] = defaultdict(dict)
+    by: dict[tuple, dict[tuple[str, str], _Rec]] = defaultdict(dict)
     problems: dict[tuple, Problem] = {}
     for r in recs:
-        times[r.problem.key()][(r.impl, r.mode)] = r.time
+        by[r.problem.key()][(r.impl, r.mode)] = r
         problems[r.problem.key()] = r.problem
     rows = []
     for key in sorted(problems, key=lambda k: _shape_sort_key(problems[k])):
-        t = times[key]
+        t = by[key]
         row: list = [problems[key].mnk]
         for mode in modes:
             s, o = t.get((subject, mode)), t.get((other, mode))
-            row.append(None if s is None or o is None else o / s)
+            row.append(None if s is None or o is None else s.over(o))
         rows.append(row)
     return ["mnk"] + modes, rows
 
@@ -446,16 +466,17 @@ def _column_summary(columns: list[str], rows: list[list], like: Problem | None) 
 
 
 def _noise(recs: Sequence[_Rec]) -> dict:
-    """Per mode, per '<impl>@repeat': |t_repeat / t - 1| over shapes timed both ways."""
-    by = defaultdict(dict)  # (mode, shape key) -> impl -> time (median; mean in server mode)
+    """Per mode, per '<impl>@repeat': |t_repeat / t - 1| over shapes timed both ways (server
+    mode: the paired ratio where recorded, _Rec.over)."""
+    by = defaultdict(dict)  # (mode, shape key) -> impl -> record
     for r in recs:
-        by[(r.mode, r.problem.key())][r.impl] = r.time
+        by[(r.mode, r.problem.key())][r.impl] = r
     out: dict[str, dict] = {}
     pairs = sorted({(r.mode, r.impl[: -len(REPEAT_SUFFIX)]) for r in recs if is_repeat(r.impl)})
     for mode in _sorted_modes(m for m, _ in pairs):
         out[mode] = {}
         for _, impl in [p for p in pairs if p[0] == mode]:
-            devs = [repeat_noise(t[impl], t[impl + REPEAT_SUFFIX])
+            devs = [abs(t[impl].over(t[impl + REPEAT_SUFFIX]) - 1.0)
                     for (m, _k), t in by.items()
                     if m == mode and impl in t and impl + REPEAT_SUFFIX in t]
             if not devs:

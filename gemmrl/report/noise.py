@@ -4,7 +4,8 @@ pure analysis of a trace of every sample (scripts/server-noise.py writes one; no
 A trace row is (shape, gaps, round, name, time_us), several `name`s being the same call timed
 under different names. For a chunk size n, the rounds are cut into consecutive chunks of n;
 in each chunk every pair of names is compared by a statistic (median, mean or 10%-trimmed
-mean) of its n samples. The disagreements |s_j / s_i - 1| over all shapes, chunks and pairs say
+mean) of its n samples, or by the paired statistic (bench.stats.PairedRounds: the median over
+the chunk's rounds of the two's within-round time ratio). The disagreements |s_j / s_i - 1| over all shapes, chunks and pairs say
 what a run of n rounds would report as noise.
 """
 
@@ -15,7 +16,9 @@ import statistics
 from collections import defaultdict
 from typing import Iterable
 
-STATISTICS = ("median", "mean", "trimmed")
+from gemmrl.bench.stats import PairedRounds
+
+STATISTICS = ("median", "mean", "trimmed", "paired")
 
 
 def _stat(values: list[float], stat: str) -> float:
@@ -54,6 +57,12 @@ def chunk_disagreements(rows: Iterable[dict], n: int, stat: str, *, warmup_round
         for c0 in range(0, len(rounds) - n + 1, n):
             chunk = rounds[c0:c0 + n]
             if any(rd not in per_name[x] for x in names for rd in chunk):
+                continue
+            if stat == "paired":
+                paired = PairedRounds()
+                for rd in chunk:
+                    paired.add_round({x: per_name[x][rd] for x in names})
+                out[gaps] += [abs(paired.ratio(i, j) - 1) for i, j in itertools.combinations(names, 2)]
                 continue
             s = {x: _stat([per_name[x][rd] for rd in chunk], stat) for x in names}
             out[gaps] += [abs(s[j] / s[i] - 1) for i, j in itertools.combinations(names, 2)]
