@@ -12,7 +12,8 @@
 #   tune       gemmrl tune on $TUNE_SHAPES (default subset), $TUNE_CANDIDATES (8) per shape, CUTLASS
 #              kernels only from the carried build cache (.ext/carry/gcache.tgz or .txz: tar of
 #              $GEMMRL_CACHE/builds made by `gemmrl build` on any machine with nvcc); $TUNE_MATCH, if
-#              set, limits the search to kernel names matching that regular expression
+#              set, limits the search to kernel names matching that regular expression; $TUNE_ACC
+#              (fp32 or fp16) the accumulator (default fp32)
 # Each step resumes from results/gemmrl.sqlite, and stops starting new shapes after BUDGET_S
 # seconds (default 500), so a 10-minute device call always returns its store. TOTAL_S (default 560)
 # caps the whole step: the tune is cut at that point, whatever it is doing, so the store is copied.
@@ -53,12 +54,12 @@ case "$step" in
         unpack_cache
         # raw kernels only for the shapes this call can reach (those with fewer than the asked
         # candidates tried, TUNE_PREBUILD_SHAPES of them): over the grid, all 3000 would take 5 minutes
-        python3 -m gemmrl.cli build --family raw --top 3 --shapes "$shapes" --jobs "$(nproc)" \
+        python3 -m gemmrl.cli build --family raw --top 3 --shapes "$shapes" --jobs "$(nproc)" ${TUNE_ACC:+--acc "$TUNE_ACC"} \
             --pending-in "$db" --candidates "${TUNE_CANDIDATES:-8}" \
             --max-shapes "${TUNE_PREBUILD_SHAPES:-120}" 2>&1 | tail -3 | tee "$out/build.log"
         cap=$(cap_at $((budget + 300)))
         echo "tune: search budget ${budget}s, cut at ${cap}s" | tee "$out/tune.log"
-        timeout "$cap" python3 -m gemmrl.cli tune --db "$db" --out "$out/results" --shapes "$shapes" \
+        timeout "$cap" python3 -m gemmrl.cli tune --db "$db" --out "$out/results" --shapes "$shapes" ${TUNE_ACC:+--acc "$TUNE_ACC"} \
             --candidates "${TUNE_CANDIDATES:-8}" --built-only ${TUNE_MATCH:+--match "$TUNE_MATCH"} --wall-s "$budget" 2>&1 | tee -a "$out/tune.log"; rc=${PIPESTATUS[0]} ;;
   *) echo "unknown step $step: tests | subset | hostmodes | bench | tune" >&2; exit 2 ;;
 esac
