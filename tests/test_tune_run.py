@@ -110,3 +110,55 @@ def test_policy_filter_combines_built_only_and_match():
     allow = policy_filter(match="_pp_")
     pp = CutlassSpec(64, 128, 64, schedule="pingpong")
     assert allow("cutlass_sm90", pp, P1) and not allow("cutlass_sm90", CutlassSpec(), P1)
+
+
+def test_a_winner_that_fails_the_final_verification_gives_way_to_the_runner_up(tmp_path):
+    from gemmrl.search.run import promote_runner_up
+
+    store = Store(tmp_path / "s.sqlite")
+    run_tune([P1], store, "H100", fake_evaluate, candidates=3, batch=3, layouts=("TN",),
+             policy=ModelFreePolicy(layouts=("TN",), seed=0))
+    ranked = sorted((r for r in store.trials("H100")), key=lambda r: -r["reward"])
+    first = json.loads(bytes(store.get_tuning("H100", P1, TUNED)["choice"]).decode())
+    assert registry.get(first["family"]).spec_type()(**first["spec"]).name == ranked[0]["candidate"]
+
+    t = promote_runner_up(store, "H100", P1, "random test 1: relative error 2.3e-03 over the limit")
+    assert t is not None and t.candidate.name == ranked[1]["candidate"]
+    d = json.loads(bytes(store.get_tuning("H100", P1, TUNED)["choice"]).decode())
+    assert registry.get(d["family"]).spec_type()(**d["spec"]).name == ranked[1]["candidate"]
+    assert "runner-up" in store.get_tuning("H100", P1, TUNED)["info"]
+    veto = [r for r in store.trials("H100") if r["status"] == "rejected"]
+    assert len(veto) == 1 and veto[0]["candidate"] == ranked[0]["candidate"]
+    assert veto[0]["record"]["details"] == {"stage": "final", "reason": "random test 1: relative error 2.3e-03 over the limit"}
+
+    # a resumed tune keeps the runner-up, and the veto is not a candidate: 2 more are tried
+    res = run_tune([P1], store, "H100", fake_evaluate, candidates=5, batch=3, layouts=("TN",),
+                   policy=ModelFreePolicy(layouts=("TN",), seed=1))
+    assert len(res.trials) == 2
+    assert res.best[P1].candidate.name != ranked[0]["candidate"]
+    d = json.loads(bytes(store.get_tuning("H100", P1, TUNED)["choice"]).decode())
+    assert registry.get(d["family"]).spec_type()(**d["spec"]).name != ranked[0]["candidate"]
+
+    # every candidate vetoed in turn: the shape is left without a winner
+    while (t := promote_runner_up(store, "H100", P1, "exact test failed")) is not None:
+        pass
+    assert store.get_tuning("H100", P1, TUNED) is None
+    assert promote_runner_up(store, "H100", P1, "again") is None
+
+
+def test_rejected_winners_reads_the_runs_final_checks():
+    from gemmrl.cli import rejected_winners
+
+    store = Store(":memory:")
+    run = store.start_run("gemmrl tune", "H100", {}, {})
+    store.record_verification(run, "H100", P1, TUNED, False, "random test 1: too far", {})
+    store.record_verification(run, "H100", P2, TUNED, True, "", {})
+    store.record_session(run, "s1", "H100", P2, "kernel", "kernel:v1",
+                         {TUNED: {"status": "wrong", "n": 0, "details": {"reason": "timed output wrong"}}})
+    other = store.start_run("gemmrl tune", "H100", {}, {})
+    store.record_verification(other, "H100", P2, TUNED, False, "another run", {})
+    got = rejected_winners(store, "H100", [P1, P2], run)
+    assert got == {P1: "random test 1: too far", P2: "kernel timing: timed output wrong"}
+    assert rejected_winners(store, "H100", [P1], run) == {P1: "random test 1: too far"}
+    store.record_verification(run, "H100", P1, TUNED, True, "", {})  # the runner-up passed
+    assert P1 not in rejected_winners(store, "H100", [P1, P2], run)

@@ -9,8 +9,10 @@ import os
 import tempfile
 
 from gemmrl.bench.worker import HEARTBEAT_ENV, Worker, last_beat
-from gemmrl.search.policy import ModelFreePolicy, Trial
+from gemmrl.core.problem import Problem
+from gemmrl.search.policy import Candidate, ModelFreePolicy, Trial
 from gemmrl.search.tune import TuneResult, gpu_evaluate, tune
+from gemmrl.space import registry
 
 TUNED = "gemmrl-tuned"
 _CHILD: dict = {}
@@ -118,6 +120,31 @@ def policy_filter(generic_built_only: bool = False, match: str | None = None):
             return False
         return built is None or built(family, spec, problem)
     return allow
+
+
+def promote_runner_up(store, device: str, problem: Problem, reason: str, run_id: int | None = None):
+    """The stored winner of `problem` failed the final verification: record that (a trial of
+    the same candidate, status 'rejected', stage 'final': it never wins there again) and store
+    the next-best ok trial as the winner. Returns that trial, or None (the shape then has no
+    winner and falls back to the libraries)."""
+    from gemmrl.search.tune import FINAL_STAGE, best_trials
+
+    row = store.get_tuning(device, problem, TUNED)
+    if row is None:
+        return None
+    d = json.loads(bytes(row["choice"]).decode())
+    spec = registry.get(d["family"]).spec_type()(**d["spec"])
+    cand = Candidate(d["family"], spec, float("nan"), "final verification")
+    veto = Trial(problem, cand, "rejected", None, 0.0, {"stage": FINAL_STAGE, "reason": reason[:500]})
+    store.record_trial(run_id, device, problem, cand.name, veto.status, 0.0, None, veto.to_dict())
+    best = best_trials(stored_history(store, device, [problem])).get(problem)
+    if best is None or best.status != "ok" or best.reward <= 0:
+        store.delete_tuning(device, problem, TUNED)
+        return None
+    choice = json.dumps({"family": best.candidate.family, "spec": best.to_dict()["spec"]}, sort_keys=True).encode()
+    store.put_tuning(device, problem, TUNED, choice,
+                     f"{best.candidate.name} (reward {best.reward:.3f}; runner-up)", float(best.time_us))
+    return best
 
 
 def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, batch: int = 8,

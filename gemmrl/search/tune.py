@@ -34,6 +34,26 @@ from gemmrl.space import registry
 Evaluate = Callable[[Problem, list[Candidate]], list[Trial]]
 
 
+FINAL_STAGE = "final"  # details['stage'] of a winner that failed the final, full verification
+
+
+def is_veto(t: Trial) -> bool:
+    """A record that a winner failed the final verification: its candidate never wins again on
+    that problem (the search's quick checks passed it, the judge's did not)."""
+    return t.status != "ok" and t.details.get("stage") == FINAL_STAGE
+
+
+def best_trials(history: Iterable[Trial]) -> dict[Problem, Trial]:
+    """The best ok trial per problem, vetoed candidates left out."""
+    history = list(history)
+    vetoed = {(t.problem, t.key()) for t in history if is_veto(t)}
+    best: dict[Problem, Trial] = {}
+    for t in history:
+        if (t.problem, t.key()) not in vetoed and _better(t, best.get(t.problem)):
+            best[t.problem] = t
+    return best
+
+
 def _better(t: Trial, than: Trial | None) -> bool:
     if than is None:
         return True
@@ -88,14 +108,14 @@ def tune(problems: Iterable[Problem], policy: Policy, evaluate: Evaluate, *, per
     policy.observe(history)
     tried: dict[Problem, set] = {p: set() for p in problems}
     counts = {p: 0 for p in problems}
-    best: dict[Problem, Trial] = {}
+    best: dict[Problem, Trial] = best_trials(history)
     costs: list[float] = []
     for t in history:
         tried[t.problem].add(t.key())
+        if is_veto(t):
+            continue  # a second record of a candidate already counted
         counts[t.problem] += 1
         costs.append(float(t.details.get("device_s", 0.0)))
-        if _better(t, best.get(t.problem)):
-            best[t.problem] = t
 
     trials: list[Trial] = []
     curve: list[tuple[int, float]] = []

@@ -341,6 +341,11 @@ class Store:
             q, args = q + " WHERE device=?", (device,)
         return {tuple(r[:5]): r[5] for r in self.db.execute(q + " GROUP BY M, N, K, dtype, acc", args)}
 
+    def delete_tuning(self, device: str, problem: Problem, impl: str) -> None:
+        with self.tx():
+            self.db.execute("DELETE FROM tuning WHERE device=? AND M=? AND N=? AND K=? AND dtype=? AND acc=? "
+                            "AND impl=?", (device, *problem.key(), impl))
+
     def get_tuning(self, device: str, problem: Problem, impl: str) -> dict | None:
         r = self.db.execute("SELECT choice, info, time_us FROM tuning WHERE device=? AND M=? AND "
                             "N=? AND K=? AND dtype=? AND acc=? AND impl=?",
