@@ -152,3 +152,33 @@ def test_exact_inputs_keep_dot_products_exact():
     small = Problem(16, 16, 64)
     a, b = checks.exact_inputs(small, g, CPU)
     assert 0.3 < a.float().mean() < 0.7  # dense {0,1} when K is small
+
+
+def test_fp16_accumulation_is_judged_against_an_in_order_fp16_accumulation():
+    """A correct kernel that accumulates in fp16 without splitting K has the in-order error,
+    whatever a more accurate reference library (one that splits K, here fp32) achieves; a kernel
+    that rounds worse than that still fails."""
+    p = Problem(32, 48, 4096, "fp16", "fp16")
+
+    def in_order(a, b_nn, b_tn, c):
+        c.copy_(checks.fp16_sequential_reference(a, b_nn))
+
+    def coarse(a, b_nn, b_tn, c):  # an fp16 accumulator rounded toward zero (exact on integers)
+        acc = torch.zeros(a.shape[0], b_nn.shape[1], dtype=torch.float16)
+        for k0 in range(0, a.shape[1], 16):
+            s32 = acc.float() + a[:, k0:k0 + 16].float() @ b_nn[k0:k0 + 16].float()
+            h = s32.half()
+            acc = torch.where(h.float().abs() > s32.abs(), torch.nextafter(h, torch.zeros_like(h)), h)
+        c.copy_(acc)
+
+    ref = checks.fp16_sequential_reference(torch.randn(8, 4096).half(), torch.randn(4096, 8).half())
+    assert ref.dtype == torch.float16 and ref.shape == (8, 8)
+    r = checks.verify(Py(in_order), p, device=CPU, ref_fn=lambda a, b: fp32_ref(a, b))
+    assert r.passed, r.reason
+    assert r.details["seq_err"] > 5 * r.details["lib_err"]  # fp32 library: far more accurate
+    assert r.details["rel_err"] == pytest.approx(r.details["seq_err"])
+    r = checks.verify(Py(coarse), p, device=CPU, ref_fn=lambda a, b: fp32_ref(a, b))
+    assert not r.passed and "in-order fp16 accumulation" in r.reason
+    # fp32 accumulation keeps the library's yardstick (no in-order term)
+    r = run(honest)
+    assert r.passed and "seq_err" not in r.details
