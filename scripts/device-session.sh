@@ -28,8 +28,10 @@ fi
 export PYTHONPATH=$PWD:/tmp/site
 [ -d .ext/carry/cuda_l2 ] && export GEMMRL_CUDA_L2_DIR=$PWD/.ext/carry/cuda_l2
 db=results/gemmrl.sqlite
-unpack_cache() {  # gzip or xz (scripts/pack-build-cache.sh)
-  for g in .ext/carry/gcache.tgz .ext/carry/gcache.txz; do
+unpack_cache() {  # every .ext/carry/gcache*.tgz / .txz, gzip or xz (scripts/pack-build-cache.sh): a
+  # filtered cache (gcache-fp16.txz, say) can be carried when the whole one would pass the
+  # device tool's 64 MiB limit together with the working tree
+  for g in .ext/carry/gcache*.tgz .ext/carry/gcache*.txz; do
     [ -f "$g" ] && mkdir -p "$GEMMRL_CACHE" && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1], 'r:*').extractall(sys.argv[2])" "$g" "$GEMMRL_CACHE"
   done
 }

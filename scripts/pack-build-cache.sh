@@ -5,12 +5,21 @@
 # Then carry the .tgz; `scripts/device-session.sh OUT tune` unpacks it into $GEMMRL_CACHE there.
 # Builds must use the same nvcc and the same CUTLASS header path on both machines (the wheel
 # installed into /tmp/site: PYTHONPATH=/tmp/site here too), or they are not found there.
+# A third argument, an extended regular expression, keeps only the builds whose directory name
+# matches it (e.g. '_f16_f16-' for the fp16-accumulator kernels): a smaller carry.
 set -euo pipefail
-cache=${1:?cache dir}; out=${2:?output .tgz}
+cache=${1:?cache dir}; out=${2:?output .tgz}; match=${3:-}
 n=$(find "$cache/builds" -mindepth 1 -maxdepth 1 -type d ! -name '.*' ! -name '*.failed' | wc -l)
 case "$out" in
   *.txz) comp=J ;;  # xz: 146 CUTLASS kernels in 5.4 MB, against about 50 MB with gzip (the carry is limited to 64 MiB)
   *) comp=z ;;
 esac
-tar c${comp}f "$out" -C "$cache" --exclude='builds/.*' --exclude='*.failed' builds
+if [ -n "$match" ]; then
+  mapfile -t dirs < <(cd "$cache" && find builds -mindepth 1 -maxdepth 1 -type d ! -name '.*' ! -name '*.failed' | grep -E "$match" || true)
+  [ "${#dirs[@]}" -gt 0 ] || { echo "no build matches $match" >&2; exit 1; }
+  n=${#dirs[@]}
+  tar c${comp}f "$out" -C "$cache" "${dirs[@]}"
+else
+  tar c${comp}f "$out" -C "$cache" --exclude='builds/.*' --exclude='*.failed' builds
+fi
 echo "$n builds in $out ($(du -h "$out" | cut -f1))"

@@ -41,3 +41,28 @@ def test_server_noise_report_reads_a_trace(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "server-noise-report.py")],
                        capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode != 0 and "server-noise-report.py" in r.stderr
+
+
+def test_pack_build_cache_keeps_every_build_or_the_matching_ones(tmp_path):
+    import tarfile
+
+    cache = tmp_path / "cache"
+    for name in ("sm90_a_nn_f16_f16-1", "sm90_b_nn_f16_f32-2", ".sm90_partial-3", "sm90_c_nn_f16_f16-4.failed"):
+        (cache / "builds" / name).mkdir(parents=True)
+        (cache / "builds" / name / "kernel.so").write_bytes(b"\x7fELF")
+    script = str(ROOT / "scripts" / "pack-build-cache.sh")
+
+    def members(out):
+        with tarfile.open(out) as t:
+            return sorted(m.name for m in t.getmembers() if m.name.endswith("kernel.so"))
+
+    r = subprocess.run([script, str(cache), str(tmp_path / "all.tgz")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert members(tmp_path / "all.tgz") == ["builds/sm90_a_nn_f16_f16-1/kernel.so",
+                                            "builds/sm90_b_nn_f16_f32-2/kernel.so"]
+    r = subprocess.run([script, str(cache), str(tmp_path / "f16.txz"), "_f16_f16-"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("1 builds"), r.stdout + r.stderr
+    assert members(tmp_path / "f16.txz") == ["builds/sm90_a_nn_f16_f16-1/kernel.so"]
+    r = subprocess.run([script, str(cache), str(tmp_path / "none.tgz"), "nothing-like-this"],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "no build matches" in r.stderr
