@@ -376,7 +376,7 @@ def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only
     import torch
 
     from gemmrl.bench import env
-    from gemmrl.search.run import TUNED, isolated_evaluator, promote_runner_up, run_tune
+    from gemmrl.search.run import TUNED, isolated_evaluator, promote_runner_up, rejected_winners, run_tune
     from gemmrl.search.tune import best_baseline_from_store, write_curves
     from gemmrl.store.db import Store
 
@@ -467,33 +467,6 @@ def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only
 
 
 RUNNER_UP_ROUNDS = 3  # how many times a shape's rejected winner gives way to the next (tune)
-
-
-def rejected_winners(store, device: str, problems, run_id: int) -> dict:
-    """problem -> reason, for the problems whose winner this run's final check rejected (its
-    full verification, or its timed output), unless a later check in the run passed."""
-    from gemmrl.search.run import TUNED
-
-    wanted = {p.key(): p for p in problems}
-    events = []  # (created, key, passed, reason)
-    for M, N, K, dt, acc, passed, reason, created in store.db.execute(
-            "SELECT M, N, K, dtype, acc, passed, reason, created FROM verifications WHERE run_id=? AND "
-            "impl=? AND device=?", (run_id, TUNED, device)):
-        events.append((created, (M, N, K, dt, acc), bool(passed), reason))
-    for M, N, K, dt, acc, status, details, created in store.db.execute(
-            "SELECT M, N, K, dtype, acc, status, details, created FROM measurements WHERE run_id=? AND "
-            "impl=? AND mode='kernel' AND device=?", (run_id, TUNED, device)):
-        reason = str(json.loads(details or "{}").get("reason", status))
-        events.append((created, (M, N, K, dt, acc), status == "ok", f"kernel timing: {reason}"))
-    out = {}
-    for _created, key, passed, reason in sorted(events, key=lambda e: e[0]):
-        if key not in wanted:
-            continue
-        if passed:
-            out.pop(wanted[key], None)
-        else:
-            out[wanted[key]] = reason
-    return out
 
 
 def shapes_to_time(problems, trials, store, device: str, protocol: str) -> list:

@@ -147,7 +147,7 @@ def test_a_winner_that_fails_the_final_verification_gives_way_to_the_runner_up(t
 
 
 def test_rejected_winners_reads_the_runs_final_checks():
-    from gemmrl.cli import rejected_winners
+    from gemmrl.search.run import rejected_winners
 
     store = Store(":memory:")
     run = store.start_run("gemmrl tune", "H100", {}, {})

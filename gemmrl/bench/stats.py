@@ -53,14 +53,18 @@ def median_ci_rel(samples_us, z: float = 1.96) -> float:
     """Half-width of a distribution-free confidence interval of the median (order statistics:
     ranks n/2 -+ z*sqrt(n)/2), relative to the median; inf below 8 samples."""
     xs = sorted(float(x) for x in samples_us)
-    n = len(xs)
-    if n < 8:
+    if len(xs) < 8:
         return math.inf
+    return _median_ci_half(xs, z) / statistics.median(xs)
+
+
+def _median_ci_half(xs: list[float], z: float) -> float:
+    """Half-width of the order-statistic CI of the median of sorted `xs` (8 or more values):
+    ranks n/2 -+ z*sqrt(n)/2."""
+    n = len(xs)
     half = z * math.sqrt(n) / 2
-    lo = max(0, math.floor(n / 2 - half))
-    hi = min(n - 1, math.ceil(n / 2 + half))
-    med = statistics.median(xs)
-    return (xs[hi] - xs[lo]) / 2 / med
+    lo, hi = max(0, math.floor(n / 2 - half)), min(n - 1, math.ceil(n / 2 + half))
+    return (xs[hi] - xs[lo]) / 2
 
 
 def mean_ci_rel(samples_us, z: float = 1.96) -> float:
@@ -98,7 +102,7 @@ class PairedRounds:
     CHECK_EVERY = 10  # rounds between precision checks (a check sorts every pair's ratios)
 
     def __init__(self):
-        self.rounds: list[dict[str, float]] = []
+        self.rounds: list[dict[str, float]] = []  # per round: name -> log(time), taken once
         self._checked_at, self._precise = -1, False
 
     def add_round(self, times_us: dict[str, float]) -> None:
@@ -106,11 +110,11 @@ class PairedRounds:
         if any(not (math.isfinite(t) and t > 0) for t in times_us.values()):
             raise ValueError("timing samples must be finite and positive")
         if times_us:
-            self.rounds.append(dict(times_us))
+            self.rounds.append({n: math.log(t) for n, t in times_us.items()})
 
     def log_ratios(self, i: str, j: str) -> list[float]:
         """log(t_j / t_i) in every round that timed both."""
-        return [math.log(r[j] / r[i]) for r in self.rounds if i in r and j in r]
+        return [r[j] - r[i] for r in self.rounds if i in r and j in r]
 
     def ratio(self, i: str, j: str) -> float | None:
         """t_j / t_i as the median of the rounds' ratios; None without a common round."""
@@ -144,10 +148,4 @@ class PairedRounds:
 
 def _log_median_ci(logs: list[float], z: float) -> float:
     """Half-width of the order-statistic CI of the median of `logs`; inf below 8 values."""
-    xs = sorted(logs)
-    n = len(xs)
-    if n < 8:
-        return math.inf
-    half = z * math.sqrt(n) / 2
-    lo, hi = max(0, math.floor(n / 2 - half)), min(n - 1, math.ceil(n / 2 + half))
-    return (xs[hi] - xs[lo]) / 2
+    return _median_ci_half(sorted(logs), z) if len(logs) >= 8 else math.inf

@@ -122,6 +122,21 @@ def policy_filter(generic_built_only: bool = False, match: str | None = None):
     return allow
 
 
+def rejected_winners(store, device: str, problems, run_id: int) -> dict:
+    """problem -> reason, for the problems whose winner this run's final check rejected (its
+    full verification, or its timed output), unless a later check in the run passed."""
+    wanted = {p.key(): p for p in problems}
+    out = {}
+    for _created, key, passed, reason in store.run_checks(run_id, device, TUNED):
+        if key not in wanted:
+            continue
+        if passed:
+            out.pop(wanted[key], None)
+        else:
+            out[wanted[key]] = reason
+    return out
+
+
 def promote_runner_up(store, device: str, problem: Problem, reason: str, run_id: int | None = None):
     """The stored winner of `problem` failed the final verification: record that (a trial of
     the same candidate, status 'rejected', stage 'final': it never wins there again) and store

@@ -187,6 +187,21 @@ class Store:
                      *(st.get(f) for f in STAT_FIELDS), int(st.get("n", 0)), st.get("status", "ok"),
                      json.dumps(st.get("details", {}), sort_keys=True, default=str), now))
 
+    def run_checks(self, run_id: int, device: str, impl: str) -> list[tuple]:
+        """What a run found of `impl`, in order: (created, (M, N, K, dtype, acc), passed, reason)
+        for each full verification and each kernel-mode timing (a timed output can be wrong)."""
+        events = []
+        for M, N, K, dt, acc, passed, reason, created in self.db.execute(
+                "SELECT M, N, K, dtype, acc, passed, reason, created FROM verifications WHERE run_id=? AND "
+                "impl=? AND device=?", (run_id, impl, device)):
+            events.append((created, (M, N, K, dt, acc), bool(passed), reason))
+        for M, N, K, dt, acc, status, details, created in self.db.execute(
+                "SELECT M, N, K, dtype, acc, status, details, created FROM measurements WHERE run_id=? AND "
+                "impl=? AND mode='kernel' AND device=?", (run_id, impl, device)):
+            reason = str(json.loads(details or "{}").get("reason", status))
+            events.append((created, (M, N, K, dt, acc), status == "ok", f"kernel timing: {reason}"))
+        return sorted(events, key=lambda e: e[0])
+
     def measured_impls(self, device: str, problem: Problem, mode: str, protocol: str) -> set[str]:
         """Impls with a measurement here (ok or rejected: neither is measured again unless asked);
         invalidated ones do not count, so a resumed run measures them again."""
