@@ -341,8 +341,11 @@ def report(db, out, device, subject, dtype, acc, versus):
 @click.option("--ray", "ray_address", default=None, metavar="ADDRESS",
               help="evaluate candidates on a Ray cluster, one worker per GPU of the same model as "
                    "this one ('auto', or host:port); needs pip install 'gemmrl[distributed]'")
+@click.option("--gpus", default=1, show_default=True, type=click.IntRange(1, 64),
+              help="tune on this many GPUs of this machine (same model), one process each on a share of "
+                   "the shapes, all writing the one store; --budget-s is split among them, --wall-s is each's")
 def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only, family_opts, match, layouts, db,
-         out, ray_address, no_report, reuse_baselines):
+         out, ray_address, gpus, no_report, reuse_baselines):
     """Search kernels per shape with speed over the best baseline as the reward; keep the winners.
 
     Baselines are measured first (kernel mode) where the store lacks them; then the model-free
@@ -375,6 +378,14 @@ def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only
     runner.require_gpu()
     import torch
 
+    if gpus > 1:
+        if ray_address is not None:
+            raise click.UsageError("--gpus and --ray are two ways to use several GPUs: choose one")
+        from gemmrl.distributed.local import TuneArgs
+
+        return _tune_on_gpus(problems, gpus, TuneArgs(dtype, acc, candidates, batch, budget_s, wall_s, built_only,
+                                                      fams, match, ",".join(lays), str(db), str(out),
+                                                      reuse_baselines), no_report)
     from gemmrl.bench import env
     from gemmrl.search.run import TUNED, isolated_evaluator, promote_runner_up, rejected_winners, run_tune
     from gemmrl.search.tune import best_baseline_from_store, write_curves
@@ -464,6 +475,53 @@ def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only
         paths = write_report(store, device, out, TUNED, dtype, acc)
         click.echo(f"wrote {len(paths)} files under {Path(out) / env.gpu_slug(device)}", err=True)
     store.close()
+
+
+def _tune_on_gpus(problems, gpus: int, args, no_report: bool) -> None:
+    """gemmrl tune --gpus N: one child tune per GPU on a share of the shapes (distributed/local.py),
+    then one report over the store they all wrote."""
+    import tempfile
+
+    import torch
+
+    from gemmrl.bench import env
+    from gemmrl.distributed import local
+    from gemmrl.search.run import TUNED
+    from gemmrl.store.db import Store
+
+    have = torch.cuda.device_count()
+    if gpus > have:
+        raise click.UsageError(f"--gpus {gpus}: this machine shows {have} GPU(s)")
+    names = {torch.cuda.get_device_name(i) for i in range(gpus)}
+    if len(names) > 1:
+        raise click.UsageError(f"--gpus {gpus}: the GPUs are of different models ({', '.join(sorted(names))}); "
+                               "timings are only compared within one model: set CUDA_VISIBLE_DEVICES to one model's")
+    device = names.pop()
+    done = set()
+    if Path(args.db).exists():  # shapes whose search is over weigh nothing in the split
+        store = Store(args.db)
+        tried = store.trial_counts(device)
+        done = {p for p in problems if tried.get(p.key(), 0) >= args.candidates
+                and store.get_tuning(device, p, TUNED) is not None}
+        store.close()
+    shards = [s for s in local.split_shapes(problems, gpus, frozenset(done)) if s]
+    ids = local.visible_gpus(len(shards))
+    click.echo(f"tuning {len(problems)} shapes ({len(done)} already searched) on {len(shards)} GPUs "
+               f"({device}; CUDA_VISIBLE_DEVICES {','.join(ids)}): "
+               + ", ".join(f"{len(s)} shapes" for s in shards), err=True)
+    with tempfile.TemporaryDirectory(prefix="gemmrl-shards-") as tmp:
+        cmds = [local.child_command(args, str(local.write_shard(s, Path(tmp) / f"shard{i}.txt")), len(shards))
+                for i, s in enumerate(shards)]
+        codes = local.run_children(cmds, ids, lambda m: click.echo(m, err=True))
+    failed = [f"GPU {g} (exit {c})" for g, c in zip(ids, codes) if c != 0]
+    if not no_report:
+        store = Store(args.db)
+        paths = write_report(store, device, args.out, TUNED, args.dtype, args.acc)
+        store.close()
+        click.echo(f"wrote {len(paths)} files under {Path(args.out) / env.gpu_slug(device)}", err=True)
+    if failed:
+        raise click.ClickException("tune failed on " + ", ".join(failed) + "; what they stored stays: run "
+                                   "again to resume")
 
 
 RUNNER_UP_ROUNDS = 3  # how many times a shape's rejected winner gives way to the next (tune)

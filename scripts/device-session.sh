@@ -13,7 +13,9 @@
 #              kernels only from the carried build cache (.ext/carry/gcache.tgz or .txz: tar of
 #              $GEMMRL_CACHE/builds made by `gemmrl build` on any machine with nvcc); $TUNE_MATCH, if
 #              set, limits the search to kernel names matching that regular expression; $TUNE_ACC
-#              (fp32 or fp16) the accumulator (default fp32)
+#              (fp32 or fp16) the accumulator (default fp32); $TUNE_GPUS (default 1) tunes on that many
+#              GPUs of the machine at once (gemmrl tune --gpus); $TUNE_FAMILY (say cutlass_sm90) searches
+#              that family alone, and then no raw kernel is compiled ahead
 # Each step resumes from results/gemmrl.sqlite, and stops starting new shapes after BUDGET_S
 # seconds (default 500), so a 10-minute device call always returns its store. TOTAL_S (default 560)
 # caps the whole step: the tune is cut at that point, whatever it is doing, so the store is copied.
@@ -31,8 +33,12 @@ db=results/gemmrl.sqlite
 unpack_cache() {  # every .ext/carry/gcache*.tgz / .txz, gzip or xz (scripts/pack-build-cache.sh): a
   # filtered cache (gcache-fp16.txz, say) can be carried when the whole one would pass the
   # device tool's 64 MiB limit together with the working tree
+  # once per machine: a second step in the same call finds the marker and skips the unpacking
   for g in .ext/carry/gcache*.tgz .ext/carry/gcache*.txz; do
-    [ -f "$g" ] && mkdir -p "$GEMMRL_CACHE" && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1], 'r:*').extractall(sys.argv[2])" "$g" "$GEMMRL_CACHE"
+    [ -f "$g" ] || continue
+    mark="$GEMMRL_CACHE/.unpacked-$(basename "$g")-$(stat -c %s "$g")"
+    [ -f "$mark" ] && continue
+    mkdir -p "$GEMMRL_CACHE" && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1], 'r:*').extractall(sys.argv[2])" "$g" "$GEMMRL_CACHE" && touch "$mark"
   done
 }
 cap_at() {  # seconds a step may run: $1, or less when the whole call's TOTAL_S is nearer
@@ -56,16 +62,21 @@ case "$step" in
         unpack_cache
         # raw kernels only for the shapes this call can reach (those with fewer than the asked
         # candidates tried, TUNE_PREBUILD_SHAPES of them): over the grid, all 3000 would take 5 minutes
-        python3 -m gemmrl.cli build --family raw --top 3 --shapes "$shapes" --jobs "$(nproc)" ${TUNE_ACC:+--acc "$TUNE_ACC"} \
-            --pending-in "$db" --candidates "${TUNE_CANDIDATES:-8}" \
-            --max-shapes "${TUNE_PREBUILD_SHAPES:-120}" 2>&1 | tail -3 | tee "$out/build.log"
+        case "${TUNE_FAMILY:-raw}" in
+          *raw*) python3 -m gemmrl.cli build --family raw --top 3 --shapes "$shapes" --jobs "$(nproc)" ${TUNE_ACC:+--acc "$TUNE_ACC"} \
+                   --pending-in "$db" --candidates "${TUNE_CANDIDATES:-8}" \
+                   --max-shapes "${TUNE_PREBUILD_SHAPES:-120}" 2>&1 | tail -3 | tee "$out/build.log" ;;
+        esac
         cap=$(cap_at $((budget + 300)))
         echo "tune: search budget ${budget}s, cut at ${cap}s" | tee "$out/tune.log"
         timeout "$cap" python3 -m gemmrl.cli tune --db "$db" --out "$out/results" --shapes "$shapes" ${TUNE_ACC:+--acc "$TUNE_ACC"} \
-            --candidates "${TUNE_CANDIDATES:-8}" --built-only ${TUNE_MATCH:+--match "$TUNE_MATCH"} --wall-s "$budget" 2>&1 | tee -a "$out/tune.log"; rc=${PIPESTATUS[0]} ;;
+            --candidates "${TUNE_CANDIDATES:-8}" --built-only ${TUNE_MATCH:+--match "$TUNE_MATCH"} --wall-s "$budget" \
+            --gpus "${TUNE_GPUS:-1}" ${TUNE_FAMILY:+--family "$TUNE_FAMILY"} 2>&1 | tee -a "$out/tune.log"; rc=${PIPESTATUS[0]} ;;
   *) echo "unknown step $step: tests | subset | hostmodes | bench | tune" >&2; exit 2 ;;
 esac
 # gzip: files come back at most 16 MiB each, and the store outgrew that (a plain copy was dropped)
+# a tune cut by `timeout` leaves its last writes in the -wal file beside the store: fold them in first
+python3 -c "import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); c.execute('PRAGMA wal_checkpoint(TRUNCATE)'); c.close()" "$db" 2>/dev/null
 gzip -c "$db" > "$out/gemmrl.sqlite.gz" 2>/dev/null
 [ -d "$out/results" ] && tar czf "$out/results.tgz" -C "$out" results && rm -rf "$out/results"
 exit "$rc"
