@@ -263,8 +263,9 @@ def report_prefix(subject: str, device: str, dtype: str, acc: str) -> str:
 
 def _open_for_reading(db, device, *, require_measured: bool):
     """The store, read-only, and the device to read: the one named, or the only one measured."""
-    from gemmrl.store.db import Store
+    from gemmrl.store.db import Store, unpack_if_missing
 
+    unpack_if_missing(db)  # a store committed as DB.xz
     if not Path(db).exists():
         raise click.ClickException(f"no store at {db}")
     store = Store(db, readonly=True)
@@ -630,6 +631,38 @@ def pack(db, device, dtype, acc, min_speedup, out_dir):
     click.echo(str(path))
 
 
+@main.command(name="store")
+@click.option("--db", default=DEFAULT_DB, show_default=True)
+@click.option("--compress", is_flag=True,
+              help="write DB.xz beside the store (what git keeps: about a tenth of the size); any command "
+                   "that finds DB missing and DB.xz present unpacks it first")
+def store_cmd(db, compress):
+    """What the store holds (runs, measurements, trials, tuned shapes per device); --compress packs it."""
+    from gemmrl.store.db import Store, StoreError, pack, unpack_if_missing
+
+    unpack_if_missing(db)
+    if not Path(db).exists():
+        raise click.ClickException(f"no store at {db}")
+    store = Store(db, readonly=True)
+    q = store.db.execute
+    runs = q("SELECT COUNT(*) FROM runs").fetchone()[0]
+    click.echo(f"{db}: {Path(db).stat().st_size / 1e6:.1f} MB, {runs} runs")
+    for dev, n_meas, n_shapes in q("SELECT device, COUNT(*), COUNT(DISTINCT M||'x'||N||'x'||K||acc) "
+                                   "FROM measurements GROUP BY device").fetchall():
+        trials = q("SELECT COUNT(*) FROM trials WHERE device=?", (dev,)).fetchone()[0]
+        tuned = q("SELECT acc, COUNT(*) FROM tuning WHERE device=? AND impl='gemmrl-tuned' GROUP BY acc",
+                  (dev,)).fetchall()
+        click.echo(f"  {dev}: {n_meas} measurements of {n_shapes} (shape, accumulator) pairs, {trials} trials, "
+                   "tuned: " + (", ".join(f"{n} shapes (acc {a})" for a, n in tuned) or "none"))
+    store.close()
+    if compress:
+        try:
+            out = pack(db)
+        except StoreError as e:
+            raise click.ClickException(str(e)) from None
+        click.echo(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")
+
+
 @main.command(name="build")
 @click.option("--shapes", "shape_spec", default="subset", show_default=True,
               help="grid | subset | subset:N | preset:NAME | FILE | MxNxK[,MxNxK...]")
@@ -658,8 +691,9 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, jobs, dry_run, 
 
     problems = _problems(shape_spec, dtype, acc)
     if pending_db is not None:
-        from gemmrl.store.db import Store
+        from gemmrl.store.db import Store, unpack_if_missing
 
+        unpack_if_missing(pending_db)
         if not Path(pending_db).exists():
             raise click.ClickException(f"no store at {pending_db}")
         store = Store(pending_db, readonly=True)

@@ -16,7 +16,7 @@
 #              (fp32 or fp16) the accumulator (default fp32); $TUNE_GPUS (default 1) tunes on that many
 #              GPUs of the machine at once (gemmrl tune --gpus); $TUNE_FAMILY (say cutlass_sm90) searches
 #              that family alone, and then no raw kernel is compiled ahead
-# Each step resumes from results/gemmrl.sqlite, and stops starting new shapes after BUDGET_S
+# Each step resumes from results/gemmrl.sqlite (unpacked from the committed .xz), and stops starting new shapes after BUDGET_S
 # seconds (default 500), so a 10-minute device call always returns its store. TOTAL_S (default 560)
 # caps the whole step: the tune is cut at that point, whatever it is doing, so the store is copied.
 set -uo pipefail
@@ -74,9 +74,9 @@ case "$step" in
             --gpus "${TUNE_GPUS:-1}" ${TUNE_FAMILY:+--family "$TUNE_FAMILY"} 2>&1 | tee -a "$out/tune.log"; rc=${PIPESTATUS[0]} ;;
   *) echo "unknown step $step: tests | subset | hostmodes | bench | tune" >&2; exit 2 ;;
 esac
-# gzip: files come back at most 16 MiB each, and the store outgrew that (a plain copy was dropped)
-# a tune cut by `timeout` leaves its last writes in the -wal file beside the store: fold them in first
-python3 -c "import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); c.execute('PRAGMA wal_checkpoint(TRUNCATE)'); c.close()" "$db" 2>/dev/null
-gzip -c "$db" > "$out/gemmrl.sqlite.gz" 2>/dev/null
+# the store comes back as git keeps it, xz-compressed (files come back at most 16 MiB each; the plain
+# store is over 40 MB): here, `cp OUT/gemmrl.sqlite.xz results/ && rm results/gemmrl.sqlite`, and the
+# next command unpacks it. `gemmrl store --compress` folds in the -wal file a tune cut by `timeout` leaves.
+python3 -m gemmrl.cli store --db "$db" --compress >/dev/null && cp "$db.xz" "$out/gemmrl.sqlite.xz"
 [ -d "$out/results" ] && tar czf "$out/results.tgz" -C "$out" results && rm -rf "$out/results"
 exit "$rc"

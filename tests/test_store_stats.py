@@ -194,3 +194,48 @@ def test_report_measurements_take_each_shapes_ratios_from_the_subjects_session(t
     # a subject never timed: the latest of everything
     assert ({(r["M"], r["mode"], r["impl"]): r["median_us"] for r in s.report_measurements("cuda-l2")}
             == {k: v for k, v in latest.items()})
+
+
+def test_a_store_committed_as_xz_is_unpacked_on_first_use_and_packed_back(tmp_path):
+    import lzma
+    import os
+
+    from click.testing import CliRunner
+
+    from gemmrl.cli import main
+    from gemmrl.store.db import Store, packed_path, unpack_if_missing
+
+    db = tmp_path / "res" / "gemmrl.sqlite"
+    s = Store(db)
+    rid = s.start_run("gemmrl bench", "GPU X", {"torch": "t"}, {})
+    s.record_peaks(rid, "GPU X", 700.0, 4000.0)
+    s.close()
+    r = CliRunner().invoke(main, ["store", "--db", str(db), "--compress"])
+    assert r.exit_code == 0, r.output
+    xz = packed_path(db)
+    assert xz == tmp_path / "res" / "gemmrl.sqlite.xz" and "wrote" in r.output and "1 runs" in r.output
+    assert lzma.decompress(xz.read_bytes()) == db.read_bytes()
+    os.remove(db)  # a fresh clone: only the .xz
+    msgs = []
+    assert unpack_if_missing(db, msgs.append) and msgs == [f"unpacking {xz} -> {db}"]
+    assert Store(db, readonly=True).latest_peaks("GPU X")["matrix_tflops"] == 700.0
+    assert not unpack_if_missing(db, msgs.append)  # never over a file that exists
+    os.remove(db)
+    assert Store(db).runs()[0]["command"] == "gemmrl bench"  # the constructor unpacks too
+    r = CliRunner().invoke(main, ["report", "--db", str(tmp_path / "none.sqlite")])
+    assert r.exit_code == 1 and "no store at" in r.output
+    os.utime(xz, (db.stat().st_mtime + 100,) * 2)  # a pull brought a newer .xz: say so, keep the file
+    assert not unpack_if_missing(db, msgs.append) and "is newer than" in msgs[-1]
+    assert not list(tmp_path.glob("res/.*"))  # no temporary file left behind
+
+
+def test_a_broken_xz_leaves_no_half_store(tmp_path):
+    import lzma
+
+    from gemmrl.store.db import packed_path, unpack_if_missing
+
+    db = tmp_path / "gemmrl.sqlite"
+    packed_path(db).write_bytes(lzma.compress(b"x" * 1000)[:-20])  # truncated
+    with pytest.raises((lzma.LZMAError, EOFError)):
+        unpack_if_missing(db, lambda m: None)
+    assert not db.exists() and list(tmp_path.iterdir()) == [packed_path(db)]

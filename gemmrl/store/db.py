@@ -6,6 +6,7 @@ measured under the same protocol is not measured again unless asked.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
 from contextlib import contextmanager
@@ -68,9 +69,73 @@ class StoreError(RuntimeError):
     pass
 
 
+def packed_path(path: str | Path) -> Path:
+    """Where a store's xz-compressed copy lives: 'results/gemmrl.sqlite.xz' beside the file."""
+    path = Path(path)
+    return path.with_name(path.name + ".xz")
+
+
+def unpack_if_missing(path: str | Path, log=None) -> bool:
+    """A store committed compressed (git keeps 'results/gemmrl.sqlite.xz', 4.6 MB where the
+    file is 43) is unpacked on first use: when `path` does not exist and its .xz does, write it
+    (to a temporary file, then renamed, so an interrupted unpack leaves nothing half-written).
+    Returns whether it unpacked. If both exist and the .xz is newer (a pull brought a new one),
+    say so through `log` and leave the local file alone: it may hold unpacked work."""
+    import lzma
+    import shutil
+    import sys
+
+    path, packed = Path(path), packed_path(path)
+    log = log or (lambda m: print(m, file=sys.stderr))
+    if not packed.exists():
+        return False
+    if path.exists():
+        if packed.stat().st_mtime > path.stat().st_mtime + 1:
+            log(f"note: {packed} is newer than {path}; delete {path} to use it (gemmrl store --compress "
+                f"writes the .xz from the file)")
+        return False
+    log(f"unpacking {packed} -> {path}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.unpacking-{os.getpid()}")
+    try:
+        with lzma.open(packed, "rb") as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return True
+
+
+def pack(path: str | Path, preset: int = 6) -> Path:
+    """Write the store's .xz beside it (what git keeps), after folding in its write-ahead log."""
+    import lzma
+    import shutil
+
+    path, packed = Path(path), packed_path(path)
+    if not path.exists():
+        raise StoreError(f"no store at {path}")
+    db = sqlite3.connect(str(path), timeout=60)
+    try:
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    finally:
+        db.close()
+    tmp = packed.with_name(f".{packed.name}.writing-{os.getpid()}")
+    try:
+        with open(path, "rb") as src, lzma.open(tmp, "wb", preset=preset) as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        os.replace(tmp, packed)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.utime(path)  # the file stays the newer of the two: it is the one being worked on
+    return packed
+
+
 class Store:
     def __init__(self, path: str | Path, readonly: bool = False):
         self.path = Path(path)
+        unpack_if_missing(self.path)
         if readonly:  # reports read a committed store without touching the file
             if not self.path.exists():
                 raise StoreError(f"no store at {self.path}")
