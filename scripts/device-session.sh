@@ -67,11 +67,13 @@ case "$step" in
                    --pending-in "$db" --candidates "${TUNE_CANDIDATES:-8}" \
                    --max-shapes "${TUNE_PREBUILD_SHAPES:-120}" 2>&1 | tail -3 | tee "$out/build.log" ;;
         esac
+        # no report here: over the grid it takes minutes of this machine's time, and `gemmrl report`
+        # writes the same from the returned store on any machine
         cap=$(cap_at $((budget + 300)))
         echo "tune: search budget ${budget}s, cut at ${cap}s" | tee "$out/tune.log"
         timeout "$cap" python3 -m gemmrl.cli tune --db "$db" --out "$out/results" --shapes "$shapes" ${TUNE_ACC:+--acc "$TUNE_ACC"} \
             --candidates "${TUNE_CANDIDATES:-8}" --built-only ${TUNE_MATCH:+--match "$TUNE_MATCH"} --wall-s "$budget" \
-            --gpus "${TUNE_GPUS:-1}" ${TUNE_FAMILY:+--family "$TUNE_FAMILY"} 2>&1 | tee -a "$out/tune.log"; rc=${PIPESTATUS[0]} ;;
+            --gpus "${TUNE_GPUS:-1}" ${TUNE_FAMILY:+--family "$TUNE_FAMILY"} --no-report 2>&1 | tee -a "$out/tune.log"; rc=${PIPESTATUS[0]} ;;
   *) echo "unknown step $step: tests | subset | hostmodes | bench | tune" >&2; exit 2 ;;
 esac
 # the store comes back as git keeps it, xz-compressed (files come back at most 16 MiB each; the plain
