@@ -1,6 +1,6 @@
-// sm90_coop_128x64x64_c1x1_persist_s0_rh_sw1_nn_f16_f32: a CUTLASS 3.x sm90 GEMM behind the gemmrl kernel ABI (gemmrl/runtime/abi.py).
+// sm90_pp_64x64x128_c2x1_persist_s0_rh_sw1_nn_f16_f32: a CUTLASS 3.x sm90 GEMM behind the gemmrl kernel ABI (gemmrl/runtime/abi.py).
 // Rendered by gemmrl.space.cutlass_sm90 (render version 1) from the spec
-//   {"acc":"fp32","cluster_m":1,"cluster_n":1,"dtype":"fp16","layout":"NN","raster":"heuristic","schedule":"cooperative","scheduler":"persistent","splits":1,"stages":0,"swizzle":1,"tile_k":64,"tile_m":128,"tile_n":64}
+//   {"acc":"fp32","cluster_m":2,"cluster_n":1,"dtype":"fp16","layout":"NN","raster":"heuristic","schedule":"pingpong","scheduler":"persistent","splits":1,"stages":0,"swizzle":1,"tile_k":128,"tile_m":64,"tile_n":64}
 // Do not edit: change the spec or the renderer. Generic over M, N, K; residues are handled by
 // TMA (out-of-bounds loads read zeros, stores are clipped). C = A @ B, C is not read.
 #include <atomic>
@@ -39,10 +39,10 @@ using LayoutB = cutlass::layout::RowMajor;  // NN: B [K,N] row-major, N-contiguo
 using LayoutD = cutlass::layout::RowMajor;  // C [M,N] row-major
 constexpr int kAlignment = 8;  // elements: 16 bytes, TMA's minimum
 
-using TileShape = Shape<_128, _64, _64>;
-using ClusterShape = Shape<_1, _1, _1>;
-using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
-using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
+using TileShape = Shape<_64, _64, _128>;
+using ClusterShape = Shape<_2, _1, _1>;
+using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
 using TileSchedulerTag = cutlass::gemm::PersistentScheduler;
 
 using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -125,7 +125,7 @@ typename Gemm::Arguments make_arguments(const void* A, const void* B, void* C, i
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) const char* gemmrl_meta(void) {
-  return "{\"layout\": \"NN\", \"dtype\": \"fp16\", \"acc\": \"fp32\", \"name\": \"sm90_coop_128x64x64_c1x1_persist_s0_rh_sw1_nn_f16_f32\", \"family\": \"cutlass_sm90\", \"key\": \"3bdf943270bfd1b6\"}";
+  return "{\"layout\": \"NN\", \"dtype\": \"fp16\", \"acc\": \"fp32\", \"name\": \"sm90_pp_64x64x128_c2x1_persist_s0_rh_sw1_nn_f16_f32\", \"family\": \"cutlass_sm90\", \"key\": \"7073e9649e16c241\"}";
 }
 
 // Resources CUTLASS chose, for people and tests: {"smem_bytes", "stages", "threads"}.
