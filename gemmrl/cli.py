@@ -636,11 +636,33 @@ def pack(db, device, dtype, acc, min_speedup, out_dir):
 @click.option("--compress", is_flag=True,
               help="write DB.xz beside the store (what git keeps: about a tenth of the size); any command "
                    "that finds DB missing and DB.xz present unpacks it first")
-def store_cmd(db, compress):
+@click.option("--merge", "merge_from", default=None, metavar="OTHER",
+              help="first add another store's runs that this one lacks (a second machine's, or a copy a "
+                   "device call sent back), with their measurements, trials and winners; OTHER.xz is read too")
+def store_cmd(db, compress, merge_from):
     """What the store holds (runs, measurements, trials, tuned shapes per device); --compress packs it."""
     from gemmrl.store.db import Store, StoreError, pack, unpack_if_missing
 
     unpack_if_missing(db)
+    if merge_from is not None:
+        import lzma
+        import shutil
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            src = Path(merge_from)
+            if src.suffix == ".xz" and src.exists():  # a store as git keeps it, or as a device call returns it
+                plain = Path(tmp) / "other.sqlite"
+                with lzma.open(src) as f, open(plain, "wb") as g:
+                    shutil.copyfileobj(f, g, 1 << 20)
+                src = plain
+            try:
+                target = Store(db)
+                added = target.merge(src)
+                target.close()
+            except StoreError as e:
+                raise click.ClickException(str(e)) from None
+        click.echo(f"merged {merge_from}: " + ", ".join(f"{n} {t}" for t, n in added.items()))
     if not Path(db).exists():
         raise click.ClickException(f"no store at {db}")
     store = Store(db, readonly=True)

@@ -239,3 +239,73 @@ def test_a_broken_xz_leaves_no_half_store(tmp_path):
     with pytest.raises((lzma.LZMAError, EOFError)):
         unpack_if_missing(db, lambda m: None)
     assert not db.exists() and list(tmp_path.iterdir()) == [packed_path(db)]
+
+
+def _run_with_rows(store, command, shape, impl, us, winner=None, created=None):
+    from gemmrl.core.problem import Problem
+
+    rid = store.start_run(command, "GPU X", {"commit": "c"}, {})
+    p = Problem(*shape)
+    store.record_peaks(rid, "GPU X", 700.0, 4000.0)
+    store.record_verification(rid, "GPU X", p, impl, True, "", {})
+    store.record_session(rid, f"s-{command}", "GPU X", p, "kernel", "kernel:v1",
+                         {impl: {"status": "ok", "median_us": us, "mean_us": us, "min_us": us, "p10_us": us,
+                                 "p90_us": us, "std_us": 0.0, "n": 10, "details": {}}})
+    store.record_trial(rid, "GPU X", p, "cand", "ok", 1.1, us, {"x": 1})
+    if winner is not None:
+        store.put_tuning("GPU X", p, "gemmrl-tuned", winner, f"{winner!r}", us)
+        if created is not None:
+            store.db.execute("UPDATE tuning SET created=? WHERE impl='gemmrl-tuned' AND M=?", (created, shape[0]))
+    store.finish_run(rid)
+    return rid
+
+
+def test_merge_adds_the_other_stores_new_runs_once_with_their_rows(tmp_path):
+    import shutil
+
+    from click.testing import CliRunner
+
+    from gemmrl.cli import main
+    from gemmrl.core.problem import Problem
+    from gemmrl.store.db import Store, StoreError, pack
+
+    a = tmp_path / "a.sqlite"
+    s = Store(a)
+    _run_with_rows(s, "common", (64, 64, 64), "torch.matmul", 5.0, winner=b"old", created=100.0)
+    s.close()
+    b = tmp_path / "b.sqlite"
+    shutil.copy(a, b)  # a device call took a copy ...
+    sb = Store(b)
+    _run_with_rows(sb, "on the device", (128, 64, 64), "torch.matmul", 7.0)
+    sb.put_tuning("GPU X", Problem(64, 64, 64), "gemmrl-tuned", b"new", "re-tuned there", 4.0)  # newer
+    sb.close()
+    sa = Store(a)  # ... while this store went on
+    _run_with_rows(sa, "here", (256, 64, 64), "cuBLAS-nn", 9.0)
+    added = sa.merge(b)
+    assert added == {"runs": 1, "peaks": 1, "verifications": 1, "measurements": 1, "trials": 1,
+                     "trajectories": 0, "tuning": 1, "quarantine": 0}
+    runs = sa.runs()
+    assert [r["command"] for r in runs] == ["common", "here", "on the device"] and runs[-1]["id"] == 3
+    got = {(m["M"], m["impl"]): (m["median_us"], m["run_id"]) for m in sa.measurements()}
+    assert got == {(64, "torch.matmul"): (5.0, 1), (256, "cuBLAS-nn"): (9.0, 2), (128, "torch.matmul"): (7.0, 3)}
+    assert bytes(sa.db.execute("SELECT choice FROM tuning").fetchone()[0]) == b"new"  # the newer winner
+    sa.put_tuning("GPU X", Problem(64, 64, 64), "gemmrl-tuned", b"newest", "here, later", 3.0)
+    assert [t["run_id"] for t in sa.db.execute("SELECT run_id FROM trials ORDER BY id")] == [1, 2, 3]
+    assert sa.merge(b) == {"runs": 0, "peaks": 0, "verifications": 0, "measurements": 0, "trials": 0,
+                           "trajectories": 0, "tuning": 0, "quarantine": 0}  # twice: nothing more
+    assert bytes(sa.db.execute("SELECT choice FROM tuning").fetchone()[0]) == b"newest"  # an older one loses
+    with pytest.raises(StoreError, match="is this store"):
+        sa.merge(a)
+    sa.close()
+    # through the CLI, from the .xz a device call returns
+    c = tmp_path / "c.sqlite"
+    shutil.copy(b, c)
+    sc = Store(c)
+    _run_with_rows(sc, "second device call", (512, 64, 64), "torch.matmul", 3.0)
+    sc.close()
+    xz = pack(c)
+    r = CliRunner().invoke(main, ["store", "--db", str(a), "--merge", str(xz)])
+    assert r.exit_code == 0, r.output
+    assert "merged" in r.output and "1 runs" in r.output and "1 measurements" in r.output
+    r = CliRunner().invoke(main, ["store", "--db", str(a), "--merge", str(tmp_path / "none.sqlite")])
+    assert r.exit_code == 1 and "no store at" in r.output

@@ -343,6 +343,63 @@ class Store:
         merged.update(in_session)
         return sorted(merged.values(), key=lambda r: (r["M"], r["N"], r["K"], r["impl"], r["mode"]))
 
+    def merge(self, other: str | Path) -> dict[str, int]:
+        """Bring another store's work into this one (a second machine, a copy a device call sent
+        back): its runs that this store lacks (same start time, command and device) are added
+        under new run ids with every row that belongs to them (peaks, verifications,
+        measurements, trials, trajectories); winners ('tuning') are taken where the other's are
+        newer; quarantines are added. Rows are appended, so for `measurements` a merged row is
+        the latest of its key. Merging the same store twice adds nothing. Rows of the other store
+        that belong to no run (trials or trajectories recorded without one) are not copied.
+        Returns how many rows of each table were added."""
+        other = Path(other)
+        if not other.exists():
+            raise StoreError(f"no store at {other}")
+        added: dict[str, int] = {}
+        if other.resolve() == self.path.resolve():
+            raise StoreError(f"{other} is this store")
+        self.db.execute("ATTACH DATABASE ? AS other", (str(other),))
+        try:
+            row = self.db.execute("SELECT value FROM other.meta WHERE key='schema'").fetchone()
+            if row is None or int(row[0]) != SCHEMA_VERSION:
+                raise StoreError(f"{other}: schema version {row[0] if row else 'unknown'}, this store is "
+                                 f"{SCHEMA_VERSION}")
+            with self.tx():
+                mine = {(r[0], r[1], r[2]) for r in self.db.execute("SELECT started, command, device FROM runs")}
+                mapping: dict[int, int] = {}
+                for r in self.db.execute("SELECT id, started, finished, status, command, device, provenance, "
+                                         "settings FROM other.runs ORDER BY id").fetchall():
+                    if (r[1], r[4], r[5]) in mine:
+                        continue
+                    cur = self.db.execute("INSERT INTO runs (started, finished, status, command, device, "
+                                          "provenance, settings) VALUES (?,?,?,?,?,?,?)", tuple(r[1:]))
+                    mapping[r[0]] = cur.lastrowid
+                added["runs"] = len(mapping)
+                self.db.execute("CREATE TEMP TABLE run_map (old INTEGER PRIMARY KEY, new INTEGER NOT NULL)")
+                self.db.executemany("INSERT INTO run_map VALUES (?, ?)", mapping.items())
+                for table in ("peaks", "verifications", "measurements", "trials", "trajectories"):
+                    cols = [c[1] for c in self.db.execute(f"PRAGMA main.table_info({table})")
+                            if c[1] not in ("id", "run_id")]
+                    names = ", ".join(cols)
+                    picked = ", ".join(f"o.{c}" for c in cols)
+                    cur = self.db.execute(
+                        f"INSERT INTO main.{table} (run_id, {names}) SELECT m.new, {picked} FROM other.{table} o "
+                        f"JOIN temp.run_map m ON o.run_id = m.old ORDER BY "
+                        + ("o.id" if table != "peaks" else "o.rowid"))
+                    added[table] = cur.rowcount
+                self.db.execute("DROP TABLE temp.run_map")
+                before = self.db.total_changes
+                self.db.execute(
+                    "INSERT INTO main.tuning SELECT * FROM other.tuning WHERE true ON CONFLICT "
+                    "(device, M, N, K, dtype, acc, impl) DO UPDATE SET choice=excluded.choice, info=excluded.info, "
+                    "time_us=excluded.time_us, created=excluded.created WHERE excluded.created > tuning.created")
+                added["tuning"] = self.db.total_changes - before
+                cur = self.db.execute("INSERT OR IGNORE INTO main.quarantine SELECT * FROM other.quarantine")
+                added["quarantine"] = cur.rowcount
+        finally:
+            self.db.execute("DETACH DATABASE other")
+        return added
+
     def devices(self) -> list[str]:
         return [r[0] for r in self.db.execute("SELECT DISTINCT device FROM measurements ORDER BY device")]
 
