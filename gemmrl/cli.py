@@ -641,21 +641,16 @@ def pack(db, device, dtype, acc, min_speedup, out_dir):
                    "device call sent back), with their measurements, trials and winners; OTHER.xz is read too")
 def store_cmd(db, compress, merge_from):
     """What the store holds (runs, measurements, trials, tuned shapes per device); --compress packs it."""
-    from gemmrl.store.db import Store, StoreError, pack, unpack_if_missing
+    from gemmrl.store.db import Store, StoreError, decompress, pack, unpack_if_missing
 
     unpack_if_missing(db)
     if merge_from is not None:
-        import lzma
-        import shutil
         import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:
             src = Path(merge_from)
             if src.suffix == ".xz" and src.exists():  # a store as git keeps it, or as a device call returns it
-                plain = Path(tmp) / "other.sqlite"
-                with lzma.open(src) as f, open(plain, "wb") as g:
-                    shutil.copyfileobj(f, g, 1 << 20)
-                src = plain
+                src = decompress(src, Path(tmp) / "other.sqlite")
             try:
                 target = Store(db)
                 added = target.merge(src)

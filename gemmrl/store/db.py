@@ -81,8 +81,6 @@ def unpack_if_missing(path: str | Path, log=None) -> bool:
     (to a temporary file, then renamed, so an interrupted unpack leaves nothing half-written).
     Returns whether it unpacked. If both exist and the .xz is newer (a pull brought a new one),
     say so through `log` and leave the local file alone: it may hold unpacked work."""
-    import lzma
-    import shutil
     import sys
 
     path, packed = Path(path), packed_path(path)
@@ -95,6 +93,16 @@ def unpack_if_missing(path: str | Path, log=None) -> bool:
                 f"writes the .xz from the file)")
         return False
     log(f"unpacking {packed} -> {path}")
+    decompress(packed, path)
+    return True
+
+
+def decompress(packed: str | Path, path: str | Path) -> Path:
+    """Write the store an .xz holds to `path`, through a temporary file renamed into place."""
+    import lzma
+    import shutil
+
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.unpacking-{os.getpid()}")
     try:
@@ -104,7 +112,7 @@ def unpack_if_missing(path: str | Path, log=None) -> bool:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return True
+    return path
 
 
 def pack(path: str | Path, preset: int = 6) -> Path:
