@@ -301,7 +301,7 @@ def test_separate_reduction_is_enumerated_and_modelled():
 def test_render_states_the_spec_in_cutlass_terms():
     nn = render(GOLDEN_SPECS[0])
     assert "using LayoutB = cutlass::layout::RowMajor;" in nn
-    assert "Shape<_128, _256, _64>" in nn and "Shape<_2, _1, _1>" in nn
+    assert "cute::Shape<cute::_128, cute::_256, cute::_64>" in nn and "cute::Shape<cute::_2, cute::_1, cute::_1>" in nn
     assert "KernelTmaWarpSpecializedCooperative" in nn and "PersistentScheduler" in nn
     assert "StageCountAutoCarveout" in nn
     tn = render(GOLDEN_SPECS[1])
