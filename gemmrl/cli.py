@@ -121,8 +121,11 @@ def shapes(shape_spec, dtype, acc, below, column, plain):
 @click.option("--isolate/--no-isolate", default=True, show_default=True,
               help="run each shape in a worker process: a crashing or hanging kernel is quarantined, "
                    "the run goes on")
+@click.option("--gpus", default=1, show_default=True, type=click.IntRange(1, 64),
+              help="measure on this many GPUs of this machine at once: one child bench per GPU on a share "
+                   "of the shapes, all writing --db; the report once at the end")
 def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, host_ci, host_max_s, server_gaps,
-          server_stat, budget_s, no_verify, retime, no_report, isolate):
+          server_stat, budget_s, no_verify, retime, no_report, isolate, gpus):
     """Verify and time implementations over a set of shapes; results go to the store."""
     problems = _problems(shape_spec, dtype, acc)
     modes = _modes(mode_opts)
@@ -136,6 +139,9 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, h
     from gemmrl.bench import runner
 
     runner.require_gpu()
+    if gpus > 1:
+        ctx = click.get_current_context()
+        return _bench_on_gpus(problems, gpus, ctx.command, ctx.params)
     import torch
 
     from gemmrl.bench import env, timing
@@ -198,6 +204,58 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, h
         paths = write_report(store, device, out, subject, dtype, acc)
         click.echo(f"wrote {len(paths)} files under {Path(paths[0]).parent if paths else out}", err=True)
     store.close()
+
+
+def _gpu_model(gpus: int) -> str:
+    """The one GPU model of this machine's first `gpus` GPUs; a usage error if it has fewer or
+    they differ (timings are only compared within one model)."""
+    import torch
+
+    have = torch.cuda.device_count()
+    if gpus > have:
+        raise click.UsageError(f"--gpus {gpus}: this machine shows {have} GPU(s)")
+    names = {torch.cuda.get_device_name(i) for i in range(gpus)}
+    if len(names) > 1:
+        raise click.UsageError(f"--gpus {gpus}: the GPUs are of different models ({', '.join(sorted(names))}); "
+                               "timings are only compared within one model: set CUDA_VISIBLE_DEVICES to one model's")
+    return names.pop()
+
+
+def _bench_on_gpus(problems, gpus: int, command, params: dict) -> None:
+    """gemmrl bench --gpus N: one child bench per GPU on a share of the shapes (by expected work,
+    distributed/local.py), every other option passed on, then one report over the store."""
+    import tempfile
+
+    from gemmrl.bench import env
+    from gemmrl.distributed import local
+    from gemmrl.store.db import Store
+
+    device = _gpu_model(gpus)
+    shards = [s for s in local.split_shapes(problems, gpus) if s]
+    ids = local.visible_gpus(len(shards))
+    click.echo(f"measuring {len(problems)} shapes on {len(shards)} GPUs ({device}; CUDA_VISIBLE_DEVICES "
+               f"{','.join(ids)}): " + ", ".join(f"{len(s)} shapes" for s in shards), err=True)
+    with tempfile.TemporaryDirectory(prefix="gemmrl-shards-") as tmp:
+        cmds = [[sys.executable, "-m", "gemmrl.cli", "bench"] + local.cli_args(
+                    command, {**params, "shape_spec": str(local.write_shard(s, Path(tmp) / f"shard{i}.txt")),
+                              "gpus": 1, "no_report": True})
+                for i, s in enumerate(shards)]
+        codes = local.run_children(cmds, ids, lambda m: click.echo(m, err=True))
+    failed = [f"GPU {g} (exit {c})" for g, c in zip(ids, codes) if c != 0]
+    if not params["no_report"] and Path(params["db"]).exists():
+        store = Store(params["db"])
+        try:
+            paths = write_report(store, device, params["out"], params["subject"], params["dtype"], params["acc"])
+            click.echo(f"wrote {len(paths)} files under {Path(params['out']) / env.gpu_slug(device)}", err=True)
+        except Exception as e:  # nothing measured (every child failed): the failure below says why
+            if not failed:
+                raise
+            click.echo(f"no report: {type(e).__name__}: {e}", err=True)
+        finally:
+            store.close()
+    if failed:
+        raise click.ClickException("bench failed on " + ", ".join(failed) + "; what they stored stays: run "
+                                   "again to resume")
 
 
 def _run_with_progress(run_fn, total: int):
@@ -483,21 +541,12 @@ def _tune_on_gpus(problems, gpus: int, args, no_report: bool) -> None:
     then one report over the store they all wrote."""
     import tempfile
 
-    import torch
-
     from gemmrl.bench import env
     from gemmrl.distributed import local
     from gemmrl.search.run import TUNED
     from gemmrl.store.db import Store
 
-    have = torch.cuda.device_count()
-    if gpus > have:
-        raise click.UsageError(f"--gpus {gpus}: this machine shows {have} GPU(s)")
-    names = {torch.cuda.get_device_name(i) for i in range(gpus)}
-    if len(names) > 1:
-        raise click.UsageError(f"--gpus {gpus}: the GPUs are of different models ({', '.join(sorted(names))}); "
-                               "timings are only compared within one model: set CUDA_VISIBLE_DEVICES to one model's")
-    device = names.pop()
+    device = _gpu_model(gpus)
     done = set()
     if Path(args.db).exists():  # shapes whose search is over weigh nothing in the split
         store = Store(args.db)
@@ -515,11 +564,17 @@ def _tune_on_gpus(problems, gpus: int, args, no_report: bool) -> None:
                 for i, s in enumerate(shards)]
         codes = local.run_children(cmds, ids, lambda m: click.echo(m, err=True))
     failed = [f"GPU {g} (exit {c})" for g, c in zip(ids, codes) if c != 0]
-    if not no_report:
+    if not no_report and Path(args.db).exists():
         store = Store(args.db)
-        paths = write_report(store, device, args.out, TUNED, args.dtype, args.acc)
-        store.close()
-        click.echo(f"wrote {len(paths)} files under {Path(args.out) / env.gpu_slug(device)}", err=True)
+        try:
+            paths = write_report(store, device, args.out, TUNED, args.dtype, args.acc)
+            click.echo(f"wrote {len(paths)} files under {Path(args.out) / env.gpu_slug(device)}", err=True)
+        except Exception as e:  # nothing measured (every child failed): the failure below says why
+            if not failed:
+                raise
+            click.echo(f"no report: {type(e).__name__}: {e}", err=True)
+        finally:
+            store.close()
     if failed:
         raise click.ClickException("tune failed on " + ", ".join(failed) + "; what they stored stays: run "
                                    "again to resume")
@@ -685,11 +740,17 @@ def store_cmd(db, compress, merge_from):
               help="grid | subset | subset:N | preset:NAME | FILE | MxNxK[,MxNxK...]")
 @click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "bf16"]))
 @click.option("--acc", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16"]))
-@click.option("--family", "family_opts", multiple=True, default=("cutlass_sm90",), show_default=True,
-              help="kernel family (repeat for several)")
+@click.option("--family", "family_opts", multiple=True, default=None,
+              help="kernel family (repeat for several)  [default: cutlass_sm90; with --tuned-in: all]")
 @click.option("--layouts", default="NN,TN", show_default=True)
 @click.option("--top", default=4, show_default=True, type=click.IntRange(1, 1000),
               help="candidates per family, layout and shape")
+@click.option("--tuned-in", "tuned_db", default=None, metavar="DB",
+              help="compile the winners `gemmrl tune` stored in this store instead (every device, dtype and "
+                   "accumulator; --shapes, --dtype, --acc, --layouts and --top are not used): what "
+                   "`gemmrl bench --impl tuned` and a pack load, ready before a GPU session")
+@click.option("--device", "tuned_device", default=None, metavar="NAME",
+              help="with --tuned-in: only the winners tuned on this GPU model (as torch names it)")
 @click.option("--jobs", default=None, type=click.IntRange(1, 1024), help="parallel nvcc processes (default: CPUs)")
 @click.option("--dry-run", is_flag=True, help="list what would be compiled, compile nothing")
 @click.option("--pending-in", "pending_db", default=None, metavar="DB",
@@ -699,13 +760,39 @@ def store_cmd(db, compress, merge_from):
               help="with --pending-in: the tune run's candidates per shape")
 @click.option("--max-shapes", default=None, type=click.IntRange(1, 100000),
               help="only the first N shapes (after --pending-in): what one tune call will reach")
-def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, jobs, dry_run, pending_db, candidates, max_shapes):
+def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned_device, jobs, dry_run, pending_db,
+              candidates, max_shapes):
     """Compile the kernels a set of shapes will try into the build cache ($GEMMRL_CACHE), ahead of
     time and without a GPU; copy the cache to the GPU machine to save its time."""
     from gemmrl.build import ahead
-    from gemmrl.build.pool import build_many
     from gemmrl.space import registry
 
+    if tuned_device is not None and tuned_db is None:
+        raise click.UsageError("--device goes with --tuned-in")
+    try:
+        fams = [registry.get(f) for f in family_opts or (() if tuned_db else ("cutlass_sm90",))]
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--family") from None
+    if tuned_db is not None:
+        if pending_db is not None or max_shapes is not None:
+            raise click.UsageError("--tuned-in builds stored winners: --pending-in and --max-shapes do not apply")
+        from gemmrl.search.run import TUNED
+        from gemmrl.store.db import Store, unpack_if_missing
+
+        unpack_if_missing(tuned_db)
+        if not Path(tuned_db).exists():
+            raise click.ClickException(f"no store at {tuned_db}")
+        store = Store(tuned_db, readonly=True)
+        choices = store.tuned_choices(TUNED, tuned_device)
+        store.close()
+        if not choices:
+            raise click.ClickException(f"{tuned_db} holds no {TUNED} winners"
+                                       + (f" on {tuned_device!r}" if tuned_device else ""))
+        jobs_all, skipped = ahead.plan_tuned(choices, {f.name for f in fams} if fams else None)
+        for line in skipped:
+            click.echo(f"skipped: {line}", err=True)
+        return _compile_jobs(jobs_all, f"the winners of {len(choices)} tuned (shape, precision) pairs", jobs,
+                             dry_run)
     problems = _problems(shape_spec, dtype, acc)
     if pending_db is not None:
         from gemmrl.store.db import Store, unpack_if_missing
@@ -726,13 +813,17 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, jobs, dry_run, 
         shown = ", ".join(p.shape for p in problems[:8]) + (", ..." if len(problems) > 8 else "")
         click.echo(f"shapes: {shown}", err=True)
     lays = _layouts(layouts)
-    try:
-        fams = [registry.get(f) for f in family_opts]
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--family") from None
-    jobs_all = ahead.plan(problems, fams, lays, top)
+    _compile_jobs(ahead.plan(problems, fams, lays, top), f"{len(problems)} shapes", jobs, dry_run)
+
+
+def _compile_jobs(jobs_all, what: str, jobs, dry_run) -> None:
+    """Compile the jobs not in the build cache yet, in parallel, with progress; exit non-zero if
+    any failed (their logs printed)."""
+    from gemmrl.build import ahead
+    from gemmrl.build.pool import build_many
+
     todo = ahead.pending(jobs_all)
-    click.echo(f"{len(jobs_all)} distinct kernels for {len(problems)} shapes; {len(jobs_all) - len(todo)} "
+    click.echo(f"{len(jobs_all)} distinct kernels for {what}; {len(jobs_all) - len(todo)} "
                f"already built, {len(todo)} to compile", err=True)
     if dry_run:
         for j in todo:

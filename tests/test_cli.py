@@ -198,3 +198,52 @@ def test_shapes_below_a_speedup_lists_where_to_search_again(tmp_path):
     assert r.output == "128x128x4096\n512x512x512\n"
     r = CliRunner().invoke(main, ["shapes", "--shapes", str(csv), "--below", "1", "--column", "cuBLAS-max"])
     assert r.exit_code == 2 and "no column 'cuBLAS-max'" in r.output
+
+
+def test_build_tuned_in_compiles_the_stored_winners_once_each(tmp_path, monkeypatch):
+    import json
+
+    from gemmrl.space import cutlass_sm90, raw
+
+    monkeypatch.setenv("GEMMRL_CACHE", str(tmp_path / "cache"))
+    db = tmp_path / "t.sqlite"
+    store = Store(db)
+    cut = cutlass_sm90.heuristic_specs(Problem(256, 1024, 512), "TN")[0]
+    rw = raw.heuristic_specs(Problem(64, 1024, 4096), "TN")[0]
+
+    def win(dev, p, fam, spec):
+        store.put_tuning(dev, p, "gemmrl-tuned", json.dumps({"family": fam, "spec": dict(spec.__dict__)}).encode(),
+                         spec.name, 1.0)
+
+    # the generic CUTLASS spec wins two shapes on two GPUs: one build; the raw one is per shape
+    win("NVIDIA H200", Problem(256, 1024, 512), "cutlass_sm90", cut)
+    win("NVIDIA H100 80GB HBM3", Problem(512, 1024, 512), "cutlass_sm90", cut)
+    win("NVIDIA H200", Problem(64, 1024, 4096), "raw", rw)
+    store.put_tuning("NVIDIA H200", Problem(64, 64, 64), "gemmrl-tuned", b"not json", "", 1.0)  # left out
+    store.put_tuning("NVIDIA H200", Problem(64, 64, 64), "cuBLASLt-auto-tuning-tn", b"{}", "", 1.0)  # not ours
+    store.put_tuning("NVIDIA H200", Problem(128, 64, 64), "gemmrl-tuned",  # a family this version lacks
+                     json.dumps({"family": "gone", "spec": {}}).encode(), "", 1.0)
+    store.close()
+    r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert "2 distinct kernels for the winners of 4 tuned (shape, precision) pairs; 0 already built, 2 to compile" \
+        in r.output
+    assert cut.name in r.output and rw.name in r.output
+    assert "skipped: 128x64x64 (fp32): gone: unknown kernel family 'gone'" in r.output
+    r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--dry-run", "--family", "raw"])
+    assert r.exit_code == 0 and "1 distinct kernels" in r.output and cut.name not in r.output, r.output
+    r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--dry-run", "--device", "NVIDIA H100 80GB HBM3"])
+    assert "1 distinct kernels for the winners of 1 tuned" in r.output and rw.name not in r.output, r.output
+    r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--device", "NVIDIA A100"])
+    assert r.exit_code == 1 and "holds no gemmrl-tuned winners on 'NVIDIA A100'" in r.output
+    r = CliRunner().invoke(main, ["build", "--tuned-in", str(tmp_path / "none.sqlite")])
+    assert r.exit_code == 1 and "no store at" in r.output
+    r = CliRunner().invoke(main, ["build", "--device", "NVIDIA H200"])
+    assert r.exit_code == 2 and "--device goes with --tuned-in" in r.output
+    r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--max-shapes", "3"])
+    assert r.exit_code == 2 and "do not apply" in r.output
+    # and for real: the raw winner compiles (a minute or less), then counts as built
+    r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--family", "raw", "--jobs", "1"])
+    assert r.exit_code == 0 and "[1/1] ok" in r.output, r.output
+    r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--family", "raw", "--dry-run"])
+    assert "1 already built, 0 to compile" in r.output

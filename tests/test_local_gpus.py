@@ -171,3 +171,39 @@ def test_a_terminated_parent_stops_its_children(tmp_path):
     for pid in map(int, pidfile.read_text().split()):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_cli_args_give_back_the_options_a_command_was_given():
+    cmd = main.commands["bench"]
+    given = ["--shapes", "grid", "--mode", "offline,server", "--impl", "baselines", "--impl", "tuned",
+             "--acc", "fp16", "--host-ci", "0.01", "--host-max-s", "3", "--server-gaps", "each",
+             "--budget-s", "500", "--retime", "--no-isolate", "--gpus", "4", "--db", "x.sqlite"]
+    params = cmd.make_context("bench", list(given)).params
+    args = local.cli_args(cmd, params)
+    assert cmd.make_context("bench", list(args)).params == params  # the same options, parsed again (a copy:
+    # click consumes the list it parses)
+    assert "--no-isolate" in args and "--retime" in args and "--no-verify" not in args
+    assert args.count("--impl") == 2 and "--subject" not in args  # None: left to its default
+    child = cmd.make_context("bench", local.cli_args(cmd, {**params, "shape_spec": "s.txt", "gpus": 1,
+                                                            "no_report": True})).params
+    assert child == {**params, "shape_spec": "s.txt", "gpus": 1, "no_report": True}
+    plain = cmd.make_context("bench", []).params
+    assert cmd.make_context("bench", local.cli_args(cmd, plain)).params == plain
+
+
+def test_bench_gpus_starts_one_real_child_per_gpu_and_reports_their_failure(monkeypatch, tmp_path):
+    """Real `gemmrl bench` children, which refuse this GPU-less machine: the parent shows their
+    output by GPU and fails naming both, and the empty store's report does not hide that."""
+    from click.testing import CliRunner
+
+    _fake_gpus(monkeypatch, ["NVIDIA H200", "NVIDIA H200"])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    r = CliRunner().invoke(main, ["bench", "--gpus", "2", "--shapes", "64x64x64,4096x4096x4096,128x64x8192",
+                                  "--mode", "offline", "--impl", "tuned", "--db", str(tmp_path / "s.sqlite"),
+                                  "--out", str(tmp_path / "out")])
+    assert r.exit_code == 1, r.output
+    assert "measuring 3 shapes on 2 GPUs (NVIDIA H200; CUDA_VISIBLE_DEVICES 0,1): 1 shapes, 2 shapes" in r.output
+    assert "[gpu0]" in r.output and "[gpu1]" in r.output and "no CUDA GPU" in r.output
+    assert "bench failed on GPU 0 (exit 2), GPU 1 (exit 2)" in r.output
+    r = CliRunner().invoke(main, ["bench", "--gpus", "3", "--shapes", "64x64x64", "--db", str(tmp_path / "s.sqlite")])
+    assert r.exit_code == 2 and "this machine shows 2 GPU(s)" in r.output

@@ -46,3 +46,26 @@ def pending(jobs: list[BuildJob]) -> list[BuildJob]:
     from gemmrl.build.nvcc import is_built
 
     return [j for j in jobs if not is_built(j.source, name=j.name, **j.kwargs)]
+
+
+def plan_tuned(choices, families=None) -> tuple[list[BuildJob], list[str]]:
+    """The builds of stored winners (Store.tuned_choices rows: device, problem, family name, spec
+    fields), each source once, limited to `families` (names) if given; and a line for each choice
+    that names an unknown family or spec fields the family no longer reads."""
+    from gemmrl.space import registry
+
+    seen, out, skipped = set(), [], []
+    for _device, problem, fam_name, fields in choices:
+        if families is not None and fam_name not in families:
+            continue
+        try:
+            fam = registry.get(fam_name)
+            spec = fam.spec_type()(**fields)
+        except (ValueError, TypeError) as e:
+            skipped.append(f"{problem.shape} ({problem.acc}): {fam_name}: {e}")
+            continue
+        job = job_for(spec, problem)
+        if job.source not in seen:
+            seen.add(job.source)
+            out.append(job)
+    return out, skipped

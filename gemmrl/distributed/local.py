@@ -1,11 +1,13 @@
-"""Tuning on several GPUs of one machine without Ray: one `gemmrl tune` process per GPU.
+"""Tuning and benchmarking on several GPUs of one machine without Ray: one `gemmrl tune` (or
+`gemmrl bench`) process per GPU.
 
 `gemmrl tune --gpus N` splits its shapes into N shards of about equal expected work, writes each
 shard to a shape file, and starts one child `gemmrl tune --shapes SHARD --no-report` per GPU
 with CUDA_VISIBLE_DEVICES naming that GPU alone. The children share the one SQLite store (WAL,
 so their writes interleave safely) and each resumes from the trials already in it, as a single
 process would; the parent streams their output with a `[gpuI]` prefix and writes the report once
-they are done. A shape is never in two shards, so no candidate is timed twice.
+they are done. A shape is never in two shards, so no candidate is timed twice. `gemmrl bench
+--gpus N` does the same with its own options passed through (`cli_args`).
 
 The pure parts (the split, the child command lines, the GPU list) are tested on a CPU; the
 process supervision is tested with stand-in children.
@@ -104,6 +106,30 @@ def child_command(args: TuneArgs, shapes_file: str, n: int, python: str = sys.ex
     if args.reuse_baselines:
         cmd.append("--reuse-baselines")
     return cmd
+
+
+def cli_args(command, params: dict) -> list[str]:
+    """The command-line arguments that make the click `command` parse to `params` (its options
+    by parameter name; those missing or None are left to their defaults): how a parent passes
+    every option it was given on to its children, with the shapes and such replaced."""
+    import click
+
+    out: list[str] = []
+    for p in command.params:
+        if not isinstance(p, click.Option) or params.get(p.name) is None:
+            continue
+        v = params[p.name]
+        if p.is_flag and p.secondary_opts:  # --x/--no-x
+            out.append(p.opts[0] if v else p.secondary_opts[0])
+        elif p.is_flag:
+            if v:
+                out.append(p.opts[0])
+        elif p.multiple:
+            for item in v:
+                out += [p.opts[0], str(item)]
+        else:
+            out += [p.opts[0], str(v)]
+    return out
 
 
 def write_shard(problems, path: Path) -> Path:

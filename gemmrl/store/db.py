@@ -480,6 +480,25 @@ class Store:
                 continue  # a choice of another kind (not a family spec): no family to report
         return out
 
+    def tuned_choices(self, impl: str, device: str | None = None) -> list[tuple]:
+        """Every stored `impl` choice that names a kernel family's spec, as (device, Problem,
+        family name, spec fields), on `device` or every device, ordered by device and shape;
+        choices of another kind (not a family spec) are left out."""
+        q = "SELECT device, M, N, K, dtype, acc, choice FROM tuning WHERE impl=?"
+        args: tuple = (impl,)
+        if device is not None:
+            q, args = q + " AND device=?", (impl, device)
+        out = []
+        for r in self.db.execute(q + " ORDER BY device, M, N, K, dtype, acc", args):
+            try:
+                d = json.loads(bytes(r["choice"]).decode())
+                fam, spec = d["family"], d["spec"]
+            except (ValueError, KeyError, TypeError):
+                continue
+            if isinstance(fam, str) and isinstance(spec, dict):
+                out.append((r["device"], Problem(r["M"], r["N"], r["K"], r["dtype"], r["acc"]), fam, spec))
+        return out
+
     def trial_counts(self, device: str | None = None) -> dict[tuple, int]:
         """(M, N, K, dtype, acc) -> how many candidates were tried on it (on `device`, or any)."""
         q = "SELECT M, N, K, dtype, acc, COUNT(*) FROM trials"
