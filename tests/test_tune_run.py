@@ -51,6 +51,46 @@ def test_trials_are_stored_resumed_and_winners_kept(tmp_path):
         assert best["candidate"] == spec.name
 
 
+def test_a_run_cut_mid_search_keeps_the_winners_it_found(tmp_path):
+    """A tune stopped in its search (the machine lost, a timeout's SIGTERM) has stored each
+    shape's best so far; a resume with nothing left to search stores the same winners."""
+    import pytest
+
+    store = Store(tmp_path / "s.sqlite")
+    calls = []
+
+    def cut_after_two_batches(problem, candidates):
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # what the SIGTERM handler's SystemExit does to the loop
+        calls.append(problem)
+        return fake_evaluate(problem, candidates)
+
+    with pytest.raises(KeyboardInterrupt):
+        run_tune([P1, P2], store, "H100", cut_after_two_batches, candidates=6, batch=3, layouts=("TN",),
+                 policy=ModelFreePolicy(layouts=("TN",), seed=0))
+    rows = store.trials("H100")
+    searched = {(r["M"], r["N"], r["K"]) for r in rows}
+    assert len(rows) == 6 and searched
+    for key in searched:
+        best = max((r for r in rows if (r["M"], r["N"], r["K"]) == key), key=lambda r: r["reward"])
+        got = store.get_tuning("H100", Problem(*key), TUNED)
+        assert got is not None and got["info"].startswith(best["candidate"] + " ")
+    # a shape never reached has no winner; a worse trial never replaces a better one
+    for p in (P1, P2):
+        if (p.M, p.N, p.K) not in searched:
+            assert store.get_tuning("H100", p, TUNED) is None
+    before = {p: store.get_tuning("H100", p, TUNED) for p in (P1, P2)}
+
+    def never(problem, candidates):
+        raise AssertionError("nothing is left to evaluate for a searched shape")
+
+    done = [Problem(*k) for k in searched if sum((r["M"], r["N"], r["K"]) == k for r in rows) >= 3]
+    run_tune(done, store, "H100", never, candidates=3, batch=3, layouts=("TN",),
+             policy=ModelFreePolicy(layouts=("TN",), seed=0))
+    for p in done:
+        assert store.get_tuning("H100", p, TUNED)["info"] == before[p]["info"]
+
+
 def test_a_crashing_candidate_is_quarantined_and_its_batch_goes_on(tmp_path, monkeypatch):
     store = Store(tmp_path / "s.sqlite")
     cands = ModelFreePolicy(layouts=("TN",), seed=0).propose(P1, 3)

@@ -11,7 +11,7 @@ import tempfile
 from gemmrl.bench.worker import HEARTBEAT_ENV, Worker, last_beat
 from gemmrl.core.problem import Problem
 from gemmrl.search.policy import Candidate, ModelFreePolicy, Trial
-from gemmrl.search.tune import TuneResult, gpu_evaluate, tune
+from gemmrl.search.tune import TuneResult, best_trials, gpu_evaluate, tune
 from gemmrl.space import registry
 
 TUNED = "gemmrl-tuned"
@@ -182,9 +182,21 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
     if others:
         policy.observe(others)
 
+    def keep(t: Trial) -> None:
+        choice = json.dumps({"family": t.candidate.family, "spec": t.to_dict()["spec"]}, sort_keys=True).encode()
+        store.put_tuning(device, t.problem, TUNED, choice, f"{t.candidate.name} (reward {t.reward:.3f})",
+                         float(t.time_us))
+
+    # each shape's best so far is stored as soon as a trial beats it, so a run cut mid-search (a
+    # lost machine, a timeout) keeps the winners it found; the final pass below stores the same
+    leader = {p: t.reward for p, t in best_trials(history).items() if t.status == "ok" and t.reward > 0}
+
     def record(t: Trial):
         store.record_trial(run_id, device, t.problem, t.candidate.name, t.status, t.reward, t.time_us,
                            t.to_dict())
+        if t.status == "ok" and t.reward > leader.get(t.problem, 0.0):
+            leader[t.problem] = t.reward
+            keep(t)
         if on_trial is not None:
             on_trial(t)
 
@@ -192,8 +204,5 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
                device_budget_s=budget_s, history=history, on_trial=record, deadline=deadline)
     for problem, t in res.best.items():
         if t.reward > 0 and t.status == "ok":
-            choice = json.dumps({"family": t.candidate.family, "spec": t.to_dict()["spec"]},
-                                sort_keys=True).encode()
-            store.put_tuning(device, problem, TUNED, choice,
-                             f"{t.candidate.name} (reward {t.reward:.3f})", float(t.time_us))
+            keep(t)
     return res
