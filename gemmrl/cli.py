@@ -61,6 +61,25 @@ def build_impls(specs: tuple[str, ...], store=None, device: str = "", include_di
 @click.version_option(package_name="gemmrl")
 def main():
     """gemmrl: verify and time HGEMM kernels against NVIDIA's libraries, and keep the fastest."""
+    stop_cleanly_on_sigterm()
+
+
+def stop_cleanly_on_sigterm() -> None:
+    """`timeout`, batch schedulers and a `--gpus` parent stop a run with SIGTERM, which by default
+    ends Python at once: make it a SystemExit instead, so the run's finally blocks still run (the
+    store records the run as partial and closes, isolated workers are stopped). Only from the
+    main thread, and only where nobody set a handler already."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def on_term(signum, frame):
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, on_term)
 
 
 @main.command()
@@ -183,7 +202,7 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, h
     for impl in impls:
         if hasattr(impl, "prebuild"):
             impl.prebuild(problems, log=lambda m: click.echo(m, err=True))
-    status = "done"
+    status = "partial"  # until the run comes to its end (an exception or SIGTERM leaves it so)
     try:
         if isolate:
             def run_fn(progress, log):

@@ -207,3 +207,24 @@ def test_bench_gpus_starts_one_real_child_per_gpu_and_reports_their_failure(monk
     assert "bench failed on GPU 0 (exit 2), GPU 1 (exit 2)" in r.output
     r = CliRunner().invoke(main, ["bench", "--gpus", "3", "--shapes", "64x64x64", "--db", str(tmp_path / "s.sqlite")])
     assert r.exit_code == 2 and "this machine shows 2 GPU(s)" in r.output
+
+
+def test_sigterm_runs_the_commands_finally_blocks(tmp_path):
+    """A child stopped by SIGTERM (its parent's Ctrl-C, `timeout`) must still run its finally
+    blocks, where runs are recorded as partial and the store is closed: before this, runs cut
+    that way stayed 'running' in the store."""
+    import signal
+    import subprocess
+    import time
+
+    mark = tmp_path / "finally-ran"
+    code = ("import sys, time; from gemmrl.cli import stop_cleanly_on_sigterm; stop_cleanly_on_sigterm()\n"
+            "print('ready', flush=True)\n"
+            "try:\n    time.sleep(60)\nfinally:\n"
+            f"    open({str(mark)!r}, 'w').write('yes')\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == 128 + signal.SIGTERM
+    assert time.monotonic() - t0 < 30 and mark.read_text() == "yes"
