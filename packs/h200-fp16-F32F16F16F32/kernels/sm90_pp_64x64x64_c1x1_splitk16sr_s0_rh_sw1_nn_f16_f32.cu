@@ -28,9 +28,11 @@
 #error "this kernel uses wgmma and TMA: compile it for sm_90a"
 #endif
 
-namespace {
 
-using namespace cute;
+// No `using namespace cute` here: a using-directive in an anonymous namespace reaches the global
+// scope, where nvcc's host stub for the kernel (whose address is taken below) names this
+// namespace, and cute's own anonymous namespace would make that name ambiguous.
+namespace {
 
 using ElementA = cutlass::half_t;
 using ElementB = cutlass::half_t;
@@ -44,8 +46,8 @@ using LayoutB = cutlass::layout::RowMajor;  // NN: B [K,N] row-major, N-contiguo
 using LayoutD = cutlass::layout::RowMajor;  // C [M,N] row-major
 constexpr int kAlignment = 8;  // elements: 16 bytes, TMA's minimum
 
-using TileShape = Shape<_64, _64, _64>;
-using ClusterShape = Shape<_1, _1, _1>;
+using TileShape = cute::Shape<cute::_64, cute::_64, cute::_64>;
+using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
 using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
 using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
 using TileSchedulerTag = cutlass::gemm::PersistentScheduler;
@@ -63,7 +65,7 @@ using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder
         static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
     MainloopSchedule>::CollectiveOp;
 
-using GemmKernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop,
+using GemmKernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
                                                         CollectiveEpilogue, TileSchedulerTag>;
 using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 
@@ -81,8 +83,8 @@ enum Status : int {
   kNoDevice = 5,          // the current device or its SM count could not be queried
   kCannotImplement = 6,   // CUTLASS's can_implement refused the arguments
   kBadWorkspace = 7,      // a workspace is needed and is null or not 16-byte aligned
-  kInitFailed = 8,        // Gemm::initialize failed (workspace clear or TMA descriptors)
-  kLaunchFailed = 9,      // Gemm::run failed to launch
+  kInitFailed = 8,        // the shared memory limit, the workspace clear or the TMA descriptors failed
+  kLaunchFailed = 9,      // the launch failed
 };
 
 constexpr int kMaxDevices = 64;
@@ -96,6 +98,49 @@ int sm_count(int device) {
   if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 0;
   if (cached && count > 0) cache[device].store(count, std::memory_order_relaxed);
   return count;
+}
+
+// Per-device launch state, made once: the kernel's dynamic shared memory limit raised. CUTLASS's
+// Gemm::initialize() makes that driver call on every call, and its cluster launcher another
+// (cudaFuncAttributeNonPortableClusterSizeAllowed, needed only past 8 CTAs a cluster); both are
+// per function and device and stay set, so a call here pays neither.
+bool kernel_ready(int device) {
+  static std::atomic<bool> ready[kMaxDevices];
+  bool cached = device >= 0 && device < kMaxDevices;
+  if (cached && ready[device].load(std::memory_order_acquire)) return true;
+  constexpr int smem = int(GemmKernel::SharedStorageSize);
+  if (smem >= (48 << 10) &&
+      cudaFuncSetAttribute(reinterpret_cast<const void*>(cutlass::device_kernel<GemmKernel>),
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: clear it for the caller
+    return false;
+  }
+  if (cached) ready[device].store(true, std::memory_order_release);
+  return true;
+}
+
+// The GEMM kernel's one launch for these Params, as Gemm::run(params, stream) makes it (the grid
+// from the tile scheduler, the cluster shape as a launch attribute) without its per-call
+// attribute calls: one cudaLaunchKernelExC.
+bool launch_gemm(typename GemmKernel::Params& params, cudaStream_t stream) {
+  constexpr unsigned cx = cute::size<0>(ClusterShape{}), cy = cute::size<1>(ClusterShape{});
+  dim3 grid = Gemm::get_grid_shape(params);
+  if (grid.x % cx || grid.y % cy) return false;  // CUTLASS's schedulers round the grid to clusters
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = GemmKernel::get_block_shape();
+  config.dynamicSmemBytes = size_t(GemmKernel::SharedStorageSize);
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = cx;
+  attribute[0].val.clusterDim.y = cy;
+  attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = cx * cy > 1 ? 1 : 0;
+  void* kernel_args[] = {&params};
+  return cudaLaunchKernelExC(&config, reinterpret_cast<const void*>(cutlass::device_kernel<GemmKernel>),
+                             kernel_args) == cudaSuccess;
 }
 
 typename Gemm::Arguments make_arguments(const void* A, const void* B, void* C, int M, int N, int K,
@@ -226,10 +271,11 @@ extern "C" __attribute__((visibility("default"))) int gemmrl_run(
   float* partials = reinterpret_cast<float*>(static_cast<char*>(workspace) + partials_offset(own));
   args.epilogue.ptr_D = partials;
   if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return kCannotImplement;
-  Gemm gemm;
-  if (gemm.initialize(args, own > 0 ? workspace : nullptr, stream) != cutlass::Status::kSuccess)
+  if (!kernel_ready(device)) return kInitFailed;
+  if (GemmKernel::initialize_workspace(args, own > 0 ? workspace : nullptr, stream) != cutlass::Status::kSuccess)
     return kInitFailed;
-  if (gemm.run(stream) != cutlass::Status::kSuccess) return kLaunchFailed;
+  typename GemmKernel::Params params = GemmKernel::to_underlying_arguments(args, own > 0 ? workspace : nullptr);
+  if (!launch_gemm(params, stream)) return kLaunchFailed;
   const int64_t quads = int64_t(M) * (N / 4);
   cudaLaunchConfig_t config = {};
   constexpr int threads = gemmrl_separate::kReduceThreads;
