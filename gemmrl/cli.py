@@ -422,8 +422,12 @@ def report(db, out, device, subject, dtype, acc, versus):
 @click.option("--gpus", default=1, show_default=True, type=click.IntRange(1, 64),
               help="tune on this many GPUs of this machine (same model), one process each on a share of "
                    "the shapes, all writing the one store; --budget-s is split among them, --wall-s is each's")
+@click.option("--race", default=1, show_default=True, type=click.IntRange(1, 16),
+              help="before the final timing, race each new winner against the search's next best "
+                   "candidates (up to this many in all, within 10% of it) in the full kernel protocol and "
+                   "keep the fastest: the search's quick timing misranks the largest shapes; 1: no race")
 def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only, family_opts, match, layouts, db,
-         out, ray_address, gpus, no_report, reuse_baselines):
+         out, ray_address, gpus, no_report, reuse_baselines, race):
     """Search kernels per shape with speed over the best baseline as the reward; keep the winners.
 
     Baselines are measured first (kernel mode) where the store lacks them; then the model-free
@@ -463,7 +467,7 @@ def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only
 
         return _tune_on_gpus(problems, gpus, TuneArgs(dtype, acc, candidates, batch, budget_s, wall_s, built_only,
                                                       fams, match, ",".join(lays), str(db), str(out),
-                                                      reuse_baselines), no_report)
+                                                      reuse_baselines, race), no_report)
     from gemmrl.bench import env
     from gemmrl.search.run import TUNED, isolated_evaluator, promote_runner_up, rejected_winners, run_tune
     from gemmrl.search.tune import best_baseline_from_store, write_curves
@@ -518,14 +522,16 @@ def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only
         if not no_report:
             write_curves({"model-free": res.per_shape_curve()}, Path(out) / env.gpu_slug(device) / "tune_curve")
         final = shapes_to_time(problems, res.trials, store, device, kernel_only.protocol("kernel"))
+        # the winner as stored, or chosen again by a race of the search's best (search/race.py)
+        winner, raced = ("tuned", "") if race == 1 else (f"race:{race}", f" (raced against up to {race - 1} more)")
         if not final:
             click.echo("no new winners to time", err=True)
         elif reuse_baselines:
-            measure(("baselines", "tuned"), f"the winners of {len(final)} shapes, verified in full and timed "
-                    "(baselines from the store)", probs=final)
+            measure(("baselines", winner), f"the winners of {len(final)} shapes{raced}, verified in full and "
+                    "timed (baselines from the store)", probs=final)
         else:  # the ratios the report shows come from one timing session per shape
-            measure(("baselines", "tuned"), f"the winners of {len(final)} shapes, verified in full and timed "
-                    "beside the baselines, all measured again in one session per shape",
+            measure(("baselines", winner), f"the winners of {len(final)} shapes{raced}, verified in full and "
+                    "timed beside the baselines, all measured again in one session per shape",
                     runner.RunConfig(modes=("kernel",), retime=True), probs=final)
         # a winner the full verification rejects gives way to the shape's next-best candidate
         for attempt in range(RUNNER_UP_ROUNDS):

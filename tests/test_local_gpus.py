@@ -71,7 +71,10 @@ def test_child_command_is_a_tune_the_cli_parses_with_the_parents_options(tmp_pat
     assert p["family_opts"] == ("cutlass_sm90",) and p["match"] == "splitk[0-9]+sr"
     assert p["gpus"] == 1 and p["ray_address"] is None  # a child never fans out again
     assert resolve(p["shape_spec"]) == [Problem(64, 128, 256), Problem(512, 512, 512)]
+    raced = main.commands["tune"].make_context("tune", local.child_command(_args(race=3), "x.txt", 2)[4:]).params
+    assert raced["race"] == 3
     plain = main.commands["tune"].make_context("tune", local.child_command(_args(), "x.txt", 2)[4:]).params
+    assert plain["race"] == 1
     assert plain["budget_s"] is None and plain["wall_s"] is None and not plain["built_only"]
     assert plain["family_opts"] == ("cutlass_sm90", "raw") and plain["match"] is None
 
@@ -219,9 +222,8 @@ def test_sigterm_runs_the_commands_finally_blocks(tmp_path):
 
     mark = tmp_path / "finally-ran"
     code = ("import sys, time; from gemmrl.cli import stop_cleanly_on_sigterm; stop_cleanly_on_sigterm()\n"
-            "print('ready', flush=True)\n"
-            "try:\n    time.sleep(60)\nfinally:\n"
-            f"    open({str(mark)!r}, 'w').write('yes')\n")
+            "try:\n    print('ready', flush=True)\n    time.sleep(60)\nfinally:\n"
+            f"    open({str(mark)!r}, 'w').write('yes')\n")  # 'ready' inside the try: no race
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "ready"
     t0 = time.monotonic()

@@ -85,6 +85,7 @@ class TuneArgs:
     db: str
     out: str
     reuse_baselines: bool
+    race: int = 1
 
 
 def child_command(args: TuneArgs, shapes_file: str, n: int, python: str = sys.executable) -> list[str]:
@@ -105,6 +106,8 @@ def child_command(args: TuneArgs, shapes_file: str, n: int, python: str = sys.ex
         cmd += ["--match", args.match]
     if args.reuse_baselines:
         cmd.append("--reuse-baselines")
+    if args.race > 1:
+        cmd += ["--race", str(args.race)]
     return cmd
 
 

@@ -23,6 +23,7 @@ class BestOf(Impl):
         self.chosen: SpecImpl | None = None
         self.log = log or (lambda m: None)
         self.search = search  # False: only the stored choice (e.g. the tuner's winner), never a new search
+        self.settings = None  # the kernel-mode protocol candidates are raced with (None: the quick one)
 
     def specs(self, problem) -> list:
         """The top candidates of every family and layout, minus those quarantined on this
@@ -98,7 +99,7 @@ class BestOf(Impl):
         if not calls:
             raise UnsupportedProblem(f"{self.name}: no candidate built and verified for {problem.shape}")
         try:
-            best, res = pick_fastest(problem, calls)
+            best, res = pick_fastest(problem, calls, **({"settings": self.settings} if self.settings else {}))
         except RuntimeError as e:
             raise UnsupportedProblem(f"{self.name}: {e}") from None
         self.log(f"{problem.shape} candidates (median us): " + ", ".join(

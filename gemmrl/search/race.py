@@ -1,0 +1,66 @@
+"""The final race of a tune: the search ranks candidates by a quick timing (a few rounds each),
+which misranks the largest shapes (at 16384^3 the search's best ran 0.64 of cuBLASLt in the
+final timing, while its cluster-2x1 twin ran at parity on neighbouring shapes). So, before the
+final timing, the shape's top candidates from the search (those within `margin` of the fastest,
+at most `k`) are built, verified and timed together with the full kernel-mode protocol, and the
+fastest becomes the stored winner; the final session then times it beside the baselines.
+
+`contenders` is pure (tested on the CPU); `Race` is the implementation the final session runs,
+named like the tuner's winner so its records are the winner's."""
+
+from __future__ import annotations
+
+from gemmrl.search.best_of import BestOf
+
+
+def contenders(trials, k: int, margin: float) -> list:
+    """The specs of the fastest passing trials of one shape, fastest first, at most k of them,
+    each within `margin` (0.10: 10% slower) of the fastest; each kernel once (the fastest of its
+    trials). Trials that did not pass, or whose kernel later failed (a trial of another status
+    for the same kernel), are out."""
+    if k < 1:
+        raise ValueError(f"k must be at least 1, got {k}")
+    if margin < 0:
+        raise ValueError(f"margin must not be negative, got {margin}")
+    failed = {t.candidate.key() for t in trials if t.status != "ok"}
+    best: dict = {}
+    for t in trials:
+        if t.status != "ok" or t.time_us is None or t.candidate.key() in failed:
+            continue
+        if t.candidate.key() not in best or t.time_us < best[t.candidate.key()].time_us:
+            best[t.candidate.key()] = t
+    ranked = sorted(best.values(), key=lambda t: (t.time_us, t.candidate.name))
+    if not ranked:
+        return []
+    limit = ranked[0].time_us * (1.0 + margin)
+    return [t.candidate.spec for t in ranked if t.time_us <= limit][:k]
+
+
+class Race(BestOf):
+    """gemmrl's tuned winner, chosen again per shape by a race of the search's top candidates
+    timed with the full kernel protocol; the choice is stored as the winner (`name`)."""
+
+    def __init__(self, store, device: str, k: int = 3, margin: float = 0.10, name: str | None = None,
+                 log=None):
+        from gemmrl.bench.timing import KernelSettings
+        from gemmrl.search.run import TUNED
+        from gemmrl.space import registry
+
+        super().__init__(list(registry.FAMILIES.values()), store=store, device=device, name=name or TUNED,
+                         log=log, search=True)
+        self.k, self.margin = k, margin
+        self.settings = KernelSettings()  # the final timing's protocol, not the search's quick one
+
+    def specs(self, problem) -> list:
+        from gemmrl.search.run import stored_history
+
+        bad = self.store.quarantined(self.device, problem) if self.store is not None else {}
+        trials = [t for t in stored_history(self.store, self.device, [problem]) if t.problem == problem]
+        return [s for s in contenders(trials, self.k, self.margin) if s.name not in bad]
+
+    def _stored(self, problem):
+        """Never the stored choice before the race (prepare races, then stores the winner); with
+        one contender or none there is nothing to race: the stored winner."""
+        if len(self.specs(problem)) > 1:
+            return None
+        return super()._stored(problem)

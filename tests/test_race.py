@@ -1,0 +1,90 @@
+"""The final race (search/race.py): which of the search's candidates race, and the race as the
+implementation the final timing runs (its GPU part, the timing, runs on the device)."""
+
+import pytest
+
+from gemmrl.bench.select import impls_from_specs
+from gemmrl.core.problem import Problem
+from gemmrl.search.policy import Candidate, Trial
+from gemmrl.search.race import Race, contenders
+from gemmrl.search.run import TUNED, promote_runner_up, run_tune
+from gemmrl.space import cutlass_sm90
+from gemmrl.store.db import Store
+
+P = Problem(16384, 16384, 16384)
+SPECS = cutlass_sm90.heuristic_specs(P, "NN")[:5]
+
+
+def _trial(i, us, status="ok", problem=P):
+    c = Candidate("cutlass_sm90", SPECS[i])
+    return Trial(problem, c, status, us if status == "ok" else None, 1000.0 / us if status == "ok" else 0.0,
+                 {"device_s": 0.01})
+
+
+def test_contenders_are_the_fastest_within_the_margin_each_kernel_once():
+    trials = [_trial(0, 100.0), _trial(1, 104.0), _trial(2, 109.0), _trial(3, 111.0), _trial(4, 150.0),
+              _trial(1, 103.0)]  # kernel 1 timed twice: its faster trial counts, it races once
+    assert contenders(trials, 3, 0.10) == [SPECS[0], SPECS[1], SPECS[2]]
+    assert contenders(trials, 2, 0.10) == [SPECS[0], SPECS[1]]
+    assert contenders(trials, 16, 0.10) == [SPECS[0], SPECS[1], SPECS[2]]  # 111 is past 10%
+    assert contenders(trials, 16, 0.12) == SPECS[:4]
+    assert contenders(trials, 1, 0.5) == [SPECS[0]]
+    assert contenders(trials, 3, 0.0) == [SPECS[0]]
+    assert contenders([], 3, 0.1) == []
+
+
+def test_a_kernel_that_failed_anywhere_never_races():
+    # kernel 0 passed the search, then failed the final verification (a 'rejected' trial)
+    trials = [_trial(0, 100.0), _trial(1, 104.0), _trial(0, 0, status="rejected"), _trial(2, 200.0, "crashed")]
+    assert contenders(trials, 3, 0.10) == [SPECS[1]]
+    with pytest.raises(ValueError):
+        contenders(trials, 0, 0.1)
+    with pytest.raises(ValueError):
+        contenders(trials, 2, -0.1)
+
+
+def _store_with_search(tmp_path, times):
+    store = Store(tmp_path / "s.sqlite")
+    dev = "NVIDIA H200"
+    trials = [_trial(i, us) for i, us in enumerate(times)] + [_trial(0, 50.0, problem=Problem(64, 64, 64))]
+
+    def replay(problem, candidates):  # the "search": each candidate gets its made-up trial
+        want = {c.key() for c in candidates}
+        return [t for t in trials if t.problem == problem and t.key() in want]
+
+    from gemmrl.search.policy import ModelFreePolicy
+
+    class Fixed(ModelFreePolicy):
+        def propose(self, problem, n, exclude=()):
+            return [t.candidate for t in trials if t.problem == problem and t.key() not in set(exclude)][:n]
+
+    run_tune([P], store, dev, replay, candidates=len(times), batch=len(times), layouts=("NN",),
+             policy=Fixed(layouts=("NN",)))
+    return store, dev
+
+
+def test_the_race_runs_the_search_top_candidates_and_never_the_stored_choice_first(tmp_path):
+    store, dev = _store_with_search(tmp_path, [100.0, 104.0, 130.0])
+    assert store.get_tuning(dev, P, TUNED)["info"].startswith(SPECS[0].name)  # the search's winner
+    race = Race(store, dev, k=3)
+    assert race.name == TUNED and race.search
+    assert race.specs(P) == [SPECS[0], SPECS[1]]  # 130 us is past the 10% margin
+    assert race._stored(P) is None  # two contenders: prepare races instead of loading the winner
+    assert race.settings.max_rounds > 10  # the final timing's protocol, not the search's quick one
+    store.quarantine(dev, P, SPECS[1].name, "killed its worker")
+    assert race.specs(P) == [SPECS[0]]
+    assert race._stored(P) == SPECS[0]  # nothing left to race: the stored winner
+    # a winner the final verification rejects is out of every later race
+    promote_runner_up(store, dev, P, "wrong result", None)
+    assert SPECS[0] not in Race(store, dev, k=3).specs(P)
+
+
+def test_race_is_an_implementation_the_cli_names(tmp_path):
+    store = Store(tmp_path / "s.sqlite")
+    (r,) = impls_from_specs(["race:2"], store, "NVIDIA H200")
+    assert isinstance(r, Race) and r.k == 2 and r.name == TUNED
+    (r,) = impls_from_specs(["race"], store, "NVIDIA H200")
+    assert r.k == 3
+    for bad in ("race:0", "race:x"):
+        with pytest.raises(ValueError, match="race:K"):
+            impls_from_specs([bad], store, "NVIDIA H200")
