@@ -776,6 +776,11 @@ def store_cmd(db, compress, merge_from):
                    "`gemmrl bench --impl tuned` and a pack load, ready before a GPU session")
 @click.option("--device", "tuned_device", default=None, metavar="NAME",
               help="with --tuned-in: only the winners tuned on this GPU model (as torch names it)")
+@click.option("--variants", "variant_opt", default=None, metavar="FIELDS",
+              help="with --tuned-in: also each CUTLASS winner's neighbours in these fields (comma-separated: "
+                   "raster, swizzle, stages), for a --built-only search around the winners")
+@click.option("--acc-only", "acc_only", default=None, type=click.Choice(["fp32", "fp16"]),
+              help="with --tuned-in: only the winners of this accumulator")
 @click.option("--jobs", default=None, type=click.IntRange(1, 1024), help="parallel nvcc processes (default: CPUs)")
 @click.option("--dry-run", is_flag=True, help="list what would be compiled, compile nothing")
 @click.option("--pending-in", "pending_db", default=None, metavar="DB",
@@ -785,15 +790,20 @@ def store_cmd(db, compress, merge_from):
               help="with --pending-in: the tune run's candidates per shape")
 @click.option("--max-shapes", default=None, type=click.IntRange(1, 100000),
               help="only the first N shapes (after --pending-in): what one tune call will reach")
-def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned_device, jobs, dry_run, pending_db,
-              candidates, max_shapes):
+def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned_device, variant_opt, acc_only, jobs,
+              dry_run, pending_db, candidates, max_shapes):
     """Compile the kernels a set of shapes will try into the build cache ($GEMMRL_CACHE), ahead of
     time and without a GPU; copy the cache to the GPU machine to save its time."""
     from gemmrl.build import ahead
     from gemmrl.space import registry
 
-    if tuned_device is not None and tuned_db is None:
-        raise click.UsageError("--device goes with --tuned-in")
+    for opt, given in (("--device", tuned_device), ("--variants", variant_opt), ("--acc-only", acc_only)):
+        if given is not None and tuned_db is None:
+            raise click.UsageError(f"{opt} goes with --tuned-in")
+    fields = tuple(f.strip() for f in (variant_opt or "").split(",") if f.strip())
+    if set(fields) - set(ahead.VARIANT_FIELDS):
+        raise click.BadParameter(f"fields are {', '.join(ahead.VARIANT_FIELDS)}; got {variant_opt!r}",
+                                 param_hint="--variants")
     try:
         fams = [registry.get(f) for f in family_opts or (() if tuned_db else ("cutlass_sm90",))]
     except ValueError as e:
@@ -808,16 +818,17 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
         if not Path(tuned_db).exists():
             raise click.ClickException(f"no store at {tuned_db}")
         store = Store(tuned_db, readonly=True)
-        choices = store.tuned_choices(TUNED, tuned_device)
+        choices = [c for c in store.tuned_choices(TUNED, tuned_device) if acc_only in (None, c[1].acc)]
         store.close()
         if not choices:
             raise click.ClickException(f"{tuned_db} holds no {TUNED} winners"
-                                       + (f" on {tuned_device!r}" if tuned_device else ""))
-        jobs_all, skipped = ahead.plan_tuned(choices, {f.name for f in fams} if fams else None)
+                                       + (f" on {tuned_device!r}" if tuned_device else "")
+                                       + (f" with a {acc_only} accumulator" if acc_only else ""))
+        jobs_all, skipped = ahead.plan_tuned(choices, {f.name for f in fams} if fams else None, fields)
         for line in skipped:
             click.echo(f"skipped: {line}", err=True)
-        return _compile_jobs(jobs_all, f"the winners of {len(choices)} tuned (shape, precision) pairs", jobs,
-                             dry_run)
+        return _compile_jobs(jobs_all, f"the winners of {len(choices)} tuned (shape, precision) pairs"
+                             + (f" and their {', '.join(fields)} variants" if fields else ""), jobs, dry_run)
     problems = _problems(shape_spec, dtype, acc)
     if pending_db is not None:
         from gemmrl.store.db import Store, unpack_if_missing

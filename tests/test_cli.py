@@ -240,6 +240,16 @@ def test_build_tuned_in_compiles_the_stored_winners_once_each(tmp_path, monkeypa
     assert r.exit_code == 1 and "no store at" in r.output
     r = CliRunner().invoke(main, ["build", "--device", "NVIDIA H200"])
     assert r.exit_code == 2 and "--device goes with --tuned-in" in r.output
+    r = CliRunner().invoke(main, ["build", "--variants", "raster"])
+    assert r.exit_code == 2 and "--variants goes with --tuned-in" in r.output
+    r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--variants", "tiles"])
+    assert r.exit_code == 2 and "fields are raster, swizzle, stages" in r.output
+    # around the CUTLASS winner: 2 raster orders, 3 swizzle sizes (the raw winner has none)
+    r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--dry-run", "--variants", "raster,swizzle"])
+    assert r.exit_code == 0 and "7 distinct kernels" in r.output and "raster, swizzle variants" in r.output, r.output
+    assert "_rm_sw1_" in r.output and "_rn_sw1_" in r.output and "_rh_sw8_" in r.output
+    r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--dry-run", "--acc-only", "fp16"])
+    assert r.exit_code == 1 and "holds no gemmrl-tuned winners with a fp16 accumulator" in r.output, r.output
     r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--max-shapes", "3"])
     assert r.exit_code == 2 and "do not apply" in r.output
     # and for real: the raw winner compiles (a minute or less), then counts as built

@@ -88,3 +88,36 @@ def test_race_is_an_implementation_the_cli_names(tmp_path):
     for bad in ("race:0", "race:x"):
         with pytest.raises(ValueError, match="race:K"):
             impls_from_specs([bad], store, "NVIDIA H200")
+
+
+def test_variants_move_one_field_the_built_only_search_never_moved():
+    from dataclasses import replace
+
+    from gemmrl.build.ahead import variants
+    from gemmrl.space import cutlass_sm90 as cs
+    from gemmrl.space import raw
+
+    p = Problem(4096, 4096, 4096)
+    spec = cs.heuristic_specs(p, "NN")[0]
+    assert (spec.raster, spec.swizzle, spec.stages) == ("heuristic", 1, 0)
+    v = variants(spec, p, ("raster",))
+    assert {x.raster for x in v} == {"along_m", "along_n"} and all(replace(x, raster="heuristic") == spec for x in v)
+    v = variants(spec, p, ("swizzle",))
+    assert sorted(x.swizzle for x in v) == [2, 4, 8]
+    n = cs.pipeline_stages(spec)
+    v = variants(spec, p, ("stages",))
+    assert sorted(x.stages for x in v) == [n - 2, n - 1] and all(cs.valid(x, p) is None for x in v)
+    assert len(variants(spec, p)) == 7 and len({x.name for x in variants(spec, p)}) == 7
+    assert variants(raw.heuristic_specs(Problem(64, 1024, 4096), "TN")[0], p) == []  # per-shape family: none
+    with pytest.raises(ValueError, match="variant fields"):
+        variants(spec, p, ("tile_m",))
+
+
+def test_the_search_mutates_the_raster_order_too():
+    from gemmrl.search.policy import mutations
+    from gemmrl.space import cutlass_sm90 as cs
+
+    p = Problem(4096, 4096, 4096)
+    spec = cs.heuristic_specs(p, "NN")[0]
+    rasters = {m.raster for m in mutations("cutlass_sm90", spec, p) if m.raster != spec.raster}
+    assert rasters == {"along_m", "along_n"}

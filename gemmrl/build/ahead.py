@@ -48,10 +48,41 @@ def pending(jobs: list[BuildJob]) -> list[BuildJob]:
     return [j for j in jobs if not is_built(j.source, name=j.name, **j.kwargs)]
 
 
-def plan_tuned(choices, families=None) -> tuple[list[BuildJob], list[str]]:
+# the CUTLASS fields a search restricted to built kernels (tune --built-only) never moved: the
+# ahead-of-time builds were each family's heuristic candidates, all with CUTLASS's own raster
+# order, swizzle 1 and as many stages as fit
+VARIANT_FIELDS = ("raster", "swizzle", "stages")
+
+
+def variants(spec, problem, fields=VARIANT_FIELDS) -> list:
+    """A CUTLASS spec's neighbours one field away, in `fields`: the other raster orders, the
+    other swizzle sizes, and one or two stages fewer than fit (explicit counts); only those the
+    family accepts for `problem`. Other families: none."""
+    from dataclasses import replace
+
+    from gemmrl.space import cutlass_sm90 as cs
+
+    if not isinstance(spec, cs.CutlassSpec):
+        return []
+    bad = set(fields) - set(VARIANT_FIELDS)
+    if bad:
+        raise ValueError(f"variant fields are {', '.join(VARIANT_FIELDS)}; got {', '.join(sorted(bad))}")
+    out = []
+    if "raster" in fields:
+        out += [replace(spec, raster=r) for r in cs.RASTERS if r != spec.raster]
+    if "swizzle" in fields:
+        out += [replace(spec, swizzle=w) for w in cs.SWIZZLES if w != spec.swizzle]
+    if "stages" in fields:
+        n = cs.pipeline_stages(spec)
+        out += [replace(spec, stages=k) for k in (n - 1, n - 2) if k >= 2 and k != spec.stages]
+    return [v for v in out if cs.valid(v, problem) is None]
+
+
+def plan_tuned(choices, families=None, variant_fields=()) -> tuple[list[BuildJob], list[str]]:
     """The builds of stored winners (Store.tuned_choices rows: device, problem, family name, spec
-    fields), each source once, limited to `families` (names) if given; and a line for each choice
-    that names an unknown family or spec fields the family no longer reads."""
+    fields), each source once, limited to `families` (names) if given, and with `variant_fields`
+    each CUTLASS winner's variants() too (for a search around the winners); and a line for each
+    choice that names an unknown family or spec fields the family no longer reads."""
     from gemmrl.space import registry
 
     seen, out, skipped = set(), [], []
@@ -64,8 +95,9 @@ def plan_tuned(choices, families=None) -> tuple[list[BuildJob], list[str]]:
         except (ValueError, TypeError) as e:
             skipped.append(f"{problem.shape} ({problem.acc}): {fam_name}: {e}")
             continue
-        job = job_for(spec, problem)
-        if job.source not in seen:
-            seen.add(job.source)
-            out.append(job)
+        for s in [spec] + (variants(spec, problem, variant_fields) if variant_fields else []):
+            job = job_for(s, problem)
+            if job.source not in seen:
+                seen.add(job.source)
+                out.append(job)
     return out, skipped

@@ -138,13 +138,15 @@ def candidate_pool(problem: Problem, layouts: tuple = ("NN", "TN"),
     return tuple(out)
 
 
-# Neighbouring values of a field (the search steps one place along the ladder). Fields not
-# listed: bools toggle, strings take the values the pool uses, ints halve or double.
+# Neighbouring values of a field (the search steps one place along the ladder; a string field to
+# any other value of its ladder). Fields not listed: bools toggle, strings take the values the
+# pool uses, ints halve or double.
 _LADDERS = {
     "cutlass_sm90": {
         "tile_m": (64, 128, 192, 256), "tile_n": (16, 32, 64, 96, 128, 160, 192, 224, 256),
         "tile_k": (32, 64, 128), "cluster_m": (1, 2), "cluster_n": (1, 2),
-        "splits": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), "stages": (0, 2, 3, 4, 5, 6, 7, 8), "swizzle": (1, 2, 4, 8)},
+        "splits": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), "stages": (0, 2, 3, 4, 5, 6, 7, 8), "swizzle": (1, 2, 4, 8),
+        "raster": ("heuristic", "along_m", "along_n")},  # the pool has CUTLASS's heuristic order only
     "raw": {
         "block_m": (16, 32, 64, 128, 256), "block_n": (16, 32, 64, 128, 256), "block_k": (16, 32, 64, 128),
         "warps_m": (1, 2, 4, 8), "warps_n": (1, 2, 4, 8), "stages": (2, 3, 4),
@@ -178,7 +180,7 @@ def _field_values(family: str, fname: str, value, pool_values: dict, layouts: tu
     if fname == "layout":
         return [v for v in layouts if v != value]
     if isinstance(value, str):
-        return [v for v in pool_values.get(fname, ()) if v != value]
+        return [v for v in (ladder if ladder is not None else pool_values.get(fname, ())) if v != value]
     if isinstance(value, int):
         if ladder is None:
             return [v for v in (value // 2, value * 2) if v != value]
