@@ -528,3 +528,17 @@ def test_split_k_16_render_differs_from_split_k_8_only_in_the_split_count():
     assert len(a) == len(b) and len(diff) == 4, diff
     assert all("splitk8" in x or '"splits":8' in x or "splits = 8;" in x for x, _ in diff), diff
     assert "  args.scheduler.splits = 16;" in b
+
+
+def test_narrow_tiles_lead_only_where_64x64_tiles_leave_most_sms_idle():
+    from gemmrl.core.problem import Problem
+
+    narrow = [s for s in cs.enumerate_specs("NN") if s.tile_n < 64]
+    assert {(s.schedule, s.tile_m, s.tile_n) for s in narrow} == {
+        ("pingpong", 64, 16), ("pingpong", 64, 32), ("cooperative", 128, 32)}
+    assert all(s.scheduler == "persistent" and cs.valid(s) is None for s in narrow)
+    # 64x2048x1024: 32 tiles of 64x64 for 132 SMs; narrow tiles give 64 or 128
+    small = cs.heuristic_specs(Problem(64, 2048, 1024), "NN")
+    assert small[0].tile_n < 64
+    # 4096^3: 4,096 tiles of 64x64, the GPU is full either way: wide tiles lead
+    assert all(s.tile_n >= 128 for s in cs.heuristic_specs(Problem(4096, 4096, 4096), "TN")[:4])

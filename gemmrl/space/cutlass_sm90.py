@@ -312,7 +312,7 @@ def enumerate_specs(layout: str = "TN", dtype: str = "fp16", acc: str = "fp32") 
     would reduce 16 partials of 128 KiB+ each (issue #3). The same split-K tiles come again with
     the nondeterministic reduction (no turnstile: CTAs add their partials in any order), and
     split-K 4-64 with the separate reduction kernel for a few tiles of both schedules (fp32
-    accumulators only)."""
+    accumulators only). Narrow tiles (64x16, 64x32, 128x32), persistent only, for small outputs."""
     out = []
     for schedule in SCHEDULES:
         for tm in _TILE_M:
@@ -349,8 +349,22 @@ def enumerate_specs(layout: str = "TN", dtype: str = "fp16", acc: str = "fp32") 
                                    layout, dtype, acc, "separate")
                 if valid(spec) is None:
                     out.append(spec)
+    # narrow tiles, persistent: two to four times the CTAs of 64x64 on a small output
+    for schedule, tm, tn in _NARROW_TILES:
+        for tk in (64, 128):
+            for cm, cn in CLUSTERS:
+                spec = CutlassSpec(tm, tn, tk, cm, cn, schedule, "persistent", 1, 0, "heuristic", 1,
+                                   layout, dtype, acc)
+                if valid(spec) is None:
+                    out.append(spec)
     return out
 
+
+# Tiles narrower than _TILE_N's 64, for outputs with fewer 64x64 tiles than SMs: on the grid's
+# 2^27-2^30 FLOPs shapes (64x2048x1024, 128x512x2048, ...) every CUTLASS trial used 64x64 or
+# wider tiles and ran 13-16% behind cuBLASLt autotuned, which chose small-tile kernels without
+# split-K there (seventh session). Built clean with nvcc (no spills, no serialized wgmma).
+_NARROW_TILES = (("pingpong", 64, 16), ("pingpong", 64, 32), ("cooperative", 128, 32))
 
 _SEPARATE_TILES = (("cooperative", 128, 64), ("cooperative", 128, 128), ("cooperative", 128, 256),
                    ("cooperative", 256, 128), ("pingpong", 64, 64), ("pingpong", 64, 128),
