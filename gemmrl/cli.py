@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from gemmrl.core.problem import ProblemError
 from gemmrl.core import shapes as shapes_mod
@@ -772,8 +773,9 @@ def store_cmd(db, compress, merge_from):
               help="candidates per family, layout and shape")
 @click.option("--tuned-in", "tuned_db", default=None, metavar="DB",
               help="compile the winners `gemmrl tune` stored in this store instead (every device, dtype and "
-                   "accumulator; --shapes, --dtype, --acc, --layouts and --top are not used): what "
-                   "`gemmrl bench --impl tuned` and a pack load, ready before a GPU session")
+                   "accumulator; --shapes, if given, keeps those shapes' alone; --dtype, --acc, --layouts and "
+                   "--top are not used): what `gemmrl bench --impl tuned` and a pack load, ready before a GPU "
+                   "session")
 @click.option("--device", "tuned_device", default=None, metavar="NAME",
               help="with --tuned-in: only the winners tuned on this GPU model (as torch names it)")
 @click.option("--variants", "variant_opt", default=None, metavar="FIELDS",
@@ -820,6 +822,9 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
         store = Store(tuned_db, readonly=True)
         choices = [c for c in store.tuned_choices(TUNED, tuned_device) if acc_only in (None, c[1].acc)]
         store.close()
+        if click.get_current_context().get_parameter_source("shape_spec") is not ParameterSource.DEFAULT:
+            wanted = {(p.M, p.N, p.K) for p in _problems(shape_spec, dtype, acc)}
+            choices = [c for c in choices if (c[1].M, c[1].N, c[1].K) in wanted]
         if not choices:
             raise click.ClickException(f"{tuned_db} holds no {TUNED} winners"
                                        + (f" on {tuned_device!r}" if tuned_device else "")

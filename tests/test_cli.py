@@ -248,6 +248,11 @@ def test_build_tuned_in_compiles_the_stored_winners_once_each(tmp_path, monkeypa
     r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--dry-run", "--variants", "raster,swizzle"])
     assert r.exit_code == 0 and "7 distinct kernels" in r.output and "raster, swizzle variants" in r.output, r.output
     assert "_rm_sw1_" in r.output and "_rn_sw1_" in r.output and "_rh_sw8_" in r.output
+    # --shapes keeps those shapes' winners alone (any GPU): 512x1024x512's is the CUTLASS one
+    r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--dry-run", "--shapes", "512x1024x512,64x1024x4096"])
+    assert r.exit_code == 0 and "2 distinct kernels for the winners of 2 tuned" in r.output, r.output
+    r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--dry-run", "--shapes", "512x1024x512"])
+    assert "1 distinct kernels for the winners of 1 tuned" in r.output and cut.name in r.output, r.output
     r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--dry-run", "--acc-only", "fp16"])
     assert r.exit_code == 1 and "holds no gemmrl-tuned winners with a fp16 accumulator" in r.output, r.output
     r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--max-shapes", "3"])
