@@ -160,8 +160,7 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, h
 
     runner.require_gpu()
     if gpus > 1:
-        ctx = click.get_current_context()
-        return _bench_on_gpus(problems, gpus, ctx.command, ctx.params)
+        return _on_gpus("bench", problems, gpus, subject)
     import torch
 
     from gemmrl.bench import env, timing
@@ -241,31 +240,36 @@ def _gpu_model(gpus: int) -> str:
     return names.pop()
 
 
-def _bench_on_gpus(problems, gpus: int, command, params: dict) -> None:
-    """gemmrl bench --gpus N: one child bench per GPU on a share of the shapes (by expected work,
-    distributed/local.py), every other option passed on, then one report over the store."""
+def _on_gpus(verb: str, problems, gpus: int, subject: str | None, searched=None) -> None:
+    """gemmrl tune|bench --gpus N: one child per GPU on a share of the shapes (by expected work;
+    `searched(device)`: shapes that weigh almost nothing), every other option of this command
+    passed on (distributed/local.py), then one report over the store they all wrote."""
     import tempfile
 
     from gemmrl.bench import env
     from gemmrl.distributed import local
     from gemmrl.store.db import Store
 
+    ctx = click.get_current_context()
+    params = ctx.params
     device = _gpu_model(gpus)
-    shards = [s for s in local.split_shapes(problems, gpus) if s]
+    done = searched(device) if searched is not None else set()
+    shards = [s for s in local.split_shapes(problems, gpus, frozenset(done)) if s]
     ids = local.visible_gpus(len(shards))
-    click.echo(f"measuring {len(problems)} shapes on {len(shards)} GPUs ({device}; CUDA_VISIBLE_DEVICES "
-               f"{','.join(ids)}): " + ", ".join(f"{len(s)} shapes" for s in shards), err=True)
+    click.echo(f"{'tuning' if verb == 'tune' else 'measuring'} {len(problems)} shapes"
+               + (f" ({len(done)} already searched)" if searched is not None else "")
+               + f" on {len(shards)} GPUs ({device}; CUDA_VISIBLE_DEVICES {','.join(ids)}): "
+               + ", ".join(f"{len(s)} shapes" for s in shards), err=True)
     with tempfile.TemporaryDirectory(prefix="gemmrl-shards-") as tmp:
-        cmds = [[sys.executable, "-m", "gemmrl.cli", "bench"] + local.cli_args(
-                    command, {**params, "shape_spec": str(local.write_shard(s, Path(tmp) / f"shard{i}.txt")),
-                              "gpus": 1, "no_report": True})
+        cmds = [local.child_command(verb, ctx.command, params,
+                                    str(local.write_shard(s, Path(tmp) / f"shard{i}.txt")), len(shards))
                 for i, s in enumerate(shards)]
         codes = local.run_children(cmds, ids, lambda m: click.echo(m, err=True))
     failed = [f"GPU {g} (exit {c})" for g, c in zip(ids, codes) if c != 0]
     if not params["no_report"] and Path(params["db"]).exists():
         store = Store(params["db"])
         try:
-            paths = write_report(store, device, params["out"], params["subject"], params["dtype"], params["acc"])
+            paths = write_report(store, device, params["out"], subject, params["dtype"], params["acc"])
             click.echo(f"wrote {len(paths)} files under {Path(params['out']) / env.gpu_slug(device)}", err=True)
         except Exception as e:  # nothing measured (every child failed): the failure below says why
             if not failed:
@@ -274,7 +278,7 @@ def _bench_on_gpus(problems, gpus: int, command, params: dict) -> None:
         finally:
             store.close()
     if failed:
-        raise click.ClickException("bench failed on " + ", ".join(failed) + "; what they stored stays: run "
+        raise click.ClickException(f"{verb} failed on " + ", ".join(failed) + "; what they stored stays: run "
                                    "again to resume")
 
 
@@ -464,11 +468,19 @@ def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only
     if gpus > 1:
         if ray_address is not None:
             raise click.UsageError("--gpus and --ray are two ways to use several GPUs: choose one")
-        from gemmrl.distributed.local import TuneArgs
+        from gemmrl.search.run import TUNED
+        from gemmrl.store.db import Store
 
-        return _tune_on_gpus(problems, gpus, TuneArgs(dtype, acc, candidates, batch, budget_s, wall_s, built_only,
-                                                      fams, match, ",".join(lays), str(db), str(out),
-                                                      reuse_baselines, race), no_report)
+        def searched(device: str) -> set:  # shapes whose search is over weigh nothing in the split
+            if not Path(db).exists():
+                return set()
+            store = Store(db)
+            tried = store.trial_counts(device)
+            done = {p for p in problems if tried.get(p.key(), 0) >= candidates
+                    and store.get_tuning(device, p, TUNED) is not None}
+            store.close()
+            return done
+        return _on_gpus("tune", problems, gpus, TUNED, searched)
     from gemmrl.bench import env
     from gemmrl.search.run import TUNED, isolated_evaluator, promote_runner_up, rejected_winners, run_tune
     from gemmrl.search.tune import best_baseline_from_store, write_curves
@@ -560,50 +572,6 @@ def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only
         paths = write_report(store, device, out, TUNED, dtype, acc)
         click.echo(f"wrote {len(paths)} files under {Path(out) / env.gpu_slug(device)}", err=True)
     store.close()
-
-
-def _tune_on_gpus(problems, gpus: int, args, no_report: bool) -> None:
-    """gemmrl tune --gpus N: one child tune per GPU on a share of the shapes (distributed/local.py),
-    then one report over the store they all wrote."""
-    import tempfile
-
-    from gemmrl.bench import env
-    from gemmrl.distributed import local
-    from gemmrl.search.run import TUNED
-    from gemmrl.store.db import Store
-
-    device = _gpu_model(gpus)
-    done = set()
-    if Path(args.db).exists():  # shapes whose search is over weigh nothing in the split
-        store = Store(args.db)
-        tried = store.trial_counts(device)
-        done = {p for p in problems if tried.get(p.key(), 0) >= args.candidates
-                and store.get_tuning(device, p, TUNED) is not None}
-        store.close()
-    shards = [s for s in local.split_shapes(problems, gpus, frozenset(done)) if s]
-    ids = local.visible_gpus(len(shards))
-    click.echo(f"tuning {len(problems)} shapes ({len(done)} already searched) on {len(shards)} GPUs "
-               f"({device}; CUDA_VISIBLE_DEVICES {','.join(ids)}): "
-               + ", ".join(f"{len(s)} shapes" for s in shards), err=True)
-    with tempfile.TemporaryDirectory(prefix="gemmrl-shards-") as tmp:
-        cmds = [local.child_command(args, str(local.write_shard(s, Path(tmp) / f"shard{i}.txt")), len(shards))
-                for i, s in enumerate(shards)]
-        codes = local.run_children(cmds, ids, lambda m: click.echo(m, err=True))
-    failed = [f"GPU {g} (exit {c})" for g, c in zip(ids, codes) if c != 0]
-    if not no_report and Path(args.db).exists():
-        store = Store(args.db)
-        try:
-            paths = write_report(store, device, args.out, TUNED, args.dtype, args.acc)
-            click.echo(f"wrote {len(paths)} files under {Path(args.out) / env.gpu_slug(device)}", err=True)
-        except Exception as e:  # nothing measured (every child failed): the failure below says why
-            if not failed:
-                raise
-            click.echo(f"no report: {type(e).__name__}: {e}", err=True)
-        finally:
-            store.close()
-    if failed:
-        raise click.ClickException("tune failed on " + ", ".join(failed) + "; what they stored stays: run "
-                                   "again to resume")
 
 
 RUNNER_UP_ROUNDS = 3  # how many times a shape's rejected winner gives way to the next (tune)

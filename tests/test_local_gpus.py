@@ -11,12 +11,20 @@ from gemmrl.core.shapes import resolve
 from gemmrl.distributed import local
 
 
+TUNE = main.commands["tune"]
+
+
 def _args(**kw):
-    base = dict(dtype="fp16", acc="fp32", candidates=8, batch=4, budget_s=None, wall_s=None, built_only=False,
-                families=("cutlass_sm90", "raw"), match=None, layouts="NN,TN", db="s.sqlite", out="res",
-                reuse_baselines=False)
-    base.update(kw)
-    return local.TuneArgs(**base)
+    """A parent tune's options as click parsed them: these defaults, then `kw` (by parameter
+    name; families= is --family)."""
+    base = TUNE.make_context("tune", ["--candidates", "8", "--batch", "4", "--db", "s.sqlite", "--out", "res"]).params
+    if "families" in kw:
+        kw["family_opts"] = kw.pop("families")
+    return {**base, **kw}
+
+
+def _child(args, shapes_file, n, python=sys.executable):
+    return local.child_command("tune", TUNE, args, shapes_file, n, python=python)
 
 
 def test_split_puts_every_shape_in_exactly_one_shard_and_balances_the_work():
@@ -61,7 +69,7 @@ def test_child_command_is_a_tune_the_cli_parses_with_the_parents_options(tmp_pat
     assert shard.read_text() == "64x128x256\n512x512x512\n"
     args = _args(budget_s=600.0, wall_s=300.0, built_only=True, families=("cutlass_sm90",),
                  match="splitk[0-9]+sr", acc="fp16", reuse_baselines=True)
-    cmd = local.child_command(args, str(shard), 4, python="py")
+    cmd = _child(args, str(shard), 4, python="py")
     assert cmd[:4] == ["py", "-m", "gemmrl.cli", "tune"]
     ctx = main.commands["tune"].make_context("tune", cmd[4:])
     p = ctx.params
@@ -71,9 +79,9 @@ def test_child_command_is_a_tune_the_cli_parses_with_the_parents_options(tmp_pat
     assert p["family_opts"] == ("cutlass_sm90",) and p["match"] == "splitk[0-9]+sr"
     assert p["gpus"] == 1 and p["ray_address"] is None  # a child never fans out again
     assert resolve(p["shape_spec"]) == [Problem(64, 128, 256), Problem(512, 512, 512)]
-    raced = main.commands["tune"].make_context("tune", local.child_command(_args(race=3), "x.txt", 2)[4:]).params
+    raced = main.commands["tune"].make_context("tune", _child(_args(race=3), "x.txt", 2)[4:]).params
     assert raced["race"] == 3
-    plain = main.commands["tune"].make_context("tune", local.child_command(_args(), "x.txt", 2)[4:]).params
+    plain = main.commands["tune"].make_context("tune", _child(_args(), "x.txt", 2)[4:]).params
     assert plain["race"] == 1
     assert plain["budget_s"] is None and plain["wall_s"] is None and not plain["built_only"]
     assert plain["family_opts"] == ("cutlass_sm90", "raw") and plain["match"] is None

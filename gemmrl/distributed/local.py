@@ -7,7 +7,7 @@ with CUDA_VISIBLE_DEVICES naming that GPU alone. The children share the one SQLi
 so their writes interleave safely) and each resumes from the trials already in it, as a single
 process would; the parent streams their output with a `[gpuI]` prefix and writes the report once
 they are done. A shape is never in two shards, so no candidate is timed twice. `gemmrl bench
---gpus N` does the same with its own options passed through (`cli_args`).
+--gpus N` does the same. Either passes every option it was given on to its children (`cli_args`).
 
 The pure parts (the split, the child command lines, the GPU list) are tested on a CPU; the
 process supervision is tested with stand-in children.
@@ -21,7 +21,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 # a shape's expected tuning work in seconds of one GPU: a fixed part (loading and verifying the
@@ -69,46 +68,22 @@ def visible_gpus(count: int, environ=None) -> list[str]:
     return [str(i) for i in range(count)]
 
 
-@dataclass(frozen=True)
-class TuneArgs:
-    """The options a child `gemmrl tune` gets from its parent (everything but the shapes)."""
-    dtype: str
-    acc: str
-    candidates: int
-    batch: int
-    budget_s: float | None
-    wall_s: float | None
-    built_only: bool
-    families: tuple[str, ...]
-    match: str | None
-    layouts: str
-    db: str
-    out: str
-    reuse_baselines: bool
-    race: int = 1
+# options that are one budget for all the children together (each gets an equal share); every
+# other option is each child's own (a wall-clock limit, say)
+SHARED_BUDGETS = {"tune": ("budget_s",)}
 
 
-def child_command(args: TuneArgs, shapes_file: str, n: int, python: str = sys.executable) -> list[str]:
-    """The command line of one of n children: its own shape file, no report (the parent writes
-    it), and an equal share of a device-seconds budget (each child spends its own)."""
-    cmd = [python, "-m", "gemmrl.cli", "tune", "--shapes", shapes_file, "--dtype", args.dtype,
-           "--acc", args.acc, "--candidates", str(args.candidates), "--batch", str(args.batch),
-           "--layouts", args.layouts, "--db", args.db, "--out", args.out, "--no-report"]
-    for f in args.families:
-        cmd += ["--family", f]
-    if args.budget_s is not None:
-        cmd += ["--budget-s", repr(args.budget_s / n)]
-    if args.wall_s is not None:
-        cmd += ["--wall-s", repr(args.wall_s)]
-    if args.built_only:
-        cmd.append("--built-only")
-    if args.match is not None:
-        cmd += ["--match", args.match]
-    if args.reuse_baselines:
-        cmd.append("--reuse-baselines")
-    if args.race > 1:
-        cmd += ["--race", str(args.race)]
-    return cmd
+def child_command(verb: str, command, params: dict, shapes_file: str, n: int,
+                  python: str = sys.executable) -> list[str]:
+    """The command line of one of the n children of `gemmrl VERB --gpus n`: the parent's options
+    (`params`, as click parsed them for `command`) with the child's own shape file, one GPU (a
+    child never fans out again), no report (the parent writes it), and an equal share of any
+    budget the children spend together."""
+    child = {**params, "shape_spec": shapes_file, "gpus": 1, "no_report": True}
+    for name in SHARED_BUDGETS.get(verb, ()):
+        if child.get(name) is not None:
+            child[name] = child[name] / n
+    return [python, "-m", "gemmrl.cli", verb] + cli_args(command, child)
 
 
 def cli_args(command, params: dict) -> list[str]:
