@@ -13,8 +13,10 @@
 #     its own kernels into the same cache (TESTS=0 skips it);
 #   - SIDE_BENCH: `gemmrl bench` arguments run on GPUs 1..G-1 with --gpus G-1 (default: the
 #     fp16-accumulator baselines over the grid in kernel mode; empty: none);
-# then scripts/cutlass-host-cost.py on GPU 0 for HOST_COST_SHAPES (empty: skipped), and the new
-# cache packed for the next call in archives of at most 180 builds, OUT/gcache-new-N.txz, beside
+# then TUNE_AFTER, `gemmrl tune` arguments run on GPU 0 with the builds made (empty: none; for a
+# search whose candidates were compiled in BUILDS), scripts/cutlass-host-cost.py on GPU 0 for
+# HOST_COST_SHAPES (empty: skipped), and, unless PACK_NEW=0, the new cache packed for the next
+# call in archives of at most 180 builds, OUT/gcache-new-N.txz, beside
 # OUT/logs.tgz, OUT/host-cost.json and the store as OUT/gemmrl.sqlite.xz. TOTAL_S (default 560)
 # cuts whatever is still running.
 set -uo pipefail
@@ -65,6 +67,11 @@ for args in "${sets[@]}"; do
 done
 grep -E "^==|distinct|^exit|FAIL" "$out/logs/build.log" | head -30
 [ -n "$tests_pid" ] && { wait "$tests_pid"; tail -3 "$out/logs/gpu-tests.log"; }
+if [ -n "${TUNE_AFTER:-}" ]; then
+  CUDA_VISIBLE_DEVICES=0 timeout "$(( $(left) - 80 ))" python3 -m gemmrl.cli tune --db "$db" --out "$out/logs/tune-results" \
+    $TUNE_AFTER --wall-s "$(( $(left) - 100 ))" --no-report > "$out/logs/tune-after.log" 2>&1
+  echo "tune exit $?" >> "$out/logs/tune-after.log"; tail -4 "$out/logs/tune-after.log"
+fi
 shapes=${HOST_COST_SHAPES-"128x2048x256,4096x128x64,64x64x2048,12288x128x64,2048x2048x12288"}
 if [ -n "$shapes" ]; then
   CUDA_VISIBLE_DEVICES=0 timeout "$(( $(left) - 60 ))" python3 scripts/cutlass-host-cost.py --db "$db" --old-cache "$old" \
@@ -72,7 +79,7 @@ if [ -n "$shapes" ]; then
 fi
 [ -n "$bench_pid" ] && { wait "$bench_pid"; tail -4 "$out/logs/side-bench.log"; }
 # the new builds only (not those copied in for the side bench), 180 to an archive (16 MiB a file)
-( cd "$new" && find builds -mindepth 1 -maxdepth 1 -type d ! -name '.*' ! -name '*.failed' \
+[ "${PACK_NEW:-1}" = 1 ] && ( cd "$new" && find builds -mindepth 1 -maxdepth 1 -type d ! -name '.*' ! -name '*.failed' \
     | { if [ -f /tmp/gc-carried.txt ]; then grep -v -x -F -f <(sed "s|^$new/||" /tmp/gc-carried.txt); else cat; fi; } \
     | sort | split -l 180 - /tmp/gc-part-
   n=0; for part in /tmp/gc-part-*; do [ -s "$part" ] || continue; n=$((n + 1))
