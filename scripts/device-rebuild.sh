@@ -13,8 +13,8 @@
 #     its own kernels into the same cache (TESTS=0 skips it);
 #   - SIDE_BENCH: `gemmrl bench` arguments run on GPUs 1..G-1 with --gpus G-1 (default: the
 #     fp16-accumulator baselines over the grid in kernel mode; empty: none);
-# then TUNE_AFTER, `gemmrl tune` arguments run on GPU 0 with the builds made (empty: none; for a
-# search whose candidates were compiled in BUILDS), scripts/cutlass-host-cost.py on GPU 0 for
+# then TUNE_AFTER, `gemmrl tune` argument sets separated by ';', the i-th on GPU i mod G, with the
+# builds made and carried (empty: none; for a search whose candidates were compiled ahead), scripts/cutlass-host-cost.py on GPU 0 for
 # HOST_COST_SHAPES (empty: skipped), and, unless PACK_NEW=0, the new cache packed for the next
 # call in archives of at most 180 builds, OUT/gcache-new-N.txz, beside
 # OUT/logs.tgz, OUT/host-cost.json and the store as OUT/gemmrl.sqlite.xz. TOTAL_S (default 560)
@@ -40,9 +40,10 @@ ngpu=$(nvidia-smi -L | wc -l); cores=$(nproc)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv > "$out/logs/gpu.txt"
 side=${SIDE_BENCH-"--shapes grid --acc fp16 --mode kernel --impl baselines"}
 bench_pid=""
+# the side bench and the tunes read kernels from the old caches (copied in; not packed again)
+# and from the new one as it fills
+cp -r "$old/builds" "$new/" 2>/dev/null; find "$new/builds" -maxdepth 1 -mindepth 1 -type d > /tmp/gc-carried.txt
 if [ "$ngpu" -gt 1 ] && [ -n "$side" ]; then
-  # the side bench reads kernels from the old caches (copied in) and the new one as it fills
-  cp -r "$old/builds" "$new/" 2>/dev/null; find "$new/builds" -maxdepth 1 -mindepth 1 -type d > /tmp/gc-carried.txt
   others=$(seq -s, 1 $((ngpu - 1)))
   CUDA_VISIBLE_DEVICES=$others timeout "$(( $(left) - 90 ))" python3 -m gemmrl.cli bench --gpus $((ngpu - 1)) \
     --db "$db" $side --budget-s "$(( $(left) - 150 ))" --no-report > "$out/logs/side-bench.log" 2>&1 &
@@ -68,9 +69,22 @@ done
 grep -E "^==|distinct|^exit|FAIL" "$out/logs/build.log" | head -30
 [ -n "$tests_pid" ] && { wait "$tests_pid"; tail -3 "$out/logs/gpu-tests.log"; }
 if [ -n "${TUNE_AFTER:-}" ]; then
-  CUDA_VISIBLE_DEVICES=0 timeout "$(( $(left) - 80 ))" python3 -m gemmrl.cli tune --db "$db" --out "$out/logs/tune-results" \
-    $TUNE_AFTER --wall-s "$(( $(left) - 100 ))" --no-report > "$out/logs/tune-after.log" 2>&1
-  echo "tune exit $?" >> "$out/logs/tune-after.log"; tail -4 "$out/logs/tune-after.log"
+  # the i-th ';'-separated set on GPU i mod G; the sets of one GPU in turn, the GPUs at once
+  IFS=';' read -ra tsets <<< "$TUNE_AFTER"
+  tpids=()
+  for g in $(seq 0 $((ngpu - 1))); do
+    ( for i in "${!tsets[@]}"; do
+        args=${tsets[$i]}
+        [ $((i % ngpu)) = "$g" ] && [ -n "${args// }" ] || continue
+        log=$out/logs/tune-after-$i.log
+        CUDA_VISIBLE_DEVICES=$g timeout "$(( $(left) - 80 ))" python3 -m gemmrl.cli tune --db "$db" \
+          --out "$out/logs/tune-results-$i" $args --wall-s "$(( $(left) - 100 ))" --no-report > "$log" 2>&1
+        echo "tune exit $?" >> "$log"
+      done ) &
+    tpids+=($!)
+  done
+  wait "${tpids[@]}"
+  for f in "$out"/logs/tune-after-*.log; do echo "== $f"; grep -E "^tuned|^the winners|exit" "$f"; done
 fi
 shapes=${HOST_COST_SHAPES-"128x2048x256,4096x128x64,64x64x2048,12288x128x64,2048x2048x12288"}
 if [ -n "$shapes" ]; then
