@@ -760,8 +760,11 @@ def store_cmd(db, compress, merge_from):
               help="with --pending-in: the tune run's candidates per shape")
 @click.option("--max-shapes", default=None, type=click.IntRange(1, 100000),
               help="only the first N shapes (after --pending-in): what one tune call will reach")
+@click.option("--entries", "entries_file", default=None, metavar="FILE",
+              help="also write the build-cache directory of every kernel planned (built or not, relative to "
+                   "$GEMMRL_CACHE), one a line: what scripts/pack-build-cache.sh packs for a device call")
 def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned_device, variant_opt, acc_only, jobs,
-              dry_run, pending_db, candidates, max_shapes):
+              dry_run, pending_db, candidates, max_shapes, entries_file):
     """Compile the kernels a set of shapes will try into the build cache ($GEMMRL_CACHE), ahead of
     time and without a GPU; copy the cache to the GPU machine to save its time."""
     from gemmrl.build import ahead
@@ -801,7 +804,8 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
         for line in skipped:
             click.echo(f"skipped: {line}", err=True)
         return _compile_jobs(jobs_all, f"the winners of {len(choices)} tuned (shape, precision) pairs"
-                             + (f" and their {', '.join(fields)} variants" if fields else ""), jobs, dry_run)
+                             + (f" and their {', '.join(fields)} variants" if fields else ""), jobs, dry_run,
+                             entries_file)
     problems = _problems(shape_spec, dtype, acc)
     if pending_db is not None:
         from gemmrl.store.db import Store, unpack_if_missing
@@ -822,14 +826,17 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
         shown = ", ".join(p.shape for p in problems[:8]) + (", ..." if len(problems) > 8 else "")
         click.echo(f"shapes: {shown}", err=True)
     lays = _layouts(layouts)
-    _compile_jobs(ahead.plan(problems, fams, lays, top), f"{len(problems)} shapes", jobs, dry_run)
+    _compile_jobs(ahead.plan(problems, fams, lays, top), f"{len(problems)} shapes", jobs, dry_run, entries_file)
 
 
-def _compile_jobs(jobs_all, what: str, jobs, dry_run) -> None:
+def _compile_jobs(jobs_all, what: str, jobs, dry_run, entries_file=None) -> None:
     """Compile the jobs not in the build cache yet, in parallel, with progress; exit non-zero if
-    any failed (their logs printed)."""
+    any failed (their logs printed). `entries_file`: where to list every job's cache directory."""
     from gemmrl.build import ahead
     from gemmrl.build.pool import build_many
+
+    if entries_file:
+        Path(entries_file).write_text("".join(f"{e}\n" for e in ahead.entries(jobs_all)))
 
     todo = ahead.pending(jobs_all)
     click.echo(f"{len(jobs_all)} distinct kernels for {what}; {len(jobs_all) - len(todo)} "

@@ -136,8 +136,17 @@ def test_build_compiles_ahead_without_a_gpu(tmp_path, monkeypatch):
     r = CliRunner().invoke(main, args + ["--jobs", "1"])
     assert r.exit_code == 0, r.output
     assert "[2/2] ok" in r.output
-    r = CliRunner().invoke(main, args + ["--dry-run"])
+    r = CliRunner().invoke(main, args + ["--dry-run", "--entries", str(tmp_path / "entries.txt")])
     assert "2 already built, 0 to compile" in r.output
+    entries = (tmp_path / "entries.txt").read_text().split()
+    # the two builds' cache directories, relative to $GEMMRL_CACHE, each holding the library
+    assert len(entries) == 2 and all(e.startswith("builds/raw_tn_") for e in entries)
+    assert all((tmp_path / e / "kernel.so").exists() for e in entries)
+    more = tmp_path / "entries-top3.txt"
+    r = CliRunner().invoke(main, args[:-1] + ["3", "--dry-run", "--entries", str(more)])
+    assert "2 already built, 1 to compile" in r.output
+    listed = more.read_text().split()  # planned but not built yet is listed too
+    assert len(listed) == 3 and set(entries) < set(listed) and not (tmp_path / (set(listed) - set(entries)).pop()).exists()
     bad = CliRunner().invoke(main, ["build", "--shapes", "64x64x64", "--family", "nope"])
     assert bad.exit_code == 2 and "unknown kernel family 'nope'" in bad.output
     bad = CliRunner().invoke(main, ["build", "--shapes", "64x64x64", "--layouts", "NT"])

@@ -48,6 +48,14 @@ def pending(jobs: list[BuildJob]) -> list[BuildJob]:
     return [j for j in jobs if not is_built(j.source, name=j.name, **j.kwargs)]
 
 
+def entries(jobs: list[BuildJob]) -> list[str]:
+    """Each job's build-cache directory relative to the cache root ("builds/<name>-<key>"), built
+    or not: the list a packer takes to carry exactly these builds."""
+    from gemmrl.build.nvcc import cache_entry
+
+    return [f"builds/{cache_entry(j.source, name=j.name, **j.kwargs).name}" for j in jobs]
+
+
 # the CUTLASS fields a search restricted to built kernels (tune --built-only) never moved: the
 # ahead-of-time builds were each family's heuristic candidates, all with CUTLASS's own raster
 # order, swizzle 1 and as many stages as fit

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# A device call made of several gemmrl commands run in turn on one store, for a session's last
+# minutes where tunes and benches of different shape sets must share one call:
+#   GEMMRL_COMMIT=<hash> STEPS="tune --shapes A ...; bench --shapes B ..." scripts/device-steps.sh OUT
+# Carry .ext/carry/nvidia_cutlass-*.whl and the build caches the steps need (.ext/carry/gcache*.txz,
+# unpacked into the one cache every step reads). Each step gets --db (and --out for tune and
+# bench, under OUT/logs) and whatever is left of TOTAL_S (default 560) less 60 s as its timeout;
+# a step's failure does not stop the next. OUT gets logs.tgz (a log per step) and the store,
+# compressed, as OUT/gemmrl.sqlite.xz.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?OUT}; total=${TOTAL_S:-560}
+: "${STEPS:?STEPS: ';'-separated gemmrl commands}"
+mkdir -p "$out/logs"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site GEMMRL_CACHE=${GEMMRL_CACHE:-/tmp/gemmrl-cache}
+if ls .ext/carry/nvidia_cutlass-*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/cutlass_library ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .ext/carry/nvidia_cutlass-*.whl
+fi
+mkdir -p "$GEMMRL_CACHE"
+for g in .ext/carry/gcache*.txz; do
+  [ -f "$g" ] && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1], 'r:*').extractall(sys.argv[2])" "$g" "$GEMMRL_CACHE"
+done
+db=results/gemmrl.sqlite
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv > "$out/logs/gpu.txt"
+IFS=';' read -ra steps <<< "$STEPS"
+for i in "${!steps[@]}"; do
+  read -ra argv <<< "${steps[$i]}"
+  [ "${#argv[@]}" -gt 0 ] || continue
+  verb=${argv[0]}; extra=(--db "$db")
+  case "$verb" in tune|bench) extra+=(--out "$out/logs/results-$i");; esac
+  budget=$(( total - SECONDS - 60 ))
+  if [ "$budget" -lt 20 ]; then echo "step $i ($verb): no time left, skipped" | tee -a "$out/logs/steps.txt"; continue; fi
+  log=$out/logs/step-$i-$verb.log
+  echo "== step $i: gemmrl ${argv[*]} (timeout ${budget} s)" | tee -a "$out/logs/steps.txt"
+  timeout "$budget" python3 -m gemmrl.cli "${argv[@]}" "${extra[@]}" > "$log" 2>&1
+  echo "exit $? after $SECONDS s" | tee -a "$out/logs/steps.txt"
+  grep -E "^tuned|^the winners|^measured|deadline" "$log" | tail -3
+done
+python3 -m gemmrl.cli store --db "$db" --compress 2>&1 | tail -2
+mv results/gemmrl.sqlite.xz "$out/gemmrl.sqlite.xz"
+rm -rf "$out"/logs/results-*
+tar czf "$out/logs.tgz" -C "$out" logs && rm -rf "$out/logs"
