@@ -537,17 +537,21 @@ def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only
         final = shapes_to_time(problems, res.trials, store, device, kernel_only.protocol("kernel"))
         # the winner as stored, or chosen again by a race of the search's best (search/race.py)
         winner, raced = ("tuned", "") if race == 1 else (f"race:{race}", f" (raced against up to {race - 1} more)")
+        counts: dict = {}
         if not final:
             click.echo("no new winners to time", err=True)
         elif reuse_baselines:
-            measure(("baselines", winner), f"the winners of {len(final)} shapes{raced}, verified in full and "
-                    "timed (baselines from the store)", probs=final)
+            counts = measure(("baselines", winner), f"the winners of {len(final)} shapes{raced}, verified in "
+                             "full and timed (baselines from the store)", probs=final)
         else:  # the ratios the report shows come from one timing session per shape
-            measure(("baselines", winner), f"the winners of {len(final)} shapes{raced}, verified in full and "
-                    "timed beside the baselines, all measured again in one session per shape",
-                    runner.RunConfig(modes=("kernel",), retime=True), probs=final)
+            counts = measure(("baselines", winner), f"the winners of {len(final)} shapes{raced}, verified in "
+                             "full and timed beside the baselines, all measured again in one session per shape",
+                             runner.RunConfig(modes=("kernel",), retime=True), probs=final)
+        cut = bool(counts.get("stopped"))  # SIGTERM or Ctrl-C during the final timing
+        if cut:
+            click.echo("the final timing was stopped; a rerun times the winners left", err=True)
         # a winner the full verification rejects gives way to the shape's next-best candidate
-        for attempt in range(RUNNER_UP_ROUNDS):
+        for attempt in range(0 if cut else RUNNER_UP_ROUNDS):
             failed = rejected_winners(store, device, final, run_id)
             if not failed:
                 break
@@ -565,7 +569,7 @@ def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only
                     f"the runners-up of {len(promoted)} shapes, verified in full and timed",
                     runner.RunConfig(modes=("kernel",), retime=True), probs=promoted)
             final = promoted
-        status = "done"
+        status = "partial" if cut else "done"
     finally:
         store.finish_run(run_id, status)
     if not no_report:

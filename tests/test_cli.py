@@ -271,3 +271,50 @@ def test_build_tuned_in_compiles_the_stored_winners_once_each(tmp_path, monkeypa
     assert r.exit_code == 0 and "[1/1] ok" in r.output, r.output
     r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--family", "raw", "--dry-run"])
     assert "1 already built, 0 to compile" in r.output
+
+
+def test_tune_whose_final_timing_is_stopped_ends_partial_and_promotes_no_runner_up(tmp_path, monkeypatch):
+    """A SIGTERM (a device call's timeout) during tune's final timing: the runner returns with
+    counts['stopped']; the run must be recorded 'partial', not 'done', and no runner-up round may
+    start on the strength of winners that were never timed. The GPU parts are replaced."""
+    from types import SimpleNamespace
+
+    import gemmrl.bench.env as env
+    import gemmrl.search.run as srun
+    import gemmrl.search.tune as stune
+    from gemmrl.bench import runner
+    from gemmrl.search.tune import TuneResult
+
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    monkeypatch.setattr(env, "provenance", lambda *a, **k: {"device": "Fake GPU"})
+    monkeypatch.setattr(stune, "best_baseline_from_store", lambda *a, **k: (lambda p: 1.0))
+    monkeypatch.setattr(srun, "isolated_evaluator", lambda *a, **k: (None, lambda: None))
+    p = Problem(64, 64, 64)
+
+    def fake_run_tune(problems, store, device, evaluate, **kw):
+        trial = SimpleNamespace(problem=p, reward=1.2)
+        return TuneResult(problems=list(problems), trials=[trial], history=[], best={p: trial}, curve=[],
+                          device_s=0.0)
+    monkeypatch.setattr(srun, "run_tune", fake_run_tune)
+    calls, promoted = [], []
+    for cut in (True, False):
+        def fake_isolated(probs, specs, store, cfg, **kw):
+            calls.append(specs)
+            stopped = cut and "baselines" in specs and len(specs) == 2  # the final timing
+            return {"stopped": stopped}
+        monkeypatch.setattr(runner, "run_isolated", fake_isolated)
+        monkeypatch.setattr(srun, "rejected_winners", lambda store, device, final, run_id: {p: "wrong"})
+        monkeypatch.setattr(srun, "promote_runner_up", lambda *a: promoted.append(a) or None)
+        db = tmp_path / f"cut{cut}.sqlite"
+        r = CliRunner().invoke(main, ["tune", "--shapes", "64x64x64", "--db", str(db), "--no-report"])
+        assert r.exit_code == 0, r.output
+        store = Store(db)
+        status = store.runs()[-1]["status"]
+        store.close()
+        if cut:
+            assert status == "partial" and "final timing was stopped" in r.output and not promoted
+        else:
+            assert status == "done" and len(promoted) == 1  # the rejected winner had its runner-up round
+    assert [len(c) for c in calls] == [1, 2, 1, 2]  # baselines, then baselines + winners, per run
