@@ -430,7 +430,8 @@ def report(db, out, device, subject, dtype, acc, versus):
 @click.option("--race", default=1, show_default=True, type=click.IntRange(1, 16),
               help="before the final timing, race each new winner against the search's next best "
                    "candidates (up to this many in all, within 10% of it) in the full kernel protocol and "
-                   "keep the fastest: the search's quick timing misranks the largest shapes; 1: no race")
+                   "keep the fastest: the search's quick timing misranks the largest shapes; 1: no race; with "
+                   "--built-only, CUTLASS contenders only if already built")
 def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only, family_opts, match, layouts, db,
          out, ray_address, gpus, no_report, reuse_baselines, race):
     """Search kernels per shape with speed over the best baseline as the reward; keep the winners.
@@ -536,7 +537,8 @@ def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only
             write_curves({"model-free": res.per_shape_curve()}, Path(out) / env.gpu_slug(device) / "tune_curve")
         final = shapes_to_time(problems, res.trials, store, device, kernel_only.protocol("kernel"))
         # the winner as stored, or chosen again by a race of the search's best (search/race.py)
-        winner, raced = ("tuned", "") if race == 1 else (f"race:{race}", f" (raced against up to {race - 1} more)")
+        winner, raced = ("tuned", "") if race == 1 else (f"race:{race}" + (":built" if built_only else ""),
+                                                         f" (raced against up to {race - 1} more)")
         counts: dict = {}
         if not final:
             click.echo("no new winners to time", err=True)

@@ -79,14 +79,33 @@ def test_the_race_runs_the_search_top_candidates_and_never_the_stored_choice_fir
     assert SPECS[0] not in Race(store, dev, k=3).specs(P)
 
 
+def test_a_built_only_race_leaves_out_unbuilt_contenders_but_never_the_winner(tmp_path, monkeypatch):
+    import gemmrl.search.run as srun
+
+    store, dev = _store_with_search(tmp_path, [100.0, 104.0, 106.0, 107.0])
+    assert Race(store, dev, k=3).specs(P) == SPECS[:3]
+    unbuilt = {SPECS[0].name, SPECS[1].name}
+    monkeypatch.setattr(srun, "built_generic_only", lambda: (lambda fam, spec, problem: spec.name not in unbuilt))
+    # kernel 1 is not built: the next within the margin takes its place; kernel 0, the stored
+    # winner, races though unbuilt (the final timing builds it in any case)
+    assert Race(store, dev, k=3, built_only=True).specs(P) == [SPECS[0], SPECS[2], SPECS[3]]
+    assert Race(store, dev, k=2, built_only=True).specs(P) == [SPECS[0], SPECS[2]]
+    unbuilt |= {SPECS[2].name, SPECS[3].name}
+    race = Race(store, dev, k=3, built_only=True)
+    assert race.specs(P) == [SPECS[0]] and race._stored(P) == SPECS[0]  # nothing to race
+
+
 def test_race_is_an_implementation_the_cli_names(tmp_path):
     store = Store(tmp_path / "s.sqlite")
     (r,) = impls_from_specs(["race:2"], store, "NVIDIA H200")
     assert isinstance(r, Race) and r.k == 2 and r.name == TUNED
     (r,) = impls_from_specs(["race"], store, "NVIDIA H200")
     assert r.k == 3
-    for bad in ("race:0", "race:x"):
-        with pytest.raises(ValueError, match="race:K"):
+    (r,) = impls_from_specs(["race:4:built"], store, "NVIDIA H200")
+    assert r.k == 4 and r.built_only
+    assert not impls_from_specs(["race:4"], store, "NVIDIA H200")[0].built_only
+    for bad in ("race:0", "race:x", "race:2:x", "race:2:built:y"):
+        with pytest.raises(ValueError, match=r"race:K\[:built\]"):
             impls_from_specs([bad], store, "NVIDIA H200")
 
 

@@ -9,8 +9,9 @@ def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> li
     'kernel:FILE.cu|FILE.so', 'pack:DIR' (gemmrl.matmul with that pack active, NN and TN, fallback
     included: the product as a user calls it; with torch.matmul-tn, torch on the TN layout), or gemmrl's own kernels: 'gemmrl:FAMILY[+FAMILY]' (the fastest of
     each family's top candidates per shape; families: cutlass_sm90, raw), 'ours' (both) and
-    'tuned' (the winners `gemmrl tune` stored) or 'race[:K]' (the tuned winner chosen again by a
-    race of the search's top K candidates, default 3, in the full kernel protocol; stored)."""
+    'tuned' (the winners `gemmrl tune` stored) or 'race[:K[:built]]' (the tuned winner chosen again
+    by a race of the search's top K candidates, default 3, in the full kernel protocol; stored;
+    ':built': generic contenders only if already built)."""
     from gemmrl.baselines import impls as bl
 
     all_named = {i.name: i for i in bl.baseline_impls(store, device, exhaustive=True, compile_=True,
@@ -45,10 +46,12 @@ def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> li
             elif s == "race" or s.startswith("race:"):
                 from gemmrl.search.race import Race
 
-                k = s.split(":", 1)[1] if ":" in s else "3"
-                if not k.isdigit() or int(k) < 1:
-                    raise ValueError(f"race:K needs a positive whole number of contenders, got {s!r}")
-                out.append(Race(store, device, k=int(k), log=_log_stderr))
+                parts = s.split(":")
+                k = parts[1] if len(parts) > 1 else "3"
+                built_only = parts[2:] == ["built"]
+                if not k.isdigit() or int(k) < 1 or len(parts) > 3 or (len(parts) == 3 and not built_only):
+                    raise ValueError(f"race:K[:built] needs a positive whole number of contenders, got {s!r}")
+                out.append(Race(store, device, k=int(k), log=_log_stderr, built_only=built_only))
             elif s.startswith("pack:"):
                 from gemmrl.runtime.pack_impl import PackMatmul
 
@@ -62,7 +65,7 @@ def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> li
             else:
                 raise ValueError(
                     f"unknown implementation {s!r}; known: baselines, exhaustive, "
-                    f"{', '.join(all_named)}, cuda-l2:DIR, kernel:FILE, pack:DIR, gemmrl:FAMILY, ours, tuned, race[:K]")
+                    f"{', '.join(all_named)}, cuda-l2:DIR, kernel:FILE, pack:DIR, gemmrl:FAMILY, ours, tuned, race[:K[:built]]")
     seen, unique = set(), []
     for i in out:
         if i.name not in seen:

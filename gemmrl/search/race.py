@@ -41,7 +41,7 @@ class Race(BestOf):
     timed with the full kernel protocol; the choice is stored as the winner (`name`)."""
 
     def __init__(self, store, device: str, k: int = 3, margin: float = 0.10, name: str | None = None,
-                 log=None):
+                 log=None, built_only: bool = False):
         from gemmrl.bench.timing import KernelSettings
         from gemmrl.search.run import TUNED
         from gemmrl.space import registry
@@ -49,6 +49,9 @@ class Race(BestOf):
         super().__init__(list(registry.FAMILIES.values()), store=store, device=device, name=name or TUNED,
                          log=log, search=True)
         self.k, self.margin = k, margin
+        # built_only (tune --built-only): a generic contender (CUTLASS) races only if its build is
+        # in the cache, as the search proposed only those; the fastest, the stored winner, always
+        self.built_only = built_only
         self.settings = KernelSettings()  # the final timing's protocol, not the search's quick one
 
     def specs(self, problem) -> list:
@@ -56,7 +59,15 @@ class Race(BestOf):
 
         bad = self.store.quarantined(self.device, problem) if self.store is not None else {}
         trials = [t for t in stored_history(self.store, self.device, [problem]) if t.problem == problem]
-        return [s for s in contenders(trials, self.k, self.margin) if s.name not in bad]
+        if not self.built_only:
+            return [s for s in contenders(trials, self.k, self.margin) if s.name not in bad]
+        from gemmrl.search.run import built_generic_only
+        from gemmrl.space import registry
+
+        built = built_generic_only()
+        ranked = [s for s in contenders(trials, len(trials) or 1, self.margin) if s.name not in bad]
+        keep = ranked[:1] + [s for s in ranked[1:] if built(registry.family_of(s).name, s, problem)]
+        return keep[:self.k]
 
     def _stored(self, problem):
         """Never the stored choice before the race (prepare races, then stores the winner); with
