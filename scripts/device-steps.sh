@@ -4,8 +4,9 @@
 #   GEMMRL_COMMIT=<hash> STEPS="tune --shapes A ...; bench --shapes B ..." scripts/device-steps.sh OUT
 # Carry .ext/carry/nvidia_cutlass-*.whl and the build caches the steps need (.ext/carry/gcache*.txz,
 # unpacked into the one cache every step reads). Each step gets --db (and --out for tune and
-# bench, under OUT/logs) and whatever is left of TOTAL_S (default 560) less 60 s as its timeout;
-# a step's failure does not stop the next. OUT gets logs.tgz (a log per step) and the store,
+# bench, under OUT/logs) and whatever is left of TOTAL_S (default 560) less 60 s as its timeout,
+# or less: a step written "@SECONDS tune ..." is cut after that many seconds (SIGTERM: it stops
+# cleanly, keeping what it measured); a step's failure does not stop the next. OUT gets logs.tgz (a log per step) and the store,
 # compressed, as OUT/gemmrl.sqlite.xz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,10 +27,13 @@ IFS=';' read -ra steps <<< "$STEPS"
 for i in "${!steps[@]}"; do
   read -ra argv <<< "${steps[$i]}"
   [ "${#argv[@]}" -gt 0 ] || continue
+  cap=""
+  if [[ ${argv[0]} =~ ^@([0-9]+)$ ]]; then cap=${BASH_REMATCH[1]}; argv=("${argv[@]:1}"); fi
   verb=${argv[0]}; extra=(--db "$db")
   case "$verb" in tune|bench) extra+=(--out "$out/logs/results-$i");; esac
   budget=$(( total - SECONDS - 60 ))
   if [ "$budget" -lt 20 ]; then echo "step $i ($verb): no time left, skipped" | tee -a "$out/logs/steps.txt"; continue; fi
+  [ -n "$cap" ] && [ "$cap" -lt "$budget" ] && budget=$cap
   log=$out/logs/step-$i-$verb.log
   echo "== step $i: gemmrl ${argv[*]} (timeout ${budget} s)" | tee -a "$out/logs/steps.txt"
   timeout "$budget" python3 -m gemmrl.cli "${argv[@]}" "${extra[@]}" > "$log" 2>&1

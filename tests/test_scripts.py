@@ -66,3 +66,46 @@ def test_pack_build_cache_keeps_every_build_or_the_matching_ones(tmp_path):
     r = subprocess.run([script, str(cache), str(tmp_path / "none.tgz"), "nothing-like-this"],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "no build matches" in r.stderr
+    listed = tmp_path / "entries.txt"
+    listed.write_text("builds/sm90_b_nn_f16_f32-2\nbuilds/sm90_not_built-9\nbuilds/sm90_b_nn_f16_f32-2\n")
+    r = subprocess.run([script, str(cache), str(tmp_path / "listed.txz"), f"@{listed}"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("1 builds"), r.stdout + r.stderr
+    assert "1 listed builds not in" in r.stderr  # planned but never built: named, not fatal
+    assert members(tmp_path / "listed.txz") == ["builds/sm90_b_nn_f16_f32-2/kernel.so"]
+    listed.write_text("builds/sm90_not_built-9\n")
+    r = subprocess.run([script, str(cache), str(tmp_path / "none.txz"), f"@{listed}"], capture_output=True, text=True)
+    assert r.returncode != 0 and "none of the builds listed" in r.stderr
+
+
+def test_device_steps_runs_each_step_in_turn_with_its_cap_and_returns_the_store(tmp_path):
+    """scripts/device-steps.sh on a copy of the repository's layout with a small store: each step
+    gets --db, a step with @N is cut after N seconds, one that fails does not stop the next, and
+    the store comes back compressed beside the logs."""
+    import shutil
+    import tarfile
+
+    from gemmrl.core.problem import Problem
+    from gemmrl.store.db import Store
+
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "results").mkdir()
+    shutil.copy(ROOT / "scripts" / "device-steps.sh", repo / "scripts")
+    store = Store(repo / "results" / "gemmrl.sqlite")
+    store.put_tuning("Fake GPU", Problem(64, 64, 64), "gemmrl-tuned", b"{}", "x", 1.0)
+    store.close()
+    out = tmp_path / "out"
+    env = {**ENV, "STEPS": "store ; @1 verify --impl nope ; store", "TOTAL_S": "300",
+           "GEMMRL_CACHE": str(tmp_path / "cache"), "PATH": os.environ["PATH"]}
+    r = subprocess.run(["bash", str(repo / "scripts" / "device-steps.sh"), str(out)], capture_output=True,
+                       text=True, env=env, cwd=repo, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "== step 0: gemmrl store" in r.stdout and "== step 2: gemmrl store" in r.stdout
+    assert "(timeout 1 s)" in r.stdout  # the cap
+    assert (out / "gemmrl.sqlite.xz").exists() and not (repo / "results" / "gemmrl.sqlite.xz").exists()
+    with tarfile.open(out / "logs.tgz") as t:
+        names = set(t.getnames())
+    assert {"logs/steps.txt", "logs/step-0-store.log", "logs/step-1-verify.log", "logs/step-2-store.log"} <= names
+    with tarfile.open(out / "logs.tgz") as t:
+        steps = t.extractfile("logs/steps.txt").read().decode()
+    assert steps.count("exit 0") == 2 and "exit 0" not in steps.splitlines()[3]  # the bad step failed
