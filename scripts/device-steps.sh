@@ -2,6 +2,8 @@
 # A device call made of several gemmrl commands run in turn on one store, for a session's last
 # minutes where tunes and benches of different shape sets must share one call:
 #   GEMMRL_COMMIT=<hash> STEPS="tune --shapes A ...; bench --shapes B ..." scripts/device-steps.sh OUT
+# STEPS run on GPU 0; on a machine with G GPUs, STEPS_1 .. STEPS_<G-1> run on the others at once
+# (each lane's steps in turn, all writing the one store).
 # Carry .ext/carry/nvidia_cutlass-*.whl and the build caches the steps need (.ext/carry/gcache*.txz,
 # unpacked into the one cache every step reads). Each step gets --db (and --out for tune and
 # bench, under OUT/logs) and whatever is left of TOTAL_S (default 560) less 60 s as its timeout,
@@ -23,23 +25,41 @@ for g in .ext/carry/gcache*.txz; do
 done
 db=results/gemmrl.sqlite
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv > "$out/logs/gpu.txt"
-IFS=';' read -ra steps <<< "$STEPS"
-for i in "${!steps[@]}"; do
-  read -ra argv <<< "${steps[$i]}"
-  [ "${#argv[@]}" -gt 0 ] || continue
-  cap=""
-  if [[ ${argv[0]} =~ ^@([0-9]+)$ ]]; then cap=${BASH_REMATCH[1]}; argv=("${argv[@]:1}"); fi
-  verb=${argv[0]}; extra=(--db "$db")
-  case "$verb" in tune|bench) extra+=(--out "$out/logs/results-$i");; esac
-  budget=$(( total - SECONDS - 60 ))
-  if [ "$budget" -lt 20 ]; then echo "step $i ($verb): no time left, skipped" | tee -a "$out/logs/steps.txt"; continue; fi
-  [ -n "$cap" ] && [ "$cap" -lt "$budget" ] && budget=$cap
-  log=$out/logs/step-$i-$verb.log
-  echo "== step $i: gemmrl ${argv[*]} (timeout ${budget} s)" | tee -a "$out/logs/steps.txt"
-  timeout "$budget" python3 -m gemmrl.cli "${argv[@]}" "${extra[@]}" > "$log" 2>&1
-  echo "exit $? after $SECONDS s" | tee -a "$out/logs/steps.txt"
-  grep -E "^tuned|^the winners|^measured|deadline" "$log" | tail -3
+# lane g: its steps in turn on GPU g (STEPS is lane 0, STEPS_1 lane 1, ...); the lanes at once
+lane() {
+  local g=$1 spec=$2 i args argv cap verb extra budget log
+  IFS=';' read -ra steps <<< "$spec"
+  for i in "${!steps[@]}"; do
+    read -ra argv <<< "${steps[$i]}"
+    [ "${#argv[@]}" -gt 0 ] || continue
+    cap=""
+    if [[ ${argv[0]} =~ ^@([0-9]+)$ ]]; then cap=${BASH_REMATCH[1]}; argv=("${argv[@]:1}"); fi
+    verb=${argv[0]}; extra=(--db "$db")
+    [ "$g" = 0 ] && id=$i || id=$g.$i
+    case "$verb" in tune|bench) extra+=(--out "$out/logs/results-$id");; esac
+    budget=$(( total - SECONDS - 60 ))
+    if [ "$budget" -lt 20 ]; then echo "step $id ($verb): no time left, skipped" | tee -a "$out/logs/steps.txt"; continue; fi
+    [ -n "$cap" ] && [ "$cap" -lt "$budget" ] && budget=$cap
+    log=$out/logs/step-$id-$verb.log
+    echo "== step $id: gemmrl ${argv[*]} (timeout ${budget} s)" | tee -a "$out/logs/steps.txt"
+    CUDA_VISIBLE_DEVICES=${LANE_GPUS[$g]} timeout "$budget" python3 -m gemmrl.cli "${argv[@]}" "${extra[@]}" > "$log" 2>&1
+    echo "exit $? after $SECONDS s (step $id)" | tee -a "$out/logs/steps.txt"
+    grep -E "^tuned|^the winners|^measured|deadline" "$log" | tail -3
+  done
+}
+ngpu=${STEPS_GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}; [ "$ngpu" -gt 0 ] || ngpu=1
+for var in ${!STEPS_*}; do
+  [[ $var =~ ^STEPS_([0-9]+)$ ]] && [ "${BASH_REMATCH[1]}" -ge "$ngpu" ] && [ -n "${!var}" ] \
+    && echo "warning: $var is set but this machine has $ngpu GPU(s): its steps do not run" | tee -a "$out/logs/steps.txt"
 done
+LANE_GPUS=($(seq 0 $((ngpu - 1))))
+pids=()
+lane 0 "$STEPS" & pids+=($!)
+for g in $(seq 1 $((ngpu - 1))); do
+  var=STEPS_$g
+  [ -n "${!var:-}" ] && { lane "$g" "${!var}" & pids+=($!); }
+done
+wait "${pids[@]}"
 python3 -m gemmrl.cli store --db "$db" --compress 2>&1 | tail -2
 mv results/gemmrl.sqlite.xz "$out/gemmrl.sqlite.xz"
 rm -rf "$out"/logs/results-*

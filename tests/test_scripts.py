@@ -109,3 +109,17 @@ def test_device_steps_runs_each_step_in_turn_with_its_cap_and_returns_the_store(
     with tarfile.open(out / "logs.tgz") as t:
         steps = t.extractfile("logs/steps.txt").read().decode()
     assert steps.count("exit 0") == 2 and "exit 0" not in steps.splitlines()[3]  # the bad step failed
+    # two lanes (GPUs): STEPS_1 runs beside STEPS; a lane for a GPU the machine lacks is named
+    out2 = tmp_path / "out2"
+    env2 = {**env, "STEPS": "store", "STEPS_1": "store --db-missing-option", "STEPS_2": "store",
+            "STEPS_GPUS": "2"}
+    (repo / "results" / "gemmrl.sqlite").unlink()  # a fresh store for the second call
+    store = Store(repo / "results" / "gemmrl.sqlite")
+    store.close()
+    r = subprocess.run(["bash", str(repo / "scripts" / "device-steps.sh"), str(out2)], capture_output=True,
+                       text=True, env=env2, cwd=repo, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "== step 0: gemmrl store" in r.stdout and "== step 1.0: gemmrl store --db-missing-option" in r.stdout
+    assert "STEPS_2 is set but this machine has 2 GPU(s)" in r.stdout
+    with tarfile.open(out2 / "logs.tgz") as t:
+        assert {"logs/step-0-store.log", "logs/step-1.0-store.log"} <= set(t.getnames())
