@@ -24,6 +24,7 @@ for g in .ext/carry/gcache*.txz; do
   [ -f "$g" ] && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1], 'r:*').extractall(sys.argv[2])" "$g" "$GEMMRL_CACHE"
 done
 db=results/gemmrl.sqlite
+python3 -m gemmrl.cli store --db "$db" > "$out/logs/store-before.txt" 2>&1  # unpacked once, before the lanes
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv > "$out/logs/gpu.txt"
 # lane g: its steps in turn on GPU g (STEPS is lane 0, STEPS_1 lane 1, ...); the lanes at once
 lane() {
@@ -60,7 +61,12 @@ for g in $(seq 1 $((ngpu - 1))); do
   [ -n "${!var:-}" ] && { lane "$g" "${!var}" & pids+=($!); }
 done
 wait "${pids[@]}"
-python3 -m gemmrl.cli store --db "$db" --compress 2>&1 | tail -2
-mv results/gemmrl.sqlite.xz "$out/gemmrl.sqlite.xz"
+rm -f results/gemmrl.sqlite.xz  # never send back the .xz the call started from as if it were the result
+if python3 -m gemmrl.cli store --db "$db" --compress > "$out/logs/store-after.txt" 2>&1; then
+  tail -2 "$out/logs/store-after.txt"; mv results/gemmrl.sqlite.xz "$out/gemmrl.sqlite.xz"
+else
+  echo "ERROR: the store could not be compressed (logs/store-after.txt); nothing of it comes back" >&2
+  tail -3 "$out/logs/store-after.txt" >&2
+fi
 rm -rf "$out"/logs/results-*
 tar czf "$out/logs.tgz" -C "$out" logs && rm -rf "$out/logs"

@@ -309,3 +309,43 @@ def test_merge_adds_the_other_stores_new_runs_once_with_their_rows(tmp_path):
     assert "merged" in r.output and "1 runs" in r.output and "1 measurements" in r.output
     r = CliRunner().invoke(main, ["store", "--db", str(a), "--merge", str(tmp_path / "none.sqlite")])
     assert r.exit_code == 1 and "no store at" in r.output
+
+
+def test_processes_started_together_on_a_packed_store_unpack_it_once(tmp_path):
+    """Four processes opening a store that exists only as its .xz at the same moment (two GPUs'
+    steps of one device call) must not each rename their own copy into place: one that opened
+    the first copy would share the -wal file with the next, and the store came back malformed."""
+    import os
+    import subprocess
+    import sys
+
+    from gemmrl.core.problem import Problem
+    from gemmrl.store.db import Store, pack
+
+    db = tmp_path / "gemmrl.sqlite"
+    s = Store(db)
+    for i in range(400):  # incompressible rows: an unpack takes long enough for the others to start one
+        s.put_tuning("GPU X", Problem(64 + i, 64, 64), "gemmrl-tuned", os.urandom(20000), "x", 1.0)
+    s.close()
+    pack(db)
+    db.unlink()
+    go = tmp_path / "go"
+    code = ("import sys, time, pathlib; from gemmrl.store.db import Store, unpack_if_missing\n"
+            "from gemmrl.core.problem import Problem\n"
+            "while not pathlib.Path(sys.argv[3]).exists(): time.sleep(0.0005)\n"  # start together
+            "did = unpack_if_missing(sys.argv[1], lambda m: None)\n"
+            "s = Store(sys.argv[1]); s.put_tuning('GPU X', Problem(8, 8, int(sys.argv[2])), 'w', b'{}', '', 1.0)\n"
+            "s.close(); print('unpacked' if did else 'found')")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(db), str(k), str(go)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for k in range(1, 5)]
+    import time
+
+    time.sleep(3)  # every process imported and waiting
+    go.touch()
+    done = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-800:] for _, err in done]
+    assert sorted(out.strip() for out, _ in done) == ["found"] * 3 + ["unpacked"]
+    s = Store(db, readonly=True)
+    assert s.db.execute("pragma integrity_check").fetchone()[0] == "ok"
+    assert s.db.execute("select count(*) from tuning").fetchone()[0] == 404  # every process's write kept
+    assert not [p for p in tmp_path.glob(".*")]  # no temporary or lock file left

@@ -92,8 +92,17 @@ def unpack_if_missing(path: str | Path, log=None) -> bool:
             log(f"note: {packed} is newer than {path}; delete {path} to use it (gemmrl store --compress "
                 f"writes the .xz from the file)")
         return False
-    log(f"unpacking {packed} -> {path}")
-    decompress(packed, path)
+    # one unpacker at a time: two processes started together on a fresh checkout (a device call
+    # running two GPUs' steps at once) would each rename their own copy into place, and the one
+    # that opened the first copy would share the -wal file with the second: a malformed store
+    import fcntl
+
+    with open(packed, "rb") as lock:  # the lock is on the .xz itself: no lock file to leave behind
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():  # another process unpacked it while this one waited
+            return False
+        log(f"unpacking {packed} -> {path}")
+        decompress(packed, path)
     return True
 
 
@@ -153,7 +162,7 @@ class Store:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(str(self.path), timeout=60, isolation_level=None)
         self.db.row_factory = sqlite3.Row
-        self.db.execute("PRAGMA journal_mode=WAL")
+        self._wal()
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.execute("PRAGMA foreign_keys=ON")
         with self.tx():
@@ -165,6 +174,22 @@ class Store:
                 self.db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
             elif int(row[0]) != SCHEMA_VERSION:
                 raise StoreError(f"{self.path}: schema version {row[0]}, this gemmrl reads {SCHEMA_VERSION}")
+
+    def _wal(self, tries: int = 300) -> None:
+        """Write-ahead logging, so that several processes (tune --gpus, a device call's lanes) share
+        the store. A store unpacked from its .xz is not in WAL mode yet, and when processes open it
+        together, the switch fails at once with 'database is locked' for all but one (it takes no
+        busy timeout): wait for the one that switched."""
+        import time
+
+        for attempt in range(tries):
+            try:
+                self.db.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or attempt == tries - 1:
+                    raise
+                time.sleep(0.1)
 
     @contextmanager
     def tx(self):
