@@ -95,6 +95,32 @@ def test_a_built_only_race_leaves_out_unbuilt_contenders_but_never_the_winner(tm
     assert race.specs(P) == [SPECS[0]] and race._stored(P) == SPECS[0]  # nothing to race
 
 
+def test_the_incumbent_winner_races_too(tmp_path):
+    """A re-search's new trials (a quick timing in another session) can all look faster than
+    the winner that the final timing last verified; that winner must still race, so that a new
+    one replaces it only by beating it in one session."""
+    from dataclasses import asdict
+
+    store, dev = _store_with_search(tmp_path, [100.0, 104.0, 130.0])
+    run = store.start_run("gemmrl tune", dev, {}, {})
+
+    def verified(spec, passed=True):
+        store.record_verification(run, dev, P, TUNED, passed, "", {
+            "impl": {"name": TUNED, "chosen": {"family": "cutlass_sm90", "name": spec.name, "spec": asdict(spec)}}})
+    assert Race(store, dev, k=2).specs(P) == [SPECS[0], SPECS[1]]  # never verified: no incumbent
+    verified(SPECS[3])  # the winner an earlier run timed, slower in these trials' eyes
+    verified(SPECS[4], passed=False)  # a failed check is no incumbent
+    assert Race(store, dev, k=2).specs(P) == [SPECS[0], SPECS[1], SPECS[3]]
+    assert Race(store, dev, k=1).specs(P) == [SPECS[0], SPECS[3]]  # one contender still races it
+    assert Race(store, dev, k=1)._stored(P) is None
+    verified(SPECS[1])  # the newest passed verification is the incumbent; once in the list
+    assert Race(store, dev, k=2).specs(P) == [SPECS[0], SPECS[1]]
+    store.quarantine(dev, P, SPECS[1].name, "killed its worker")
+    assert Race(store, dev, k=2).specs(P) == [SPECS[0], SPECS[3]]  # the next passed one
+    assert store.verified_choices(dev, P, TUNED)[0]["name"] == SPECS[1].name
+    assert store.verified_choices(dev, Problem(64, 64, 64), TUNED) == []
+
+
 def test_race_is_an_implementation_the_cli_names(tmp_path):
     store = Store(tmp_path / "s.sqlite")
     (r,) = impls_from_specs(["race:2"], store, "NVIDIA H200")

@@ -262,6 +262,19 @@ class Store:
             return None
         return dict(r, passed=bool(r["passed"]), details=json.loads(r["details"]))
 
+    def verified_choices(self, device: str, problem: Problem, impl: str) -> list[dict]:
+        """The kernels a selecting implementation (gemmrl-tuned, a race) chose for `problem` in
+        its passed verifications, newest first: dicts with family, name and spec."""
+        rows = self.db.execute(
+            "SELECT details FROM verifications WHERE device=? AND M=? AND N=? AND K=? AND dtype=? AND "
+            "acc=? AND impl=? AND passed=1 ORDER BY id DESC", (device, *problem.key(), impl)).fetchall()
+        out = []
+        for (details,) in rows:
+            chosen = (json.loads(details).get("impl") or {}).get("chosen")
+            if isinstance(chosen, dict) and "family" in chosen and "spec" in chosen:
+                out.append(chosen)
+        return out
+
     def verifications(self, device: str | None = None) -> list[dict]:
         q, args = "SELECT * FROM verifications", ()
         if device:
