@@ -33,7 +33,7 @@ from typing import Callable, Iterable, Protocol
 import numpy as np
 
 from gemmrl.core.problem import Problem
-from gemmrl.space import registry
+from gemmrl.space import cutlass_sm90, registry
 
 STATUSES = ("ok", "rejected", "crashed")
 SMS = 132  # H100 / H200 SXM
@@ -145,8 +145,8 @@ _LADDERS = {
     "cutlass_sm90": {
         "tile_m": (64, 128, 192, 256), "tile_n": (16, 32, 64, 96, 128, 160, 192, 224, 256),
         "tile_k": (32, 64, 128), "cluster_m": (1, 2), "cluster_n": (1, 2),
-        "splits": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), "stages": (0, 2, 3, 4, 5, 6, 7, 8), "swizzle": (1, 2, 4, 8),
-        "raster": ("heuristic", "along_m", "along_n")},  # the pool has CUTLASS's heuristic order only
+        "splits": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), "stages": (0, 2, 3, 4, 5, 6, 7, 8), "swizzle": cutlass_sm90.SWIZZLES,
+        "raster": cutlass_sm90.RASTERS},  # the pool has CUTLASS's heuristic order only
     "raw": {
         "block_m": (16, 32, 64, 128, 256), "block_n": (16, 32, 64, 128, 256), "block_k": (16, 32, 64, 128),
         "warps_m": (1, 2, 4, 8), "warps_n": (1, 2, 4, 8), "stages": (2, 3, 4),
