@@ -24,14 +24,11 @@ cd "$(dirname "$0")/.."
 out=${1:?OUT}; total=${TOTAL_S:-560}
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
-if [ ! -d /tmp/site/cutlass_library ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .ext/carry/nvidia_cutlass-*.whl
-fi
+. scripts/device-common.sh
+install_cutlass
 old=/tmp/gc-old; new=/tmp/gc-new
-mkdir -p "$old" "$new"
-for g in .ext/carry/gcache*.txz; do
-  [ -f "$g" ] && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1], 'r:*').extractall(sys.argv[2])" "$g" "$old"
-done
+mkdir -p "$new"
+unpack_caches "$old"
 export GEMMRL_CACHE=$new
 db=results/gemmrl.sqlite
 python3 -m gemmrl.cli store --db "$db" > "$out/logs/store-before.txt" 2>&1
@@ -100,6 +97,5 @@ fi
     tar cf - -T "$part" | xz -T0 -6 > "$out/gcache-new-$n.txz"; done )
 rm -f /tmp/gc-part-*
 ls -la "$out"
-python3 -m gemmrl.cli store --db "$db" --compress 2>&1 | tail -2
-mv results/gemmrl.sqlite.xz "$out/gemmrl.sqlite.xz"
+send_store_back "$out" "$db"
 tar czf "$out/logs.tgz" -C "$out" logs && rm -rf "$out/logs"

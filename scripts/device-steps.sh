@@ -16,13 +16,9 @@ out=${1:?OUT}; total=${TOTAL_S:-560}
 : "${STEPS:?STEPS: ';'-separated gemmrl commands}"
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site GEMMRL_CACHE=${GEMMRL_CACHE:-/tmp/gemmrl-cache}
-if ls .ext/carry/nvidia_cutlass-*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/cutlass_library ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .ext/carry/nvidia_cutlass-*.whl
-fi
-mkdir -p "$GEMMRL_CACHE"
-for g in .ext/carry/gcache*.txz; do
-  [ -f "$g" ] && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1], 'r:*').extractall(sys.argv[2])" "$g" "$GEMMRL_CACHE"
-done
+. scripts/device-common.sh
+install_cutlass
+unpack_caches "$GEMMRL_CACHE"
 db=results/gemmrl.sqlite
 python3 -m gemmrl.cli store --db "$db" > "$out/logs/store-before.txt" 2>&1  # unpacked once, before the lanes
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv > "$out/logs/gpu.txt"
@@ -61,12 +57,6 @@ for g in $(seq 1 $((ngpu - 1))); do
   [ -n "${!var:-}" ] && { lane "$g" "${!var}" & pids+=($!); }
 done
 wait "${pids[@]}"
-rm -f results/gemmrl.sqlite.xz  # never send back the .xz the call started from as if it were the result
-if python3 -m gemmrl.cli store --db "$db" --compress > "$out/logs/store-after.txt" 2>&1; then
-  tail -2 "$out/logs/store-after.txt"; mv results/gemmrl.sqlite.xz "$out/gemmrl.sqlite.xz"
-else
-  echo "ERROR: the store could not be compressed (logs/store-after.txt); nothing of it comes back" >&2
-  tail -3 "$out/logs/store-after.txt" >&2
-fi
+send_store_back "$out" "$db"
 rm -rf "$out"/logs/results-*
 tar czf "$out/logs.tgz" -C "$out" logs && rm -rf "$out/logs"

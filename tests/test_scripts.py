@@ -90,7 +90,8 @@ def test_device_steps_runs_each_step_in_turn_with_its_cap_and_returns_the_store(
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
     (repo / "results").mkdir()
-    shutil.copy(ROOT / "scripts" / "device-steps.sh", repo / "scripts")
+    for name in ("device-steps.sh", "device-common.sh"):
+        shutil.copy(ROOT / "scripts" / name, repo / "scripts")
     store = Store(repo / "results" / "gemmrl.sqlite")
     store.put_tuning("Fake GPU", Problem(64, 64, 64), "gemmrl-tuned", b"{}", "x", 1.0)
     store.close()

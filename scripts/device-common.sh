@@ -1,0 +1,31 @@
+# Sourced by scripts/device-rebuild.sh and scripts/device-steps.sh (the repository root is the
+# working directory): the set-up and the hand-back every device call of theirs shares.
+
+# the carried nvidia-cutlass wheel (.ext/carry/), installed once into /tmp/site
+install_cutlass() {
+  if ls .ext/carry/nvidia_cutlass-*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/cutlass_library ]; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .ext/carry/nvidia_cutlass-*.whl
+  fi
+}
+
+# every carried build cache (.ext/carry/gcache*.txz) unpacked into DIR
+unpack_caches() {
+  local dir=$1 g
+  mkdir -p "$dir"
+  for g in .ext/carry/gcache*.txz; do
+    [ -f "$g" ] && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1], 'r:*').extractall(sys.argv[2])" "$g" "$dir"
+  done
+}
+
+# the store DB, compressed, as OUT/gemmrl.sqlite.xz; never the .xz the call started from (if the
+# compression fails, say so and send nothing: a stale store read as the call's result loses work)
+send_store_back() {
+  local out=$1 db=$2
+  rm -f "$db.xz"
+  if python3 -m gemmrl.cli store --db "$db" --compress > "$out/logs/store-after.txt" 2>&1; then
+    tail -2 "$out/logs/store-after.txt"; mv "$db.xz" "$out/gemmrl.sqlite.xz"
+  else
+    echo "ERROR: the store could not be compressed (logs/store-after.txt); nothing of it comes back" >&2
+    tail -3 "$out/logs/store-after.txt" >&2
+  fi
+}
