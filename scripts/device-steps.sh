@@ -2,6 +2,8 @@
 # A device call made of several gemmrl commands run in turn on one store, for a session's last
 # minutes where tunes and benches of different shape sets must share one call:
 #   GEMMRL_COMMIT=<hash> STEPS="tune --shapes A ...; bench --shapes B ..." scripts/device-steps.sh OUT
+# A step may also be "pytest ARGS" (python3 -m pytest ARGS) or "scripts/NAME.py ARGS" (python3
+# scripts/NAME.py ARGS); those get no --db or --out, and find OUT in their environment.
 # STEPS run on GPU 0; on a machine with G GPUs, STEPS_1 .. STEPS_<G-1> run on the others at once
 # (each lane's steps in turn, all writing the one store).
 # Carry .ext/carry/nvidia_cutlass-*.whl and the build caches the steps need (.ext/carry/gcache*.txz,
@@ -31,15 +33,19 @@ lane() {
     [ "${#argv[@]}" -gt 0 ] || continue
     cap=""
     if [[ ${argv[0]} =~ ^@([0-9]+)$ ]]; then cap=${BASH_REMATCH[1]}; argv=("${argv[@]:1}"); fi
-    verb=${argv[0]}; extra=(--db "$db")
+    verb=${argv[0]}; extra=(--db "$db"); cmd=(python3 -m gemmrl.cli); label=gemmrl
     [ "$g" = 0 ] && id=$i || id=$g.$i
-    case "$verb" in tune|bench) extra+=(--out "$out/logs/results-$id");; esac
+    case "$verb" in
+      tune|bench) extra+=(--out "$out/logs/results-$id");;
+      pytest) cmd=(python3 -m); extra=(); label="python3 -m";;         # the GPU tests, say
+      scripts/*.py) cmd=(python3); extra=(); label=python3; verb=$(basename "$verb" .py);;  # a diagnostic
+    esac
     budget=$(( total - SECONDS - 60 ))
     if [ "$budget" -lt 20 ]; then echo "step $id ($verb): no time left, skipped" | tee -a "$out/logs/steps.txt"; continue; fi
     [ -n "$cap" ] && [ "$cap" -lt "$budget" ] && budget=$cap
     log=$out/logs/step-$id-$verb.log
-    echo "== step $id: gemmrl ${argv[*]} (timeout ${budget} s)" | tee -a "$out/logs/steps.txt"
-    CUDA_VISIBLE_DEVICES=${LANE_GPUS[$g]} timeout "$budget" python3 -m gemmrl.cli "${argv[@]}" "${extra[@]}" > "$log" 2>&1
+    echo "== step $id: $label ${argv[*]} (timeout ${budget} s)" | tee -a "$out/logs/steps.txt"
+    CUDA_VISIBLE_DEVICES=${LANE_GPUS[$g]} OUT=$out GEMMRL_TEST_OUT=$out/logs timeout "$budget" "${cmd[@]}" "${argv[@]}" "${extra[@]}" > "$log" 2>&1
     echo "exit $? after $SECONDS s (step $id)" | tee -a "$out/logs/steps.txt"
     grep -E "^tuned|^the winners|^measured|deadline" "$log" | tail -3
   done

@@ -96,7 +96,9 @@ def test_device_steps_runs_each_step_in_turn_with_its_cap_and_returns_the_store(
     store.put_tuning("Fake GPU", Problem(64, 64, 64), "gemmrl-tuned", b"{}", "x", 1.0)
     store.close()
     out = tmp_path / "out"
-    env = {**ENV, "STEPS": "store ; @1 verify --impl nope ; store", "TOTAL_S": "300",
+    (repo / "scripts" / "hello.py").write_text(
+        "import os, sys\nopen(os.environ['OUT'] + '/hello.txt', 'w').write(' '.join(sys.argv[1:]))\n")
+    env = {**ENV, "STEPS": "store ; @1 verify --impl nope ; store ; scripts/hello.py a b", "TOTAL_S": "300",
            "GEMMRL_CACHE": str(tmp_path / "cache"), "PATH": os.environ["PATH"]}
     r = subprocess.run(["bash", str(repo / "scripts" / "device-steps.sh"), str(out)], capture_output=True,
                        text=True, env=env, cwd=repo, timeout=600)
@@ -109,7 +111,9 @@ def test_device_steps_runs_each_step_in_turn_with_its_cap_and_returns_the_store(
     assert {"logs/steps.txt", "logs/step-0-store.log", "logs/step-1-verify.log", "logs/step-2-store.log"} <= names
     with tarfile.open(out / "logs.tgz") as t:
         steps = t.extractfile("logs/steps.txt").read().decode()
-    assert steps.count("exit 0") == 2 and "exit 0" not in steps.splitlines()[3]  # the bad step failed
+    assert steps.count("exit 0") == 3 and "exit 0" not in steps.splitlines()[3]  # the bad step failed
+    # a diagnostic script's step: run with python3, its arguments as given (no --db), OUT in its env
+    assert "== step 3: python3 scripts/hello.py a b" in steps and (out / "hello.txt").read_text() == "a b"
     # two lanes (GPUs): STEPS_1 runs beside STEPS; a lane for a GPU the machine lacks is named
     out2 = tmp_path / "out2"
     env2 = {**env, "STEPS": "store", "STEPS_1": "store --db-missing-option", "STEPS_2": "store",
