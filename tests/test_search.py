@@ -465,6 +465,20 @@ def test_sample_efficiency_and_curve_files(tmp_path, sweeps):
 # ---------------------------------------------------------------------------------------------
 # the real evaluator
 
+def test_scale_to_stored_carries_a_session_time_to_the_stored_baselines_clock():
+    from gemmrl.search.tune import scale_to_stored
+
+    # the reference ran 10% slower in this session than when stored: candidates' times shrink
+    assert scale_to_stored(100.0, 110.0) == pytest.approx(100.0 / 110.0)
+    # a candidate at the reference's own session time then gets reward 1 against the stored time
+    t = 110.0 * scale_to_stored(100.0, 110.0)
+    assert reward(100.0, t, True, None, None, None) == pytest.approx(1.0)
+    # no session time (the reference failed or was not timed): no scaling
+    for session in (None, 0.0, -1.0):
+        assert scale_to_stored(100.0, session) == 1.0
+    assert scale_to_stored(0.0, 50.0) == 1.0
+
+
 @pytest.mark.gpu
 def test_gpu_evaluate_builds_verifies_and_times(tmp_path):
     from gemmrl.store.db import Store
@@ -478,12 +492,25 @@ def test_gpu_evaluate_builds_verifies_and_times(tmp_path):
     assert any(t.status == "ok" for t in trials)
     for t in trials:
         assert t.status in ("ok", "rejected") and t.details["device_s"] >= 0
+        assert "reference" not in t.details  # the store has no baseline for the shape
         if t.status == "ok":
             d = t.details
-            assert t.time_us > 0
+            assert t.time_us > 0 and t.time_us == d["raw_us"]
             assert t.reward == pytest.approx(reward(20.0, t.time_us, True, d["rel_err"], d["ref_err"], d["source_len"]))
         else:
             assert t.reward == 0.0 and t.details["reason"]
+    # with a stored baseline, it is timed beside the candidates and their times are scaled by
+    # its stored / session time (stored here at twice what it runs: times double)
+    run = store.start_run("x", "test-device", {}, {})
+    store.record_session(run, "s", "test-device", p, "kernel", "kernel:v1", {"torch.matmul": {
+        "median_us": 1e3, "n": 10, "status": "ok"}})
+    scaled = gpu_evaluate(store, "test-device", lambda problem: 1e3)(p, cands[:1])[0]
+    assert scaled.status == "ok", scaled.details
+    ref = scaled.details["reference"]
+    assert ref["impl"] == "torch.matmul" and ref["stored_us"] == 1e3 and 0 < ref["session_us"] < 1e3
+    assert scaled.time_us == pytest.approx(scaled.details["raw_us"] * 1e3 / ref["session_us"])
+    assert scaled.reward == pytest.approx(reward(1e3, scaled.time_us, True, scaled.details["rel_err"],
+                                                 scaled.details["ref_err"], scaled.details["source_len"]))
     result = tune([p], ModelFreePolicy(families=("raw",), layouts=("TN",)), evaluate, per_shape_candidates=4,
                   batch=4, history=trials)
     assert result.counts[p] == 4 and len(result.trials) == 2

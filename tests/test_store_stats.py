@@ -349,3 +349,26 @@ def test_processes_started_together_on_a_packed_store_unpack_it_once(tmp_path):
     assert s.db.execute("pragma integrity_check").fetchone()[0] == "ok"
     assert s.db.execute("select count(*) from tuning").fetchone()[0] == 404  # every process's write kept
     assert not [p for p in tmp_path.glob(".*")]  # no temporary or lock file left
+
+
+def test_best_baseline_is_the_fastest_latest_ok_baseline(tmp_path):
+    """The search times this baseline beside its candidates: the fastest baseline by its latest
+    ok measurement in the mode; gemmrl's own kernels, repeats, failed rows, other shapes, modes
+    and devices do not count."""
+    s = Store(tmp_path / "b.sqlite")
+    run = s.start_run("x", "H100", {}, {})
+    assert s.best_baseline("H100", P) is None
+    s.record_session(run, "s1", "H100", P, "kernel", "kernel:v1", {
+        "cuBLASLt-auto-tuning-nn": _st(9.0), "torch.matmul": _st(10.0), "gemmrl-tuned": _st(5.0),
+        "torch.matmul@repeat": _st(7.0)})
+    assert s.best_baseline("H100", P) == ("cuBLASLt-auto-tuning-nn", 9.0)
+    # a later, slower measurement of the same baseline replaces the earlier one
+    s.record_session(run, "s2", "H100", P, "kernel", "kernel:v1", {"cuBLASLt-auto-tuning-nn": _st(12.0)})
+    assert s.best_baseline("H100", P) == ("torch.matmul", 10.0)
+    # a failed measurement is not a time; other modes, devices and shapes are apart
+    s.record_session(run, "s3", "H100", P, "kernel", "kernel:v1", {"cuBLAS-nn": {"status": "wrong", "n": 0}})
+    s.record_session(run, "s4", "H100", P, "offline", "offline:v2", {"cuBLAS-tn": _st(1.0)})
+    s.record_session(run, "s5", "H200", P, "kernel", "kernel:v1", {"cuBLAS-tn": _st(1.0)})
+    s.record_session(run, "s6", "H100", Problem(P.M, P.N, P.K + 64), "kernel", "kernel:v1", {"cuBLAS-tn": _st(1.0)})
+    assert s.best_baseline("H100", P) == ("torch.matmul", 10.0)
+    assert s.best_baseline("H100", P, mode="offline") == ("cuBLAS-tn", 1.0)

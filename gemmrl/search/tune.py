@@ -261,12 +261,29 @@ def best_baseline_from_store(store, device: str, mode: str = "kernel") -> Callab
     return baseline_us
 
 
+REFERENCE = "@reference"  # the best baseline, timed in the search's rounds beside the candidates
+
+
+def scale_to_stored(stored_us: float, session_us: float | None) -> float:
+    """The factor that carries a time measured in this session to the clock state of the
+    stored baseline measurement: stored / session time of the same baseline kernel (1.0 when
+    the reference did not time)."""
+    if not session_us or session_us <= 0 or not stored_us or stored_us <= 0:
+        return 1.0
+    return stored_us / session_us
+
+
 def gpu_evaluate(store, device: str, baseline_us_fn: Callable[[Problem], float], *,
-                 run_id: int | None = None, settings=None, seed: int = 0) -> Evaluate:
+                 run_id: int | None = None, settings=None, seed: int = 0, reference: bool = True) -> Evaluate:
     """The evaluator for a GPU: for each candidate, render and build it (host time), verify it
     (trace off, for speed), then time every verified one together in kernel mode with the
-    short protocol; the reward is against `baseline_us_fn(problem)` (the best baseline's time
-    in the same mode). A candidate that does not build, fails a check or times wrong is a
+    search's protocol (timing.SEARCH); the reward is against `baseline_us_fn(problem)` (the best
+    baseline's time in the same mode). With `reference` (and a store that names that baseline),
+    the baseline is timed in the same rounds as the candidates and their times are scaled by its
+    stored / session time: the reward is then a ratio taken in one session, and trial times of
+    different sessions compare (the SM clock under a power limit moves by 30% between sessions;
+    before this, rewards against the judge's baseline times ran up to 30% high on compute-bound
+    shapes). A trial keeps its unscaled time as details['raw_us']. A candidate that does not build, fails a check or times wrong is a
     'rejected' trial with the reason, never an exception. One that kills the process cannot be
     recorded here: run this inside a bench.worker.Worker; the heartbeat ('candidate:<name>')
     names the culprit, the runner quarantines it, and the policy never proposes it again.
@@ -315,28 +332,62 @@ def gpu_evaluate(store, device: str, baseline_us_fn: Callable[[Problem], float],
         if calls:
             beat("search:timing")
             base_us = float(baseline_us_fn(problem))
+            timed, ref = dict(calls), None
+            if reference and store is not None:
+                ref = _reference(store, device, problem)
+                fn = ref.pop("fn") if ref is not None else None
+                if fn is not None:
+                    timed[REFERENCE] = fn
             t0 = time.perf_counter()
             try:
                 l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
-                res = timing.time_kernel(problem, calls, l2_bytes=l2, settings=settings or timing.QUICK,
+                res = timing.time_kernel(problem, timed, l2_bytes=l2, settings=settings or timing.SEARCH,
                                          seed=seed)
             except Exception as e:
                 res = {n: {"status": "error", "details": {"reason": f"{type(e).__name__}: {e}"[:500]}}
-                       for n in calls}
+                       for n in timed}
             share = (time.perf_counter() - t0) / len(calls)
+            scale = 1.0
+            if ref is not None:
+                r_ref = res.get(REFERENCE, {})
+                ref["session_us"] = r_ref.get("median_us") if r_ref.get("status") == "ok" else None
+                scale = scale_to_stored(ref["stored_us"], ref["session_us"])
+                ref["scale"] = scale
             by_name = {c.name: c for c in candidates}
             for name, meta in info.items():
                 r = res.get(name, {"status": "error", "details": {"reason": "not timed"}})
                 details = {**meta, "device_s": meta["verify_s"] + share, "baseline_us": base_us,
                            "timing": {k: v for k, v in r.items() if k != "details"}, **r.get("details", {})}
+                if ref is not None:
+                    details["reference"] = dict(ref)
                 if r.get("status") != "ok":
                     out[name] = Trial(problem, by_name[name], "rejected",
                                       details={**details, "stage": "time"})
                     continue
-                t_us = float(r["median_us"])
+                details["raw_us"] = float(r["median_us"])
+                t_us = float(r["median_us"]) * scale
                 score = reward(base_us, t_us, True, meta["rel_err"], meta["ref_err"], meta["source_len"])
                 out[name] = Trial(problem, by_name[name], "ok", t_us, score, {**details, "stage": "time"})
         beat("search:done")
         return [out[c.name] for c in candidates]
 
     return evaluate
+
+
+def _reference(store, device: str, problem: Problem) -> dict | None:
+    """The problem's best stored baseline, prepared to run beside the candidates: {'impl',
+    'stored_us', 'fn'} ('fn' None, with 'error', where it cannot run here), or None when the
+    store has no baseline for it."""
+    got = store.best_baseline(device, problem)
+    if got is None:
+        return None
+    name, stored_us = got
+    from gemmrl.baselines.impls import baseline_impls
+
+    impl = {i.name: i for i in baseline_impls(store, device, extra=True)}.get(name)
+    if impl is None:
+        return {"impl": name, "stored_us": stored_us, "fn": None, "error": "not a core baseline"}
+    try:
+        return {"impl": name, "stored_us": stored_us, "fn": impl.prepare(problem)}
+    except Exception as e:
+        return {"impl": name, "stored_us": stored_us, "fn": None, "error": f"{type(e).__name__}: {e}"[:300]}

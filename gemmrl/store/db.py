@@ -313,6 +313,17 @@ class Store:
             events.append((created, (M, N, K, dt, acc), status == "ok", f"kernel timing: {reason}"))
         return sorted(events, key=lambda e: e[0])
 
+    def best_baseline(self, device: str, problem: Problem, mode: str = "kernel") -> tuple[str, float] | None:
+        """(impl, median_us) of the fastest baseline in its latest ok `mode` measurement of
+        `problem` on `device`; gemmrl's own implementations and repeats are not baselines."""
+        rows = self.db.execute(
+            "SELECT impl, median_us FROM measurements WHERE id IN (SELECT MAX(id) FROM measurements "
+            "WHERE device=? AND mode=? AND M=? AND N=? AND K=? AND dtype=? AND acc=? AND status='ok' "
+            "GROUP BY impl)", (device, mode, *problem.key())).fetchall()
+        ok = [(r[0], r[1]) for r in rows if r[1] is not None and not r[0].startswith("gemmrl")
+              and not r[0].endswith("@repeat")]
+        return min(ok, key=lambda x: (x[1], x[0])) if ok else None
+
     def measured_impls(self, device: str, problem: Problem, mode: str, protocol: str) -> set[str]:
         """Impls with a measurement here (ok or rejected: neither is measured again unless asked);
         invalidated ones do not count, so a resumed run measures them again."""
