@@ -769,14 +769,18 @@ def store_cmd(db, compress, merge_from):
 @click.option("--entries", "entries_file", default=None, metavar="FILE",
               help="also write the build-cache directory of every kernel planned (built or not, relative to "
                    "$GEMMRL_CACHE), one a line: what scripts/pack-build-cache.sh packs for a device call")
+@click.option("--race", "race_k", default=None, type=click.IntRange(1, 64),
+              help="with --tuned-in: also the kernels `bench --impl race:K` races on each shape (the "
+                   "search's fastest K within 10%, and the incumbent winner)")
 def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned_device, variant_opt, acc_only, jobs,
-              dry_run, pending_db, candidates, max_shapes, entries_file):
+              dry_run, pending_db, candidates, max_shapes, entries_file, race_k):
     """Compile the kernels a set of shapes will try into the build cache ($GEMMRL_CACHE), ahead of
     time and without a GPU; copy the cache to the GPU machine to save its time."""
     from gemmrl.build import ahead
     from gemmrl.space import registry
 
-    for opt, given in (("--device", tuned_device), ("--variants", variant_opt), ("--acc-only", acc_only)):
+    for opt, given in (("--device", tuned_device), ("--variants", variant_opt), ("--acc-only", acc_only),
+                       ("--race", race_k)):
         if given is not None and tuned_db is None:
             raise click.UsageError(f"{opt} goes with --tuned-in")
     fields = tuple(f.strip() for f in (variant_opt or "").split(",") if f.strip())
@@ -798,19 +802,24 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
             raise click.ClickException(f"no store at {tuned_db}")
         store = Store(tuned_db, readonly=True)
         choices = [c for c in store.tuned_choices(TUNED, tuned_device) if acc_only in (None, c[1].acc)]
-        store.close()
         if click.get_current_context().get_parameter_source("shape_spec") is not ParameterSource.DEFAULT:
             wanted = {(p.M, p.N, p.K) for p in _problems(shape_spec, dtype, acc)}
             choices = [c for c in choices if (c[1].M, c[1].N, c[1].K) in wanted]
         if not choices:
+            store.close()
             raise click.ClickException(f"{tuned_db} holds no {TUNED} winners"
                                        + (f" on {tuned_device!r}" if tuned_device else "")
                                        + (f" with a {acc_only} accumulator" if acc_only else ""))
         jobs_all, skipped = ahead.plan_tuned(choices, {f.name for f in fams} if fams else None, fields)
+        if race_k:
+            jobs_all = _dedupe_jobs(jobs_all + ahead.plan_race(store, choices, race_k,
+                                                               {f.name for f in fams} if fams else None))
+        store.close()
         for line in skipped:
             click.echo(f"skipped: {line}", err=True)
         return _compile_jobs(jobs_all, f"the winners of {len(choices)} tuned (shape, precision) pairs"
-                             + (f" and their {', '.join(fields)} variants" if fields else ""), jobs, dry_run,
+                             + (f" and their {', '.join(fields)} variants" if fields else "")
+                             + (f" and the race's {race_k} contenders" if race_k else ""), jobs, dry_run,
                              entries_file)
     problems = _problems(shape_spec, dtype, acc)
     if pending_db is not None:
@@ -833,6 +842,15 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
         click.echo(f"shapes: {shown}", err=True)
     lays = _layouts(layouts)
     _compile_jobs(ahead.plan(problems, fams, lays, top), f"{len(problems)} shapes", jobs, dry_run, entries_file)
+
+
+def _dedupe_jobs(jobs_all):
+    seen, out = set(), []
+    for j in jobs_all:
+        if j.source not in seen:
+            seen.add(j.source)
+            out.append(j)
+    return out
 
 
 def _compile_jobs(jobs_all, what: str, jobs, dry_run, entries_file=None) -> None:

@@ -109,3 +109,22 @@ def plan_tuned(choices, families=None, variant_fields=()) -> tuple[list[BuildJob
                 seen.add(job.source)
                 out.append(job)
     return out, skipped
+
+
+def plan_race(store, choices, k: int, families=None) -> list[BuildJob]:
+    """The builds a race of `k` (search.race.Race, `bench --impl race:K`) compiles on each
+    chosen shape (Store.tuned_choices rows): the shape's fastest stored trials within the race's
+    margin and the incumbent winner, limited to `families` (names) if given; each source once."""
+    from gemmrl.search.race import Race
+    from gemmrl.space import registry
+
+    seen, out = set(), []
+    for device, problem, _fam, _fields in choices:
+        for spec in Race(store, device, k=k).specs(problem):
+            if families is not None and registry.family_of(spec).name not in families:
+                continue
+            job = job_for(spec, problem)
+            if job.source not in seen:
+                seen.add(job.source)
+                out.append(job)
+    return out
