@@ -166,3 +166,30 @@ def test_the_search_mutates_the_raster_order_too():
     spec = cs.heuristic_specs(p, "NN")[0]
     rasters = {m.raster for m in mutations("cutlass_sm90", spec, p) if m.raster != spec.raster}
     assert rasters == {"along_m", "along_n"}
+
+
+def test_build_race_plans_what_the_race_compiles(tmp_path, monkeypatch):
+    """`gemmrl build --tuned-in DB --race K` compiles, beside each winner, the contenders that
+    `bench --impl race:K` will race on that shape, so a device call can carry them built."""
+    from click.testing import CliRunner
+
+    from gemmrl.build import ahead
+    from gemmrl.cli import main
+
+    monkeypatch.setenv("GEMMRL_CACHE", str(tmp_path / "cache"))
+    store, dev = _store_with_search(tmp_path, [100.0, 104.0, 108.0, 130.0])
+    choices = [c for c in store.tuned_choices(TUNED, dev) if c[1] == P]
+    jobs = ahead.plan_race(store, choices, 2)
+    assert [j.name for j in jobs] == [SPECS[0].name, SPECS[1].name]  # the race's two, the winner first
+    assert [j.name for j in ahead.plan_race(store, choices, 3, families={"raw"})] == []
+    db = store.path
+    store.close()
+    r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--shapes", "16384x16384x16384",
+                                  "--race", "3", "--dry-run"])
+    assert r.exit_code == 0, r.output
+    # the winner (also the race's first) once, and the next two within the 10% margin
+    assert "3 distinct kernels for the winners of 1 tuned (shape, precision) pairs and the race's 3 contenders" \
+        in r.output, r.output
+    assert SPECS[2].name in r.output and SPECS[3].name not in r.output
+    r = CliRunner().invoke(main, ["build", "--race", "3"])
+    assert r.exit_code == 2 and "--race goes with --tuned-in" in r.output
