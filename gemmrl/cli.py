@@ -430,8 +430,9 @@ def report(db, out, device, subject, dtype, acc, versus):
 @click.option("--race", default=1, show_default=True, type=click.IntRange(1, 16),
               help="before the final timing, race each new winner against the search's next best "
                    "candidates (up to this many in all, within 10% of it) in the full kernel protocol and "
-                   "keep the fastest: the search's quick timing misranks the largest shapes; 1: no race; with "
-                   "--built-only, CUTLASS contenders only if already built")
+                   "keep the fastest: the search's quick timing misranks the largest shapes. The winner that "
+                   "last passed the final verification always races too (so with 1, a new winner races only "
+                   "the old one); with --built-only, CUTLASS contenders only if already built")
 def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only, family_opts, match, layouts, db,
          out, ray_address, gpus, no_report, reuse_baselines, race):
     """Search kernels per shape with speed over the best baseline as the reward; keep the winners.
@@ -537,8 +538,10 @@ def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only
             write_curves({"model-free": res.per_shape_curve()}, Path(out) / env.gpu_slug(device) / "tune_curve")
         final = shapes_to_time(problems, res.trials, store, device, kernel_only.protocol("kernel"))
         # the winner as stored, or chosen again by a race of the search's best (search/race.py)
-        winner, raced = ("tuned", "") if race == 1 else (f"race:{race}" + (":built" if built_only else ""),
-                                                         f" (raced against up to {race - 1} more)")
+        # with --race 1 too: a new winner must beat the one it replaces in one session (the
+        # search's trial times and those of an earlier run do not compare); no incumbent, no race
+        winner = f"race:{race}" + (":built" if built_only else "")
+        raced = (f" (raced against up to {race - 1} more" if race > 1 else " (raced") + " and the incumbent)"
         counts: dict = {}
         if not final:
             click.echo("no new winners to time", err=True)

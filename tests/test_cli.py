@@ -318,3 +318,4 @@ def test_tune_whose_final_timing_is_stopped_ends_partial_and_promotes_no_runner_
         else:
             assert status == "done" and len(promoted) == 1  # the rejected winner had its runner-up round
     assert [len(c) for c in calls] == [1, 2, 1, 2]  # baselines, then baselines + winners, per run
+    assert calls[1] == ("baselines", "race:1")  # a new winner races the incumbent (if any) first

@@ -193,3 +193,58 @@ def test_build_race_plans_what_the_race_compiles(tmp_path, monkeypatch):
     assert SPECS[2].name in r.output and SPECS[3].name not in r.output
     r = CliRunner().invoke(main, ["build", "--race", "3"])
     assert r.exit_code == 2 and "--race goes with --tuned-in" in r.output
+
+
+def _ref(stored=100.0, session=110.0):
+    return {"reference": {"impl": "cuBLASLt-auto-tuning-nn", "stored_us": stored, "session_us": session,
+                          "scale": stored / session}}
+
+
+def test_trials_timed_beside_their_baseline_supersede_older_ones():
+    """Older trials were timed in 0.5 ms bursts at higher clocks and divided into the judge's
+    baseline times: they read up to 30% fast. Once a shape has trials timed beside its baseline,
+    those alone compete for best and for the race; elsewhere nothing changes."""
+    from gemmrl.search.tune import _better, best_trials, comparable, is_referenced
+
+    q = Problem(64, 64, 64)
+    old = _trial(0, 80.0)  # reward 12.5: looks faster than it is
+    new = Trial(P, Candidate("cutlass_sm90", SPECS[1]), "ok", 100.0, 10.0, {"device_s": 0.01, **_ref()})
+    new2 = Trial(P, Candidate("cutlass_sm90", SPECS[2]), "ok", 104.0, 9.6, {"device_s": 0.01, **_ref()})
+    failed = Trial(P, Candidate("cutlass_sm90", SPECS[3]), "rejected", None, 0.0, {"stage": "time", **_ref()})
+    other = _trial(4, 50.0, problem=q)
+    assert is_referenced(new) and not is_referenced(old) and not is_referenced(failed)
+    assert not is_referenced(Trial(P, new.candidate, "ok", 1.0, 1.0, {"reference": {"impl": "x", "session_us": None}}))
+    assert _better(new, old) and not _better(old, new)
+    assert not _better(failed, old)  # a failed trial never takes a place
+    for order in ([old, new, new2, failed, other], [other, failed, new2, new, old]):
+        best = best_trials(order)
+        assert best[P] is new and best[q] is other
+        assert comparable(order) == [t for t in order if t is not old]
+    assert best_trials([old, failed])[P] is old  # no referenced trial passed: the old ones count
+    # the race: only the referenced trials, fastest first; the burst-timed kernel is out
+    assert contenders([old, new, new2, failed], k=3, margin=0.10) == [SPECS[1], SPECS[2]]
+    assert contenders([old, failed], k=3, margin=0.10) == [SPECS[0]]
+
+
+def test_a_re_search_stores_its_referenced_best_and_races_it_against_the_incumbent(tmp_path):
+    """run_tune keeps a trial timed beside its baseline as the winner even below an older,
+    burst-timed reward; the race then sets it against the incumbent, the kernel that last passed
+    the final verification, so the old winner goes only if it loses in one session."""
+    from dataclasses import asdict
+
+    store, dev = _store_with_search(tmp_path, [100.0, 104.0])  # SPECS[0] wins, reward 10
+    run = store.start_run("gemmrl tune", dev, {}, {})
+    store.record_verification(run, dev, P, TUNED, True, "", {
+        "impl": {"name": TUNED, "chosen": {"family": "cutlass_sm90", "name": SPECS[0].name, "spec": asdict(SPECS[0])}}})
+    fresh = Trial(P, Candidate("cutlass_sm90", SPECS[2]), "ok", 120.0, 100.0 / 120.0 * 10, {"device_s": 0.01, **_ref()})
+    from gemmrl.search.policy import ModelFreePolicy
+
+    class Fixed(ModelFreePolicy):
+        def propose(self, problem, n, exclude=()):
+            return [fresh.candidate]
+
+    res = run_tune([P], store, dev, lambda problem, cands: [fresh], candidates=3, batch=1, layouts=("NN",),
+                   policy=Fixed(layouts=("NN",)))
+    assert res.best[P] is not None and res.best[P].candidate == fresh.candidate
+    assert store.get_tuning(dev, P, TUNED)["info"].startswith(SPECS[2].name)
+    assert Race(store, dev, k=1).specs(P) == [SPECS[2], SPECS[0]]  # the new winner, then the incumbent

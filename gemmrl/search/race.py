@@ -18,12 +18,17 @@ def contenders(trials, k: int, margin: float) -> list:
     """The specs of the fastest passing trials of one shape, fastest first, at most k of them,
     each within `margin` (0.10: 10% slower) of the fastest; each kernel once (the fastest of its
     trials). Trials that did not pass, or whose kernel later failed (a trial of another status
-    for the same kernel), are out."""
+    for the same kernel), are out; so are older trials where the shape has trials timed beside
+    its baseline (tune.comparable)."""
     if k < 1:
         raise ValueError(f"k must be at least 1, got {k}")
     if margin < 0:
         raise ValueError(f"margin must not be negative, got {margin}")
+    from gemmrl.search.tune import comparable
+
+    trials = list(trials)
     failed = {t.candidate.key() for t in trials if t.status != "ok"}
+    trials = comparable(trials)  # times of one kind: burst-timed trials do not race timed-beside-baseline ones
     best: dict = {}
     for t in trials:
         if t.status != "ok" or t.time_us is None or t.candidate.key() in failed:

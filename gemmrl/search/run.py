@@ -11,7 +11,7 @@ import tempfile
 from gemmrl.bench.worker import HEARTBEAT_ENV, Worker, last_beat
 from gemmrl.core.problem import Problem
 from gemmrl.search.policy import Candidate, ModelFreePolicy, Trial
-from gemmrl.search.tune import TuneResult, best_trials, gpu_evaluate, tune
+from gemmrl.search.tune import TuneResult, _better, best_trials, gpu_evaluate, tune
 from gemmrl.space import registry
 
 TUNED = "gemmrl-tuned"
@@ -189,13 +189,14 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
 
     # each shape's best so far is stored as soon as a trial beats it, so a run cut mid-search (a
     # lost machine, a timeout) keeps the winners it found; the final pass below stores the same
-    leader = {p: t.reward for p, t in best_trials(history).items() if t.status == "ok" and t.reward > 0}
+    # (a trial timed beside its baseline takes the place of an older one that was not: tune._better)
+    leader = {p: t for p, t in best_trials(history).items() if t.status == "ok" and t.reward > 0}
 
     def record(t: Trial):
         store.record_trial(run_id, device, t.problem, t.candidate.name, t.status, t.reward, t.time_us,
                            t.to_dict())
-        if t.status == "ok" and t.reward > leader.get(t.problem, 0.0):
-            leader[t.problem] = t.reward
+        if t.status == "ok" and t.reward > 0 and _better(t, leader.get(t.problem)):
+            leader[t.problem] = t
             keep(t)
         if on_trial is not None:
             on_trial(t)

@@ -43,8 +43,25 @@ def is_veto(t: Trial) -> bool:
     return t.status != "ok" and t.details.get("stage") == FINAL_STAGE
 
 
+def is_referenced(t: Trial) -> bool:
+    """Whether the trial passed and was timed beside the shape's best baseline (gpu_evaluate's
+    reference), so its reward is a ratio from one session."""
+    ref = t.details.get("reference") if isinstance(t.details, dict) else None
+    return t.status == "ok" and isinstance(ref, dict) and bool(ref.get("session_us"))
+
+
+def comparable(trials: Iterable[Trial]) -> list[Trial]:
+    """The trials whose rewards and times compare with each other: on a problem that has ok
+    trials timed beside its baseline (is_referenced), only those of its ok trials; older trials,
+    timed in short bursts at higher clocks against the judge's baseline times, read up to 30%
+    fast. Trials that did not pass are kept (they veto their kernels)."""
+    trials = list(trials)
+    with_ref = {t.problem for t in trials if t.status == "ok" and is_referenced(t)}
+    return [t for t in trials if t.status != "ok" or t.problem not in with_ref or is_referenced(t)]
+
+
 def best_trials(history: Iterable[Trial]) -> dict[Problem, Trial]:
-    """The best ok trial per problem, vetoed candidates left out."""
+    """The best trial per problem (_better), vetoed candidates left out."""
     history = list(history)
     vetoed = {(t.problem, t.key()) for t in history if is_veto(t)}
     best: dict[Problem, Trial] = {}
@@ -55,8 +72,13 @@ def best_trials(history: Iterable[Trial]) -> dict[Problem, Trial]:
 
 
 def _better(t: Trial, than: Trial | None) -> bool:
+    """Whether `t` takes the best place from `than`: a trial timed beside its baseline always
+    does from one that was not, and never the reverse (comparable()); otherwise the higher
+    reward, then the shorter time."""
     if than is None:
         return True
+    if is_referenced(t) != is_referenced(than):
+        return is_referenced(t)
     return (t.reward, -(t.time_us or math.inf)) > (than.reward, -(than.time_us or math.inf))
 
 
