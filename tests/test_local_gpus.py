@@ -112,8 +112,14 @@ def test_an_interrupted_parent_stops_its_children():
 
     code = "import time; print('up', flush=True); time.sleep(60)"
     t0 = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        local.run_children([[sys.executable, "-c", code]] * 2, ["0", "1"], log)
+    # Python's own Ctrl-C handler, whatever this process inherited (a shell's background job
+    # starts with SIGINT ignored, and then the signal never arrives)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            local.run_children([[sys.executable, "-c", code]] * 2, ["0", "1"], log)
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert time.monotonic() - t0 < 30  # the sleeping children were terminated, not waited for
     assert "[gpu0] up" in lines or "[gpu1] up" in lines
 
