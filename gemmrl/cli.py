@@ -401,6 +401,9 @@ def report(db, out, device, subject, dtype, acc, versus):
 @click.option("--acc", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16"]))
 @click.option("--candidates", default=32, show_default=True, type=click.IntRange(1, 10000),
               help="candidate kernels per shape, the earlier runs' included")
+@click.option("--more", default=None, type=click.IntRange(1, 10000),
+              help="instead of --candidates: this many candidates per shape beyond those the store holds "
+                   "(a rerun searches as many more again)")
 @click.option("--batch", default=8, show_default=True, type=click.IntRange(1, 256))
 @click.option("--budget-s", default=None, type=float, help="device seconds for the search (default: none)")
 @click.option("--wall-s", default=None, type=float,
@@ -433,8 +436,8 @@ def report(db, out, device, subject, dtype, acc, versus):
                    "keep the fastest: the search's quick timing misranks the largest shapes. The winner that "
                    "last passed the final verification always races too (so with 1, a new winner races only "
                    "the old one); with --built-only, CUTLASS contenders only if already built")
-def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only, family_opts, match, layouts, db,
-         out, ray_address, gpus, no_report, reuse_baselines, race):
+def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, built_only, family_opts, match, layouts,
+         db, out, ray_address, gpus, no_report, reuse_baselines, race):
     """Search kernels per shape with speed over the best baseline as the reward; keep the winners.
 
     Baselines are measured first (kernel mode) where the store lacks them; then the model-free
@@ -478,7 +481,7 @@ def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only
                 return set()
             store = Store(db)
             tried = store.trial_counts(device)
-            done = {p for p in problems if tried.get(p.key(), 0) >= candidates
+            done = {p for p in problems if more is None and tried.get(p.key(), 0) >= candidates
                     and store.get_tuning(device, p, TUNED) is not None}
             store.close()
             return done
@@ -492,7 +495,8 @@ def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only
     device = torch.cuda.get_device_name()
     prov = env.provenance()
     run_id = store.start_run(" ".join(["gemmrl"] + sys.argv[1:]), device, prov,
-                             {"candidates": candidates, "batch": batch, "budget_s": budget_s, "layouts": lays})
+                             {"candidates": candidates, "more": more, "batch": batch, "budget_s": budget_s,
+                              "layouts": lays})
     kernel_only = runner.RunConfig(modes=("kernel",))
 
     def measure(specs, what, cfg=kernel_only, probs=None):
@@ -526,7 +530,7 @@ def tune(shape_spec, dtype, acc, candidates, batch, budget_s, wall_s, built_only
             res = run_tune(problems, store, device, evaluate, candidates=candidates, batch=batch,
                            budget_s=budget_s or float("inf"), layouts=lays, run_id=run_id, on_trial=on_trial,
                            deadline=time.monotonic() + wall_s if wall_s else None,
-                           generic_built_only=built_only, families=fams, match=match)
+                           generic_built_only=built_only, families=fams, match=match, more=more)
             search_wall = time.monotonic() - t_search
         finally:
             close()

@@ -293,7 +293,10 @@ def test_tune_whose_final_timing_is_stopped_ends_partial_and_promotes_no_runner_
     monkeypatch.setattr(srun, "isolated_evaluator", lambda *a, **k: (None, lambda: None))
     p = Problem(64, 64, 64)
 
+    seen_kw = []
+
     def fake_run_tune(problems, store, device, evaluate, **kw):
+        seen_kw.append(kw)
         trial = SimpleNamespace(problem=p, reward=1.2)
         return TuneResult(problems=list(problems), trials=[trial], history=[], best={p: trial}, curve=[],
                           device_s=0.0)
@@ -319,3 +322,9 @@ def test_tune_whose_final_timing_is_stopped_ends_partial_and_promotes_no_runner_
             assert status == "done" and len(promoted) == 1  # the rejected winner had its runner-up round
     assert [len(c) for c in calls] == [1, 2, 1, 2]  # baselines, then baselines + winners, per run
     assert calls[1] == ("baselines", "race:1")  # a new winner races the incumbent (if any) first
+    assert seen_kw[-1]["more"] is None
+    r = CliRunner().invoke(main, ["tune", "--shapes", "64x64x64", "--db", str(tmp_path / "more.sqlite"),
+                                  "--no-report", "--more", "3"])
+    assert r.exit_code == 0 and seen_kw[-1]["more"] == 3, r.output
+    r = CliRunner().invoke(main, ["tune", "--shapes", "64x64x64", "--more", "0"])
+    assert r.exit_code == 2 and "--more" in r.output

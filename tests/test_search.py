@@ -428,6 +428,24 @@ def test_resume_from_history_never_reproposes():
     assert third.trials == [] and third.mean_best_reward() == pytest.approx(first.mean_best_reward())
 
 
+def test_more_searches_that_many_beyond_each_shapes_history():
+    """tune(more=N): N new candidates per shape whatever its history (shapes searched to
+    different depths before), where per_shape_candidates would leave the deep ones alone."""
+    problems = PROBLEMS[:4]
+    shallow = tune(problems[:2], ModelFreePolicy(layouts=LAYOUTS, seed=0), SimGPU(), per_shape_candidates=4, batch=4)
+    deep = tune(problems[2:], ModelFreePolicy(layouts=LAYOUTS, seed=0), SimGPU(), per_shape_candidates=12, batch=4)
+    history = [Trial.from_dict(t.to_dict()) for t in shallow.trials + deep.trials]
+    again = tune(problems, ModelFreePolicy(layouts=LAYOUTS, seed=1), SimGPU(), per_shape_candidates=8, batch=3,
+                 history=history, more=5)
+    assert [again.counts[p] for p in problems] == [9, 9, 17, 17]
+    assert len(again.trials) == 5 * len(problems)
+    plain = tune(problems, ModelFreePolicy(layouts=LAYOUTS, seed=1), SimGPU(), per_shape_candidates=8, batch=3,
+                 history=history)
+    assert [plain.counts[p] for p in problems] == [8, 8, 12, 12]  # the deep shapes: nothing more
+    with pytest.raises(ValueError, match="must not be negative"):
+        tune(problems, ModelFreePolicy(layouts=LAYOUTS), SimGPU(), per_shape_candidates=8, more=-1)
+
+
 def test_tune_drops_repeated_and_invalid_proposals():
     p = Problem(1024, 1024, 1024)
     good = [Candidate(f, s) for f, s in candidate_pool(p, LAYOUTS)[:3]]

@@ -166,11 +166,12 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
              budget_s: float = float("inf"), layouts=("NN", "TN"), run_id: int | None = None,
              policy=None, on_trial=None, deadline: float | None = None,
              generic_built_only: bool = False, families: tuple | None = None,
-             match: str | None = None) -> TuneResult:
+             match: str | None = None, more: int | None = None) -> TuneResult:
     """Tune, resuming from the trials already in the store; store every trial and the winners.
     The policy also learns from the store's trials of other shapes on this device (its cost
     model, and transfer from the nearest tuned shapes), so a new shape set starts informed.
-    `match`: a regular expression; only kernels whose name it finds are proposed."""
+    `match`: a regular expression; only kernels whose name it finds are proposed. `more`: that
+    many candidates per shape beyond those already stored, instead of `candidates` in all."""
     problems = list(problems)
     wanted = {p.key() for p in problems}
     stored = stored_history(store, device, None)
@@ -202,7 +203,7 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
             on_trial(t)
 
     res = tune(problems, policy, evaluate, per_shape_candidates=candidates, batch=batch,
-               device_budget_s=budget_s, history=history, on_trial=record, deadline=deadline)
+               device_budget_s=budget_s, history=history, on_trial=record, deadline=deadline, more=more)
     for problem, t in res.best.items():
         if t.reward > 0 and t.status == "ok":
             keep(t)

@@ -123,7 +123,8 @@ class TuneResult:
 def tune(problems: Iterable[Problem], policy: Policy, evaluate: Evaluate, *, per_shape_candidates: int,
          batch: int = 8, device_budget_s: float = math.inf, history: Iterable[Trial] = (),
          on_trial: Callable[[Trial], None] | None = None, deadline: float | None = None,
-         clock: Callable[[], float] = time.monotonic) -> TuneResult:
+         clock: Callable[[], float] = time.monotonic, more: int | None = None) -> TuneResult:
+    """`more`: instead of `per_shape_candidates` in all, that many beyond each problem's history."""
     problems = list(dict.fromkeys(problems))
     wanted = set(problems)
     history = [t for t in history if t.problem in wanted]
@@ -148,10 +149,13 @@ def tune(problems: Iterable[Problem], policy: Policy, evaluate: Evaluate, *, per
         mean = sum(best[p].reward if p in best else 0.0 for p in visited) / max(1, len(visited))
         curve.append((sum(counts.values()), mean))
 
+    if more is not None and more < 0:
+        raise ValueError(f"more must not be negative, got {more}")
+    limit = {p: counts[p] + more if more is not None else per_shape_candidates for p in problems}
     if history:
         point()
     for problem in problems:
-        while counts[problem] < per_shape_candidates and not stopped:
+        while counts[problem] < limit[problem] and not stopped:
             remaining = device_budget_s - spent
             if remaining <= 0:
                 stopped = "device budget"
@@ -159,7 +163,7 @@ def tune(problems: Iterable[Problem], policy: Policy, evaluate: Evaluate, *, per
             if deadline is not None and clock() >= deadline:
                 stopped = "wall-clock deadline"
                 break
-            k = min(batch, per_shape_candidates - counts[problem])
+            k = min(batch, limit[problem] - counts[problem])
             per = max(costs, default=0.0)
             if per > 0 and math.isfinite(remaining):
                 k = max(1, min(k, int(remaining / per)))
