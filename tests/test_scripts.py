@@ -16,7 +16,8 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTH
 
 
 @pytest.mark.parametrize("script, words", [
-    ("server-noise.py", "--rounds"), ("fallback-gap.py", "pack"), ("product-gap.py", "pack")])
+    ("server-noise.py", "--rounds"), ("fallback-gap.py", "pack"), ("product-gap.py", "pack"),
+    ("protocol-gap.py", "--repeats")])
 def test_gpu_scripts_load_and_show_their_arguments(script, words):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--help"], capture_output=True,
                        text=True, env=ENV, timeout=300)
@@ -128,3 +129,33 @@ def test_device_steps_runs_each_step_in_turn_with_its_cap_and_returns_the_store(
     assert "STEPS_2 is set but this machine has 2 GPU(s)" in r.stdout
     with tarfile.open(out2 / "logs.tgz") as t:
         assert {"logs/step-0-store.log", "logs/step-1.0-store.log"} <= set(t.getnames())
+
+
+def test_trial_final_gap_reads_the_store(tmp_path):
+    """scripts/trial-final-gap.py: each winner's latest kernel-mode time over its stored search
+    time, per shape and per FLOPs bucket, from a store alone."""
+    from gemmrl.core.problem import Problem
+    from gemmrl.store.db import Store
+
+    db = tmp_path / "s.sqlite"
+    store = Store(db)
+    run = store.start_run("x", "GPU X", {}, {})
+    small, large = Problem(64, 64, 64), Problem(4096, 4096, 1024)
+    for p, search_us, finals in ((small, 2.0, (2.5, 2.1)), (large, 50.0, (60.0,))):
+        store.put_tuning("GPU X", p, "gemmrl-tuned", b"{}", "kern_a (reward 1.2)", search_us)
+        for i, us in enumerate(finals):  # the latest measurement counts
+            store.record_session(run, f"s{i}", "GPU X", p, "kernel", "kernel:v1", {
+                "gemmrl-tuned": {"median_us": us, "n": 10, "status": "ok"}})
+    store.put_tuning("GPU X", Problem(128, 64, 64), "gemmrl-tuned", b"{}", "never timed", 1.0)  # left out
+    store.close()
+    out = tmp_path / "gap.csv"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "trial-final-gap.py"), "--db", str(db),
+                        "--device", "GPU X", "--csv", str(out)], capture_output=True, text=True, env=ENV)
+    assert r.returncode == 0, r.stderr
+    rows = list(csv.DictReader(out.open()))
+    assert [(row["M"], row["ratio"], row["kernel"]) for row in rows] == [("64", "1.05", "kern_a"), ("4096", "1.2", "kern_a")]
+    assert "2 shapes; median final/search 1.125; 1 above 1.10" in r.stdout
+    assert "2^18-2^21:    1 shapes, median 1.050, above 1.10: 0" in r.stdout
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "trial-final-gap.py"), "--db", str(db),
+                        "--device", "GPU Y"], capture_output=True, text=True, env=ENV)
+    assert r.returncode == 1 and "no tuned fp32 shape" in r.stderr
