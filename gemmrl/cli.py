@@ -819,7 +819,7 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
                                        + (f" with a {acc_only} accumulator" if acc_only else ""))
         jobs_all, skipped = ahead.plan_tuned(choices, {f.name for f in fams} if fams else None, fields)
         if race_k:
-            jobs_all = _dedupe_jobs(jobs_all + ahead.plan_race(store, choices, race_k,
+            jobs_all = ahead.unique(jobs_all + ahead.plan_race(store, choices, race_k,
                                                                {f.name for f in fams} if fams else None))
         store.close()
         for line in skipped:
@@ -849,15 +849,6 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
         click.echo(f"shapes: {shown}", err=True)
     lays = _layouts(layouts)
     _compile_jobs(ahead.plan(problems, fams, lays, top), f"{len(problems)} shapes", jobs, dry_run, entries_file)
-
-
-def _dedupe_jobs(jobs_all):
-    seen, out = set(), []
-    for j in jobs_all:
-        if j.source not in seen:
-            seen.add(j.source)
-            out.append(j)
-    return out
 
 
 def _compile_jobs(jobs_all, what: str, jobs, dry_run, entries_file=None) -> None:

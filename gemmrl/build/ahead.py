@@ -26,19 +26,21 @@ def job_for(spec, problem) -> BuildJob:
     return BuildJob(spec.name, impl.source(problem), {"arch": impl.arch, **impl.family.build_kwargs()})
 
 
+def unique(jobs) -> list[BuildJob]:
+    """Each source once, in first-seen order (a generic family's spec is one build for every shape)."""
+    seen, out = set(), []
+    for job in jobs:
+        if job.source not in seen:
+            seen.add(job.source)
+            out.append(job)
+    return out
+
+
 def plan(problems, families, layouts=("NN", "TN"), top: int = 4) -> list[BuildJob]:
     """The builds for each family's top `top` candidates per problem and layout, each source
     once, in first-seen order."""
-    seen, out = set(), []
-    for p in problems:
-        for fam in families:
-            for layout in layouts:
-                for spec in fam.candidates(p, layout, top):
-                    job = job_for(spec, p)
-                    if job.source not in seen:
-                        seen.add(job.source)
-                        out.append(job)
-    return out
+    return unique(job_for(spec, p) for p in problems for fam in families for layout in layouts
+                  for spec in fam.candidates(p, layout, top))
 
 
 def pending(jobs: list[BuildJob]) -> list[BuildJob]:
@@ -93,7 +95,7 @@ def plan_tuned(choices, families=None, variant_fields=()) -> tuple[list[BuildJob
     choice that names an unknown family or spec fields the family no longer reads."""
     from gemmrl.space import registry
 
-    seen, out, skipped = set(), [], []
+    out, skipped = [], []
     for _device, problem, fam_name, fields in choices:
         if families is not None and fam_name not in families:
             continue
@@ -103,12 +105,8 @@ def plan_tuned(choices, families=None, variant_fields=()) -> tuple[list[BuildJob
         except (ValueError, TypeError) as e:
             skipped.append(f"{problem.shape} ({problem.acc}): {fam_name}: {e}")
             continue
-        for s in [spec] + (variants(spec, problem, variant_fields) if variant_fields else []):
-            job = job_for(s, problem)
-            if job.source not in seen:
-                seen.add(job.source)
-                out.append(job)
-    return out, skipped
+        out += [job_for(s, problem) for s in [spec] + (variants(spec, problem, variant_fields) if variant_fields else [])]
+    return unique(out), skipped
 
 
 def plan_race(store, choices, k: int, families=None) -> list[BuildJob]:
@@ -118,13 +116,6 @@ def plan_race(store, choices, k: int, families=None) -> list[BuildJob]:
     from gemmrl.search.race import Race
     from gemmrl.space import registry
 
-    seen, out = set(), []
-    for device, problem, _fam, _fields in choices:
-        for spec in Race(store, device, k=k).specs(problem):
-            if families is not None and registry.family_of(spec).name not in families:
-                continue
-            job = job_for(spec, problem)
-            if job.source not in seen:
-                seen.add(job.source)
-                out.append(job)
-    return out
+    return unique(job_for(spec, problem) for device, problem, _fam, _fields in choices
+                  for spec in Race(store, device, k=k).specs(problem)
+                  if families is None or registry.family_of(spec).name in families)

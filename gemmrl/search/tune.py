@@ -56,7 +56,7 @@ def comparable(trials: Iterable[Trial]) -> list[Trial]:
     timed in short bursts at higher clocks against the judge's baseline times, read up to 30%
     fast. Trials that did not pass are kept (they veto their kernels)."""
     trials = list(trials)
-    with_ref = {t.problem for t in trials if t.status == "ok" and is_referenced(t)}
+    with_ref = {t.problem for t in trials if is_referenced(t)}
     return [t for t in trials if t.status != "ok" or t.problem not in with_ref or is_referenced(t)]
 
 
@@ -270,12 +270,13 @@ def write_curves(curves: dict[str, list[tuple[int, float]]], path_stem: str | Pa
 
 def best_baseline_from_store(store, device: str, mode: str = "kernel") -> Callable[[Problem], float]:
     """baseline_us_fn for gpu_evaluate: the fastest correctly timed baseline in the store for
-    the problem on `device` in `mode` (gemmrl's own implementations and repeats excluded)."""
+    the problem on `device` in `mode` (gemmrl's own implementations and repeats excluded), all
+    problems read at once (Store.best_baseline: one problem)."""
+    from gemmrl.store.db import is_baseline
+
     table: dict = {}
     for m in store.measurements(device=device, mode=mode):
-        if m["status"] != "ok" or m["median_us"] is None or m["impl"].startswith("gemmrl"):
-            continue
-        if m["impl"].endswith("@repeat"):
+        if m["status"] != "ok" or m["median_us"] is None or not is_baseline(m["impl"]):
             continue
         key = (m["M"], m["N"], m["K"], m["dtype"], m["acc"])
         table[key] = min(table.get(key, math.inf), m["median_us"])

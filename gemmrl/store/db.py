@@ -75,6 +75,12 @@ def packed_path(path: str | Path) -> Path:
     return path.with_name(path.name + ".xz")
 
 
+def is_baseline(impl: str) -> bool:
+    """Whether a measured implementation is a baseline the search's reward divides by: not
+    gemmrl's own (gemmrl-tuned, gemmrl.matmul, ...) and not a session's noise repeat."""
+    return not impl.startswith("gemmrl") and not impl.endswith("@repeat")
+
+
 def unpack_if_missing(path: str | Path, log=None) -> bool:
     """A store committed compressed (git keeps 'results/gemmrl.sqlite.xz', 4.6 MB where the
     file is 43) is unpacked on first use: when `path` does not exist and its .xz does, write it
@@ -320,8 +326,7 @@ class Store:
             "SELECT impl, median_us FROM measurements WHERE id IN (SELECT MAX(id) FROM measurements "
             "WHERE device=? AND mode=? AND M=? AND N=? AND K=? AND dtype=? AND acc=? AND status='ok' "
             "GROUP BY impl)", (device, mode, *problem.key())).fetchall()
-        ok = [(r[0], r[1]) for r in rows if r[1] is not None and not r[0].startswith("gemmrl")
-              and not r[0].endswith("@repeat")]
+        ok = [(r[0], r[1]) for r in rows if r[1] is not None and is_baseline(r[0])]
         return min(ok, key=lambda x: (x[1], x[0])) if ok else None
 
     def measured_impls(self, device: str, problem: Problem, mode: str, protocol: str) -> set[str]:
