@@ -591,17 +591,29 @@ RUNNER_UP_ROUNDS = 3  # how many times a shape's rejected winner gives way to th
 
 
 def shapes_to_time(problems, trials, store, device: str, protocol: str) -> list:
-    """The shapes whose winners a tune run times at its end: those it tried candidates on, and
-    those with a stored winner that was never timed (a run cut before its end). Not the rest: a
-    run over the grid that reached 60 shapes does not time the other 940 again."""
+    """The shapes whose winners a tune run times at its end: those it tried candidates on, those
+    with a stored winner that was never timed, and those whose stored winner is not the kernel
+    the newest verification passed (a run cut between its search and the end of its final
+    timing, which a rerun finishes; or a winner the newest check failed). Not the rest: a run over the grid that reached 60 shapes
+    does not time the other 940 again."""
+    from gemmrl.runtime.pack import verified_differs
     from gemmrl.search.run import TUNED
 
     touched = {t.problem for t in trials}
     out = []
     for p in problems:
-        if p in touched or (store.get_tuning(device, p, TUNED) is not None
-                            and TUNED not in store.measured_impls(device, p, "kernel", protocol)):
+        row = store.get_tuning(device, p, TUNED)
+        if p in touched:
             out.append(p)
+        elif row is not None:
+            ver = store.verification(device, p, TUNED)
+            try:
+                choice = json.loads(bytes(row["choice"]).decode())
+            except ValueError:
+                choice = {}
+            if TUNED not in store.measured_impls(device, p, "kernel", protocol) or (ver is not None and (
+                    not ver["passed"] or verified_differs(choice, (ver["details"].get("impl") or {}).get("chosen")))):
+                out.append(p)
     return out
 
 

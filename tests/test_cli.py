@@ -170,6 +170,19 @@ def test_tune_times_only_the_shapes_it_touched_or_never_timed(tmp_path):
     trials = [SimpleNamespace(problem=a)]  # this run tried candidates on a only
     assert shapes_to_time([a, b, c, d], trials, store, dev, proto) == [a, c]
     assert shapes_to_time([a, b, c, d], [], store, "NVIDIA H100", proto) == []  # winners are per GPU
+    # e's winner was verified and timed; then a run cut after its search stored another choice:
+    # a rerun (no new trials on e) times e again, and leaves f (choice as verified) alone
+    e, f = Problem(1024, 1024, 1024), Problem(2048, 2048, 2048)
+    timed = {"family": "raw", "spec": {"block_m": 64}}
+    for p in (e, f):
+        store.put_tuning(dev, p, "gemmrl-tuned", json.dumps(timed).encode(), "", 1.0)
+        store.record_verification(run, dev, p, "gemmrl-tuned", True, "ok", {"impl": {"chosen": timed}})
+        store.record_session(run, f"s{p.M}", dev, p, "kernel", proto, {"gemmrl-tuned": st})
+    assert shapes_to_time([e, f], [], store, dev, proto) == []
+    store.put_tuning(dev, e, "gemmrl-tuned", json.dumps({"family": "raw", "spec": {"block_m": 32}}).encode(), "", 0.9)
+    assert shapes_to_time([a, b, c, d, e, f], trials, store, dev, proto) == [a, c, e]
+    store.record_verification(run, dev, e, "gemmrl-tuned", False, "wrong", {})  # the newest check failed
+    assert shapes_to_time([e, f], [], store, dev, proto) == [e]
 
 
 def test_build_leaves_out_shapes_searched_enough_and_keeps_the_first_n(tmp_path, monkeypatch):

@@ -114,6 +114,31 @@ def test_min_speedup_and_atomic_replace(store, pack_dir):
         export_pack(store, DEV, pack_dir.parent / "bf16", "bf16", "fp32")
 
 
+def test_a_stored_choice_not_yet_verified_gives_way_to_the_verified_kernel(store, tmp_path):
+    """A tune cut between its search and its final timing leaves a stored choice that was never
+    verified in full: the pack ships the kernel the newest verification passed and timed."""
+    p = Problem(2048, 4096, 4096)
+    verified, pending = cutlass_sm90.heuristic_specs(p, "TN")[:2]
+    assert verified.name != pending.name
+    run = store.start_run("gemmrl tune", DEV, PROV, {})
+    chosen = {"family": "cutlass_sm90", "name": verified.name, "spec": dict(verified.__dict__)}
+    store.put_tuning(DEV, p, "gemmrl-tuned", _choice(verified, "cutlass_sm90"), verified.name, 50.0)
+    store.record_verification(run, DEV, p, "gemmrl-tuned", True, "ok", {"impl": {"chosen": chosen}})
+    store.record_session(run, "s-v", DEV, p, "kernel", "kp1", {
+        "gemmrl-tuned": {"median_us": 40.0, "n": 50}, "cuBLAS-tn": {"median_us": 44.0, "n": 50}})
+    out = tmp_path / "packs" / "a"
+    rows = {(e["M"], e["N"], e["K"]): e for e in _manifest(export_pack(store, DEV, out, "fp16", "fp32"))["entries"]}
+    assert rows[(2048, 4096, 4096)]["spec_name"] == verified.name
+    # the search stores a new leader; the run is cut before the race and the final verification
+    store.put_tuning(DEV, p, "gemmrl-tuned", _choice(pending, "cutlass_sm90"), pending.name, 30.0)
+    m = _manifest(export_pack(store, DEV, out, "fp16", "fp32"))
+    e = {(e["M"], e["N"], e["K"]): e for e in m["entries"]}[(2048, 4096, 4096)]
+    assert e["spec_name"] == verified.name and e["spec"] == dict(verified.__dict__)
+    assert (e["kernel_us"], e["tuned_us"]) == (40.0, 40.0)  # its own time, not the pending one's 30
+    assert any("2048x4096x4096" in s and pending.name in s and "awaits its final verification" in s
+               for s in m["skipped"])
+
+
 def test_load_pack_round_trips(pack_dir):
     pack = load_pack(pack_dir)
     assert len(pack.entries) == 4 and pack.stamp["device"] == DEV

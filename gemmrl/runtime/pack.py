@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -172,8 +173,16 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
         if ver is None or not ver["passed"]:
             skipped.append(f"{problem.shape} {impl}: {'not verified' if ver is None else 'failed verification'}")
             continue
+        tuned_us = float(row["time_us"])
         try:
             choice = json.loads(bytes(row["choice"]).decode())
+            verified = (ver["details"].get("impl") or {}).get("chosen")
+            if verified_differs(choice, verified):
+                # a run cut between its search and its final timing: the stored choice was never
+                # verified in full nor timed; ship the kernel that was (the timing below is its)
+                skipped.append(f"{problem.shape} {impl}: stored choice {_choice_name(choice)} awaits its final "
+                               f"verification; the pack keeps the verified {_choice_name(verified)}")
+                choice, tuned_us = verified, float("nan")
             fam = registry.get(choice["family"])
             spec = fam.spec_type()(**choice["spec"])
         except (ValueError, KeyError, TypeError) as e:
@@ -200,8 +209,23 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
         runs.add(ver["run_id"])
         cands.append({"problem": problem, "impl": impl, "family": fam, "spec": spec,
                       "kernel_us": kernel_us, "baseline": baseline, "baseline_us": baseline_us,
-                      "tuned_us": float(row["time_us"])})
+                      "tuned_us": tuned_us if math.isfinite(tuned_us) else kernel_us})
     return cands, runs, skipped
+
+
+def verified_differs(choice: dict, verified) -> bool:
+    """Whether a verification names the kernel it chose (gemmrl-tuned and the races do) and it
+    is not the stored choice {family, spec}. Records without a name say nothing: False."""
+    if not isinstance(verified, dict) or "family" not in verified or "spec" not in verified:
+        return False
+    return (verified["family"], verified["spec"]) != (choice.get("family"), choice.get("spec"))
+
+
+def _choice_name(choice: dict) -> str:
+    try:
+        return registry.get(choice["family"]).spec_type()(**choice["spec"]).name
+    except (ValueError, KeyError, TypeError):
+        return str(choice.get("name") or choice.get("family"))
 
 
 def _stamp(store, device: str, run_ids: set) -> dict:
@@ -232,7 +256,7 @@ def export_pack(store, device: str, out_dir, dtype: str = "fp16", acc: str = "fp
     best: dict = {}
     for c in cands:  # several gemmrl impls may have won a (problem, layout): keep the fastest
         k = (c["problem"], c["spec"].layout)
-        rank = (c["kernel_us"] is None, c["kernel_us"] or c["tuned_us"], c["impl"])
+        rank = (c["kernel_us"] is None, c["kernel_us"] or c["tuned_us"] or math.inf, c["impl"])
         if k not in best or rank < best[k][0]:
             best[k] = (rank, c)
     if not best:
