@@ -179,6 +179,11 @@ def test_load_pack_names_what_is_wrong(pack_dir):
     (lambda m: m["entries"].append(dict(m["entries"][0])), "entry 4: duplicate of entry 0"),
     (lambda m: m.update(version=99), "pack format version 99"),
     (lambda m: m["stamp"].pop("device"), "stamp: missing or without a device name"),
+    (lambda m: m.update(library="x"), "library: must be a list"),
+    (lambda m: m["library"].append("0x64x64:NN"), "library 8: must look like 4096x4096x4096:NN"),
+    (lambda m: m["library"].append("64x64x64:NT"), "library 8: must look like 4096x4096x4096:NN"),
+    (lambda m: m["library"].append([64, 64, 64, "NN"]), "library 8: must look like"),
+    (lambda m: m["library"].append("256x4096x4096:TN"), "library 8: 256x4096x4096:TN also has an entry"),
 ])
 def test_load_pack_rejects_bad_manifests(pack_dir, edit, message):
     _edit(pack_dir, edit)
@@ -218,6 +223,34 @@ def test_lookup_exact_then_nearest_generic_never_a_foreign_raw(pack_dir):
     assert t._nearest[(300, 4096, 4096, "TN", "fp16")] is e  # cached
     only_raw = DispatchTable([x for x in pack.entries if x.family == "raw"], pack.acc)
     assert only_raw.lookup(17, 4096, 14336, "TN", "fp16") is None
+
+
+def test_shapes_tuned_here_where_the_libraries_win_never_go_to_a_neighbour(pack_dir):
+    """A layout of a tuned shape the pack does not serve (the libraries won there, or no kernel
+    of ours passed) is listed under `library`: torch.matmul serves it, not a neighbour's kernel
+    (on the H200, 4096^3 NN went to a neighbour's kernel and ran 7% slower than torch.matmul)."""
+    m = _manifest(pack_dir)
+    assert sorted(m["library"]) == sorted([
+        "256x4096x4096:NN", "1024x4096x4096:NN", "16x4096x14336:NN",  # TN won there
+        "128x2048x2048:TN",  # NN won there
+        "64x1024x4096:NN", "64x1024x4096:TN",  # slower than the best baseline
+        "512x512x512:NN", "512x512x512:TN"])  # failed verification
+    pack = load_pack(pack_dir)
+    assert (256, 4096, 4096, "NN") in pack.library and (256, 4096, 4096, "TN") not in pack.library
+    free = DispatchTable(pack.entries, pack.acc, max_distance=math.inf)  # no library list
+    assert free.lookup(256, 4096, 4096, "NN", "fp16").spec == CUT_NN  # a neighbour's kernel
+    d = Dispatcher(pack, nearest=math.inf)
+    assert d.lookup(256, 4096, 4096, "NN", "fp16") is None  # tuned here: the libraries serve it
+    assert d.lookup(256, 4096, 4096, "TN", "fp16").problem == P1  # its own winner
+    # unseen: the nearest tuned shape decides. 300x4096x4096 NN is nearest to 256x4096x4096,
+    # where the libraries won in NN: torch.matmul; 160x2048x2048 is nearest to 128x2048x2048's NN win
+    assert d.lookup(300, 4096, 4096, "NN", "fp16") is None
+    assert free.lookup(300, 4096, 4096, "NN", "fp16").spec == CUT_NN
+    assert d.lookup(160, 2048, 2048, "NN", "fp16").spec == CUT_NN
+    assert d.lookup(300, 4096, 4096, "TN", "fp16").problem == P1  # TN won at 256x4096x4096
+    assert d.lookup(64, 1024, 4096, "TN", "fp16") is None and d.lookup(512, 512, 512, "NN", "fp16") is None
+    _edit(pack_dir, lambda m: m.pop("library"))  # a pack made before the list: nothing listed
+    assert load_pack(pack_dir).library == frozenset()
 
 
 def test_nearest_goes_no_farther_than_max_distance(pack_dir):

@@ -6,6 +6,7 @@ registered like a real one, so the lookup -> call -> status path runs as it does
 CUDA branch (the caller's stream from c10::cuda) is built and run against a stand-in c10_cuda."""
 
 import ctypes
+import json
 import math
 import os
 import shutil
@@ -338,7 +339,13 @@ def served(fast, fakes, pack_dir, monkeypatch):  # noqa: F811
 
     monkeypatch.setattr(Dispatcher, "_resolve", resolve)
     monkeypatch.setattr(ops, "_FAST", fast)
-    d = ops.use_pack(pack_dir, nearest=math.inf)  # the tiny CPU shapes are far from the pack's
+    # the tiny CPU shapes are far from the pack's, and nearer to its `library` shapes (the
+    # libraries won there) than to its kernels: without the list, the nearest kernel serves them
+    mf = pack_dir / "manifest.json"
+    m = json.loads(mf.read_text())
+    m.pop("library")
+    mf.write_text(json.dumps(m))
+    d = ops.use_pack(pack_dir, nearest=math.inf)
     yield d, resolved
     ops.use_pack(None)
 

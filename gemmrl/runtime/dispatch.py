@@ -5,7 +5,10 @@
 the nearest tuned entry whose spec serves that shape natively: its family is generic (one build
 serves every shape its spec accepts; raw kernels have their shape compiled in, so they serve
 only their own) and `family.valid(spec, problem)` is None, the same predicate the search used.
-Nothing is padded or copied. Nearest = smallest sum of |log2| ratios of M, N and K, and no
+A shape the pack lists under `library` (tuned on the GPU, where no kernel of ours beat the
+libraries in that layout) gets no nearest entry: torch.matmul serves it, and so does an unseen
+shape at least as near to a listed one as to any entry that serves it (the nearest tuned shape
+decides). Nothing is padded or copied. Nearest = smallest sum of |log2| ratios of M, N and K, and no
 farther than `max_distance` (default 2: one size 4x off, or two 2x): a kernel tuned for
 512x12288x12288 is no evidence about a decode-sized 8x4096x4096, so such a shape goes to
 torch.matmul instead of a kernel that may well be slower there.
@@ -46,10 +49,16 @@ def distance(a: tuple[int, int, int], b: tuple[int, int, int]) -> float:
 class DispatchTable:
     """(M, N, K, layout, dtype) -> entry; nearest generic entry that serves an unseen shape."""
 
-    def __init__(self, entries, acc: str, max_distance: float = NEAREST_MAX_DISTANCE):
+    def __init__(self, entries, acc: str, max_distance: float = NEAREST_MAX_DISTANCE, library=()):
         if not max_distance >= 0:  # also refuses NaN
             raise ValueError(f"max_distance must be >= 0 (math.inf: any distance), got {max_distance!r}")
         self.acc = acc
+        # (M, N, K, layout, dtype) measured where the libraries win: no nearest kernel there, nor
+        # on a shape nearer to one of them than to any entry that serves it
+        self.library = frozenset(library)
+        self._library_by: dict[tuple[str, str], list] = {}
+        for M, N, K, layout, dtype in self.library:
+            self._library_by.setdefault((layout, dtype), []).append((M, N, K))
         self.max_distance = float(max_distance)
         self.exact = {e.key: e for e in entries}
         # per (layout, dtype): the generic entries, the only ones that can serve other shapes
@@ -63,11 +72,14 @@ class DispatchTable:
         return len(self.exact)
 
     def lookup(self, M: int, N: int, K: int, layout: str, dtype: str):
-        """The exact entry, else the nearest generic entry that serves the shape, else None."""
+        """The exact entry; None where the pack says the libraries serve the shape better; else
+        the nearest generic entry that serves the shape, else None."""
         key = (M, N, K, layout, dtype)
         e = self.exact.get(key)
         if e is not None:
             return e
+        if key in self.library:
+            return None
         try:
             return self._nearest[key]
         except KeyError:
@@ -100,6 +112,10 @@ class DispatchTable:
                 continue
             if best_rank is None or rank < best_rank:
                 best, best_rank = e, rank
+        if best is not None:  # the nearest tuned shape decides: the libraries won there, so here too
+            lib = self._library_by.get((layout, dtype), ())
+            if any(distance((M, N, K), shape) <= best_rank[0] for shape in lib):
+                return None
         return best
 
 
@@ -124,7 +140,8 @@ class Dispatcher:
                  force: bool = False, nearest: float = NEAREST_MAX_DISTANCE):
         self.pack = pack
         self.force = force
-        self.table = DispatchTable(pack.entries, pack.acc, max_distance=nearest)
+        self.table = DispatchTable(pack.entries, pack.acc, max_distance=nearest,
+                                   library={(*k, pack.dtype) for k in getattr(pack, "library", ())})
         self.never_compile = never_compile
         self.arch = arch or pack.arch
         self._lock = threading.RLock()

@@ -89,6 +89,9 @@ class Pack:
     arch: str
     entries: tuple[PackEntry, ...]
     manifest: dict = field(repr=False, default_factory=dict)
+    # (M, N, K, layout) tuned on this GPU where no verified gemmrl kernel beat the libraries in
+    # that layout: the op calls torch.matmul there, never a neighbouring shape's kernel
+    library: frozenset = field(default_factory=frozenset)
 
     def source(self, entry: PackEntry) -> str:
         """The entry's kernel source, re-checked against its hash (files may change after load)."""
@@ -213,6 +216,15 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
     return cands, runs, skipped
 
 
+def _tuned_shapes(store, device: str, dtype: str, acc: str) -> set:
+    """(M, N, K) of every shape a gemmrl tune stored a choice for on `device`: measured here, so
+    a layout the pack does not serve there is one the libraries serve better (or no verified
+    kernel of ours serves), which the op must not hand to a neighbour's kernel."""
+    rows = store.db.execute("SELECT DISTINCT M, N, K FROM tuning WHERE device=? AND dtype=? AND acc=? "
+                            "AND impl LIKE ?", (device, dtype, acc, GEMMRL_IMPL_PREFIX + "%")).fetchall()
+    return {(int(r[0]), int(r[1]), int(r[2])) for r in rows}
+
+
 def verified_differs(choice: dict, verified) -> bool:
     """Whether a verification names the kernel it chose (gemmrl-tuned and the races do) and it
     is not the stored choice {family, spec}. Records without a name say nothing: False."""
@@ -288,9 +300,12 @@ def export_pack(store, device: str, out_dir, dtype: str = "fp16", acc: str = "fp
                 "speedup": (round(c["baseline_us"] / c["kernel_us"], 4)
                             if c["kernel_us"] and c["baseline_us"] else None),
                 "tuned_us": c["tuned_us"]})
+        served = {(e["M"], e["N"], e["K"], e["layout"]) for e in entries}
+        library = [f"{M}x{N}x{K}:{layout}" for M, N, K in sorted(_tuned_shapes(store, device, dtype, acc))
+                   for layout in LAYOUTS if (M, N, K, layout) not in served]
         manifest = {"format": FORMAT, "version": FORMAT_VERSION, "stamp": _stamp(store, device, run_ids),
                     "dtype": dtype, "acc": acc, "arch": arch, "min_speedup": min_speedup,
-                    "entries": entries, "skipped": skipped}
+                    "entries": entries, "library": library, "skipped": skipped}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
         if out_dir.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-old-", dir=out_dir.parent))
@@ -414,7 +429,29 @@ def load_pack(path) -> Pack:
                 continue
             seen[ent.key] = i
             entries.append(ent)
+    library = _library(m.get("library", []), seen, errors) if not errors else frozenset()
     if errors:
         shown = "\n  ".join(errors[:20]) + (f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else "")
         raise PackError(f"pack {path} is invalid:\n  {shown}")
-    return Pack(path, stamp, dtype, acc, arch, tuple(entries), m)
+    return Pack(path, stamp, dtype, acc, arch, tuple(entries), m, library)
+
+
+def _library(raw, entry_keys: dict, errors: list) -> frozenset:
+    """The manifest's `library` list ("MxNxK:LAYOUT" each; absent in older packs) checked:
+    positive sizes, a known layout, no shape that also has an entry. Returns (M, N, K, layout)."""
+    if not isinstance(raw, list):
+        errors.append(f"library: must be a list of \"MxNxK:LAYOUT\" strings, got {type(raw).__name__}")
+        return frozenset()
+    out, served = set(), {k[:4] for k in entry_keys}
+    for i, item in enumerate(raw):
+        m = re.fullmatch(r"([1-9]\d*)x([1-9]\d*)x([1-9]\d*):(\w+)", item) if isinstance(item, str) else None
+        if m is None or m.group(4) not in LAYOUTS:
+            errors.append(f"library {i}: must look like 4096x4096x4096:NN (positive sizes, layout "
+                          f"{' or '.join(LAYOUTS)}), got {item!r}")
+            continue
+        key = (int(m.group(1)), int(m.group(2)), int(m.group(3)), m.group(4))
+        if key in served:
+            errors.append(f"library {i}: {item} also has an entry")
+            continue
+        out.add(key)
+    return frozenset(out)
