@@ -39,7 +39,9 @@ def test_name_encodes_every_field_and_parses_back():
     assert GOLDEN_SPECS[1].name == "sm90_pp_64x128x64_c1x1_persist_s0_rh_sw1_tn_f16_f16"
     sk = replace(BASE, scheduler="splitk", splits=4, stages=3, raster="along_n", swizzle=8, dtype="bf16")
     assert sk.name == "sm90_coop_128x128x64_c1x1_splitk4_s3_rn_sw8_tn_bf16_f32"
-    for spec in (*GOLDEN_SPECS, sk):
+    ns = replace(GOLDEN_SPECS[1], epilogue="nosmem")
+    assert ns.name == "sm90_pp_64x128x64_c1x1_persist_s0_rh_sw1_tn_f16_f16_nosmem"
+    for spec in (*GOLDEN_SPECS, sk, ns):
         assert CutlassSpec.from_name(spec.name) == spec
     with pytest.raises(ValueError, match="not a cutlass_sm90 kernel name"):
         CutlassSpec.from_name("sm90_coop_128x128")
@@ -47,6 +49,11 @@ def test_name_encodes_every_field_and_parses_back():
 
 def test_key_is_a_stable_content_hash():
     assert BASE.key() == CutlassSpec().key()
+    # fields added later are left out at their default, so older specs keep key, source and builds
+    assert "epilogue" not in BASE.to_dict() and "reduction" not in BASE.to_dict()
+    ns = replace(BASE, epilogue="nosmem")
+    assert ns.to_dict()["epilogue"] == "nosmem" and ns.key() != BASE.key()
+    assert CutlassSpec.from_dict(ns.to_dict()) == ns
     assert len(BASE.key()) == 16 and int(BASE.key(), 16) >= 0
     assert CutlassSpec.from_dict(BASE.to_dict()) == BASE
     with pytest.raises(ValueError, match="unknown CutlassSpec fields"):
@@ -82,6 +89,9 @@ RULES = [
     ({"splits": 2}, "needs scheduler 'splitk'"),
     ({"scheduler": "streamk", "splits": 4}, "needs scheduler 'splitk'"),
     ({"swizzle": 3}, "swizzle must be one of 1, 2, 4, 8"),
+    ({"epilogue": "smem"}, "epilogue must be one of tma, nosmem"),
+    ({"epilogue": "nosmem", "scheduler": "streamk"}, "nosmem) is offered with the persistent scheduler only"),
+    ({"epilogue": "nosmem", "scheduler": "splitk", "splits": 4}, "nosmem) is offered with the persistent"),
     ({"tile_m": 256, "tile_n": 256}, "registers per MMA thread"),
     ({"schedule": "pingpong", "tile_n": 256}, "registers per MMA thread"),
     ({"stages": 1}, "stages must be 0 (auto) or at least 2"),
@@ -189,7 +199,7 @@ def test_golden_specs_are_in_the_space():
 MUTATIONS = {
     "tile_m": 256, "tile_n": 256, "tile_k": 128, "cluster_m": 2, "cluster_n": 2,
     "schedule": "pingpong", "scheduler": "streamk", "stages": 3, "raster": "along_m", "swizzle": 2,
-    "layout": "NN", "dtype": "bf16", "acc": "fp16",
+    "layout": "NN", "dtype": "bf16", "acc": "fp16", "epilogue": "nosmem",
 }
 
 
@@ -354,7 +364,9 @@ def test_no_stale_golden_files():
 # -- real builds (nvcc, no GPU) -----------------------------------------------------------------
 
 # cooperative fp32-acc NN c2x1; ping-pong TN fp16-acc; split-K 8 with the separate reduction (TN)
-COMPILED = [GOLDEN_SPECS[0], GOLDEN_SPECS[1], SR]
+NOSMEM = CutlassSpec(64, 32, 128, 1, 2, "pingpong", "persistent", 1, 0, "heuristic", 1, "NN", "fp16", "fp32",
+                     epilogue="nosmem")
+COMPILED = [GOLDEN_SPECS[0], GOLDEN_SPECS[1], SR, NOSMEM]
 
 
 def _cutlass_dirs():
@@ -497,7 +509,9 @@ def test_split_k_16_is_offered_for_small_tiles_only_and_ranks_on_long_k_small_mn
         assert all(s.splits <= 8 for s in own if s.tile_m * s.tile_n > DEEP_SPLIT_TILE)
         det = [s for s in specs if s.reduction == "deterministic"]
         nd = [s for s in specs if s.reduction == "nondeterministic"]
-        assert len(det) <= 300  # 267 before split-K 16, 15 more (5 tiles x 3 cluster shapes)
+        # 267 before split-K 16, 15 more (5 tiles x 3 cluster shapes), then 42 ping-pong tiles of
+        # odd widths and 60 register-to-global (nosmem) twins of the persistent 64-row ones
+        assert len(det) <= 410
         # every split-K spec of a tile up to 128x128 again with the nondeterministic reduction
         assert sorted(s.name for s in nd) == sorted(
             replace(s, reduction="nondeterministic").name for s in det
@@ -535,10 +549,48 @@ def test_narrow_tiles_lead_only_where_64x64_tiles_leave_most_sms_idle():
 
     narrow = [s for s in cs.enumerate_specs("NN") if s.tile_n < 64]
     assert {(s.schedule, s.tile_m, s.tile_n) for s in narrow} == {
-        ("pingpong", 64, 16), ("pingpong", 64, 32), ("cooperative", 128, 32)}
+        ("pingpong", 64, 16), ("pingpong", 64, 32), ("pingpong", 64, 48), ("cooperative", 128, 32)}
     assert all(s.scheduler == "persistent" and cs.valid(s) is None for s in narrow)
     # 64x2048x1024: 32 tiles of 64x64 for 132 SMs; narrow tiles give 64 or 128
     small = cs.heuristic_specs(Problem(64, 2048, 1024), "NN")
     assert small[0].tile_n < 64
     # 4096^3: 4,096 tiles of 64x64, the GPU is full either way: wide tiles lead
     assert all(s.tile_n >= 128 for s in cs.heuristic_specs(Problem(4096, 4096, 4096), "TN")[:4])
+
+
+def test_the_register_to_global_epilogue_is_a_twin_of_small_ping_pong_tiles():
+    """nosmem: D from registers straight to global memory (cutlass::epilogue::NoSmemWarpSpecialized),
+    offered for every persistent 64-row ping-pong tile up to 128 wide and nothing else; its
+    source differs from its TMA-epilogue twin in the schedule, the name and the spec only."""
+    for layout in ("NN", "TN"):
+        specs = enumerate_specs(layout)
+        ns = [s for s in specs if s.epilogue == "nosmem"]
+        assert ns and all(s.schedule == "pingpong" and s.tile_m == 64 and s.tile_n <= 128
+                          and s.scheduler == "persistent" for s in ns)
+        names = {s.name for s in specs}
+        assert all(replace(s, epilogue="tma").name in names for s in ns)  # each has its twin
+        assert {s.tile_n for s in ns} >= {16, 32, 48, 64, 80, 96, 112, 128}
+    tma = replace(NOSMEM, epilogue="tma")
+    a, b = render(tma).splitlines(), render(NOSMEM).splitlines()
+    diff = [(x, y) for x, y in zip(a, b) if x != y]
+    assert len(a) == len(b) and len(diff) == 4, diff
+    assert ("using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;",
+            "using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;") in diff
+    # the rest: the name in the header comment and in the metadata, and the fields comment
+    assert sum(NOSMEM.name in y for _, y in diff) == 2 and sum('"epilogue":"nosmem"' in y for _, y in diff) == 1
+    # no staging buffer: the epilogue's shared memory is 128 bytes of slack, so up to 128 bytes
+    # of the mainloop's budget come back (a stage, where the TMA staging was what kept it out)
+    assert cs.epilogue_smem_bytes(NOSMEM) == cs.NOSMEM_EPILOGUE_BYTES < cs.epilogue_smem_bytes(tma)
+    assert cs.pipeline_stages(NOSMEM) >= cs.pipeline_stages(tma)
+
+
+def test_odd_wgmma_widths_are_offered_for_64_row_ping_pong_tiles():
+    specs = enumerate_specs("TN")
+    odd = {(s.tile_m, s.tile_n) for s in specs if s.tile_n % 64 and s.tile_n > 32}
+    assert odd == {(64, n) for n in (48, 80, 96, 112, 144, 160, 176)}
+    assert all(s.schedule == "pingpong" and s.scheduler == "persistent"
+               for s in specs if s.tile_n % 64 and s.tile_n > 32)
+    # 64x4096x128: 64x64 tiles give 64 CTAs on 132 SMs, 64x48 give 86 and 64x32 128
+    from gemmrl.core.problem import Problem
+    assert all(valid(replace(s, layout="TN"), Problem(64, 4096, 128)) is None
+               for s in specs if s.tile_n in (48, 80, 112))

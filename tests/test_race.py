@@ -152,7 +152,9 @@ def test_variants_move_one_field_the_built_only_search_never_moved():
     n = cs.pipeline_stages(spec)
     v = variants(spec, p, ("stages",))
     assert sorted(x.stages for x in v) == [n - 2, n - 1] and all(cs.valid(x, p) is None for x in v)
-    assert len(variants(spec, p)) == 7 and len({x.name for x in variants(spec, p)}) == 7
+    v = variants(spec, p, ("epilogue",))
+    assert [x.epilogue for x in v] == ["nosmem"] and replace(v[0], epilogue="tma") == spec
+    assert len(variants(spec, p)) == 8 and len({x.name for x in variants(spec, p)}) == 8
     assert variants(raw.heuristic_specs(Problem(64, 1024, 4096), "TN")[0], p) == []  # per-shape family: none
     with pytest.raises(ValueError, match="variant fields"):
         variants(spec, p, ("tile_m",))

@@ -143,7 +143,7 @@ def candidate_pool(problem: Problem, layouts: tuple = ("NN", "TN"),
 # pool uses, ints halve or double.
 _LADDERS = {
     "cutlass_sm90": {
-        "tile_m": (64, 128, 192, 256), "tile_n": (16, 32, 64, 96, 128, 160, 192, 224, 256),
+        "tile_m": (64, 128, 192, 256), "tile_n": (16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 224, 256),
         "tile_k": (32, 64, 128), "cluster_m": (1, 2), "cluster_n": (1, 2),
         "splits": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), "stages": (0, 2, 3, 4, 5, 6, 7, 8), "swizzle": cutlass_sm90.SWIZZLES,
         "raster": cutlass_sm90.RASTERS},  # the pool has CUTLASS's heuristic order only
@@ -271,7 +271,8 @@ def _features(family: str, spec, problem: Problem, est_us: float) -> list[float]
         f += [pp, pp * small, pp * lK, sk, sk * fill, float(spec.scheduler == "splitk"), c21, c12, c21 * lM,
               c12 * lN, k128, k128 * lK, sw, sw * lN, float(spec.raster == "along_m"),
               float(spec.raster == "along_n"), float(spec.layout == "NN"), spec.stages / 8,
-              float(spec.reduction == "nondeterministic"), float(spec.reduction == "separate")]
+              float(spec.reduction == "nondeterministic"), float(spec.reduction == "separate"),
+              float(getattr(spec, "epilogue", "tma") == "nosmem"), float(tn % 64 != 0 and tn > 32)]
     elif family == "raw":
         swap = float(spec.swap_ab)
         st = spec.stages / 4

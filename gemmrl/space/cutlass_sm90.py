@@ -39,6 +39,10 @@ SCHEDULERS = ("persistent", "streamk", "splitk")
 # CTA ever waits for another; costs a second launch and the partials' round trip through L2)
 REDUCTIONS = ("deterministic", "nondeterministic", "separate")
 RASTERS = ("heuristic", "along_m", "along_n")
+# how the epilogue writes D: staged through shared memory and stored by TMA (CUTLASS's default
+# for these kernels), or from registers straight to global memory (NoSmemWarpSpecialized: no
+# staging, no TMA store, and the epilogue's shared memory goes to the mainloop's stages)
+EPILOGUES = ("tma", "nosmem")
 SWIZZLES = (1, 2, 4, 8)
 LAYOUTS = ("NN", "TN")
 DTYPES = ("fp16", "bf16")
@@ -85,18 +89,21 @@ class CutlassSpec:
     dtype: str = "fp16"  # fp16 | bf16
     acc: str = "fp32"  # fp32 | fp16
     reduction: str = "deterministic"  # split-K / stream-K only: REDUCTIONS
+    epilogue: str = "tma"  # EPILOGUES; 'nosmem' with the persistent scheduler only
 
     @property
     def name(self) -> str:
         """Procedural name encoding every field, e.g.
         sm90_coop_128x256x64_c2x1_persist_s0_rh_sw1_tn_f16_f32 (split-K 8, nondeterministic
-        reduction: ..._splitk8nd_...; separate reduction kernel: ..._splitk32sr_...)."""
+        reduction: ..._splitk8nd_...; separate reduction kernel: ..._splitk32sr_...; the
+        register-to-global epilogue: ..._f32_nosmem)."""
         sched = f"splitk{self.splits}" if self.scheduler == "splitk" else _ABBREV.get(self.scheduler, self.scheduler)
         sched += _REDUCTION_SUFFIX.get(self.reduction, "")
         return (f"sm90_{_ABBREV.get(self.schedule, self.schedule)}_{self.tile_m}x{self.tile_n}x{self.tile_k}"
                 f"_c{self.cluster_m}x{self.cluster_n}_{sched}_s{self.stages}"
                 f"_{_ABBREV.get(self.raster, self.raster)}_sw{self.swizzle}_{str(self.layout).lower()}"
-                f"_{_ABBREV.get(self.dtype, self.dtype)}_{_ABBREV.get(self.acc, self.acc)}")
+                f"_{_ABBREV.get(self.dtype, self.dtype)}_{_ABBREV.get(self.acc, self.acc)}"
+                + ("" if self.epilogue == "tma" else f"_{self.epilogue}"))
 
     def key(self) -> str:
         """Stable content hash of the fields (and the family): the machine's name for a spec."""
@@ -104,11 +111,14 @@ class CutlassSpec:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict:
-        """The fields; `reduction` only when it is not the default, so that every spec made
-        before the field existed keeps its key, its rendered source and its builds."""
+        """The fields; `reduction` and `epilogue` only when they are not the default, so that
+        every spec made before those fields existed keeps its key, its rendered source and its
+        builds."""
         d = asdict(self)
         if d["reduction"] == "deterministic":
             del d["reduction"]
+        if d["epilogue"] == "tma":
+            del d["epilogue"]
         return d
 
     @staticmethod
@@ -138,12 +148,12 @@ class CutlassSpec:
             scheduler="splitk" if sched.startswith("splitk") else inv[sched],
             splits=int(sched[6:]) if sched.startswith("splitk") else 1, stages=int(g["stages"]),
             raster=inv[g["raster"]], swizzle=int(g["sw"]), layout=g["layout"].upper(),
-            dtype=inv[g["dtype"]], acc=inv[g["acc"]], reduction=reduction)
+            dtype=inv[g["dtype"]], acc=inv[g["acc"]], reduction=reduction, epilogue=g["epi"] or "tma")
 
 
 _NAME_RE = re.compile(r"sm90_(?P<schedule>coop|pp)_(?P<tm>\d+)x(?P<tn>\d+)x(?P<tk>\d+)_c(?P<cm>\d+)x(?P<cn>\d+)"
                       r"_(?P<sched>persist|streamk(?:nd)?|splitk\d+(?:nd|sr)?)_s(?P<stages>\d+)_(?P<raster>rh|rm|rn)_sw(?P<sw>\d+)"
-                      r"_(?P<layout>nn|tn)_(?P<dtype>f16|bf16)_(?P<acc>f32|f16)")
+                      r"_(?P<layout>nn|tn)_(?P<dtype>f16|bf16)_(?P<acc>f32|f16)(?:_(?P<epi>nosmem))?")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,7 +190,10 @@ def separate(spec: CutlassSpec) -> bool:
 def epilogue_smem_bytes(spec: CutlassSpec) -> int:
     """sizeof(CollectiveEpilogue::SharedStorage) with a void C: up to two D staging buffers
     (aligned to the 1 KiB swizzle atom) plus the unused C-load pipeline's barriers. D is the
-    fp32 partial under the separate reduction."""
+    fp32 partial under the separate reduction. The register-to-global epilogue stages nothing;
+    its kernels measured 80-112 bytes over their stages' (alignment), so 128 is counted."""
+    if spec.epilogue == "nosmem":
+        return NOSMEM_EPILOGUE_BYTES
     em, en = epilogue_tile(spec)
     epi_tiles = (spec.tile_m // em) * (spec.tile_n // en)
     stages_d, stages_c = min(epi_tiles, 2), min(epi_tiles, 4)
@@ -204,6 +217,7 @@ def pipeline_stages(spec: CutlassSpec) -> int:
     return spec.stages if spec.stages else auto_stages(spec)
 
 
+NOSMEM_EPILOGUE_BYTES = 128  # sm90_pp_64x32x128 nosmem: 221,568 bytes, 9 stages of 24,592 and 240 more
 SEPARATE_EXTRA_BYTES = 1024  # the fp32-D epilogue's storage is larger than its staging estimate:
 # measured 231,424 bytes for cooperative 128x128x64 split 8 (6 stages), 800 over the estimate
 
@@ -222,7 +236,8 @@ def valid(spec: CutlassSpec, problem=None) -> str | None:
     reason it is not. Every rule CUTLASS or the hardware imposes that we know of is here."""
     s = spec
     for fname, allowed in (("schedule", SCHEDULES), ("scheduler", SCHEDULERS), ("raster", RASTERS),
-                           ("layout", LAYOUTS), ("dtype", DTYPES), ("acc", ACCS), ("reduction", REDUCTIONS)):
+                           ("layout", LAYOUTS), ("dtype", DTYPES), ("acc", ACCS), ("reduction", REDUCTIONS),
+                           ("epilogue", EPILOGUES)):
         if getattr(s, fname) not in allowed:
             return f"{fname} must be one of {', '.join(allowed)}, got {getattr(s, fname)!r}"
     for fname in ("tile_m", "tile_n", "tile_k", "cluster_m", "cluster_n", "splits", "stages", "swizzle"):
@@ -258,6 +273,9 @@ def valid(spec: CutlassSpec, problem=None) -> str | None:
         return "the separate reduction is a split-K mode (scheduler 'splitk'), not stream-K"
     if separate(s) and s.acc != "fp32":
         return "the separate reduction sums fp32 partials of an fp32 accumulator; acc must be fp32"
+    if s.epilogue == "nosmem" and s.scheduler != "persistent":
+        return ("the register-to-global epilogue (nosmem) is offered with the persistent scheduler only "
+                f"(the small outputs it is for; not tried with partial tiles), not {s.scheduler!r}")
     if s.swizzle not in SWIZZLES:
         return f"swizzle must be one of {', '.join(map(str, SWIZZLES))}, got {s.swizzle}"
     regs = accumulator_registers(s)
@@ -312,7 +330,9 @@ def enumerate_specs(layout: str = "TN", dtype: str = "fp16", acc: str = "fp32") 
     would reduce 16 partials of 128 KiB+ each (issue #3). The same split-K tiles come again with
     the nondeterministic reduction (no turnstile: CTAs add their partials in any order), and
     split-K 4-64 with the separate reduction kernel for a few tiles of both schedules (fp32
-    accumulators only). Narrow tiles (64x16, 64x32, 128x32), persistent only, for small outputs."""
+    accumulators only). Narrow tiles (64x16, 64x32, 128x32) and 64-row ping-pong tiles of the
+    widths between (48 .. 176), persistent only, for small outputs; and every persistent 64-row
+    ping-pong tile up to 128 wide again with the register-to-global epilogue (nosmem)."""
     out = []
     for schedule in SCHEDULES:
         for tm in _TILE_M:
@@ -349,14 +369,21 @@ def enumerate_specs(layout: str = "TN", dtype: str = "fp16", acc: str = "fp32") 
                                    layout, dtype, acc, "separate")
                 if valid(spec) is None:
                     out.append(spec)
-    # narrow tiles, persistent: two to four times the CTAs of 64x64 on a small output
-    for schedule, tm, tn in _NARROW_TILES:
+    # narrow tiles, persistent: two to four times the CTAs of 64x64 on a small output; then the
+    # wgmma widths between the powers of two for 64-row ping-pong tiles
+    for schedule, tm, tn in _NARROW_TILES + tuple(("pingpong", 64, n) for n in _ODD_TILE_N):
         for tk in (64, 128):
             for cm, cn in CLUSTERS:
                 spec = CutlassSpec(tm, tn, tk, cm, cn, schedule, "persistent", 1, 0, "heuristic", 1,
                                    layout, dtype, acc)
                 if valid(spec) is None:
                     out.append(spec)
+    # the register-to-global epilogue for the persistent 64-row ping-pong tiles up to 128 wide
+    for spec in [s for s in out if s.schedule == "pingpong" and s.tile_m == 64 and s.tile_n <= 128
+                 and s.scheduler == "persistent"]:
+        twin = replace(spec, epilogue="nosmem")
+        if valid(twin) is None:
+            out.append(twin)
     return out
 
 
@@ -365,6 +392,11 @@ def enumerate_specs(layout: str = "TN", dtype: str = "fp16", acc: str = "fp32") 
 # wider tiles and ran 13-16% behind cuBLASLt autotuned, which chose small-tile kernels without
 # split-K there (seventh session). Built clean with nvcc (no spills, no serialized wgmma).
 _NARROW_TILES = (("pingpong", 64, 16), ("pingpong", 64, 32), ("cooperative", 128, 32))
+# On the grid's 2^24-2^30 FLOPs shapes where CUTLASS still ran 5-10% behind it, cuBLASLt
+# autotuned chose tiles 80, 96, 112, 144, 160 or 176 wide on about one shape in seven (its
+# stored choices, tenth session): a width that fits the N extent into fewer idle columns.
+# Built clean with nvcc (168 registers, no spills) for 48, 80, 96 and 112.
+_ODD_TILE_N = (48, 80, 96, 112, 144, 160, 176)
 
 _SEPARATE_TILES = (("cooperative", 128, 64), ("cooperative", 128, 128), ("cooperative", 128, 256),
                    ("cooperative", 256, 128), ("pingpong", 64, 64), ("pingpong", 64, 128),
@@ -880,7 +912,8 @@ def render(spec: CutlassSpec, problem=None) -> str:
         tile_m=s.tile_m, tile_n=s.tile_n, tile_k=s.tile_k, cluster_m=s.cluster_m, cluster_n=s.cluster_n,
         mainloop_schedule=("cutlass::gemm::KernelTmaWarpSpecializedCooperative" if s.schedule == "cooperative"
                            else "cutlass::gemm::KernelTmaWarpSpecializedPingpong"),
-        epilogue_schedule=("cutlass::epilogue::TmaWarpSpecializedCooperative" if s.schedule == "cooperative"
+        epilogue_schedule=("cutlass::epilogue::NoSmemWarpSpecialized" if s.epilogue == "nosmem" else
+                           "cutlass::epilogue::TmaWarpSpecializedCooperative" if s.schedule == "cooperative"
                            else "cutlass::epilogue::TmaWarpSpecialized"),
         scheduler_tag=scheduler_tag, scheduler_args=scheduler_args, stage_count=stage_count,
         smem_capacity=SMEM_CAPACITY,
