@@ -376,6 +376,10 @@ def report(db, out, device, subject, dtype, acc, versus):
     store, device = _open_for_reading(db, device, require_measured=True)
     subj = subject or "torch.matmul"
     records = store.report_measurements(subj, device=device, dtype=dtype, acc=acc)
+    for other in versus:  # before anything is written: a bad --versus leaves the old files whole
+        if not any(r["impl"] == other for r in records):
+            raise click.ClickException(f"--versus {other}: the store has no ok measurement of {other!r} "
+                                       f"on {device} ({dtype}, acc {acc}); nothing written")
     paths = write_report(store, device, out, subject, dtype, acc, records)
     if versus:
         from gemmrl.bench.env import gpu_slug
@@ -383,9 +387,6 @@ def report(db, out, device, subject, dtype, acc, versus):
 
         prefix = report_prefix(subj, device, dtype, acc)
         for other in versus:
-            if not any(r["impl"] == other for r in records):
-                raise click.ClickException(f"--versus {other}: the store has no ok measurement of {other!r} "
-                                           f"on {device} ({dtype}, acc {acc})")
             try:
                 paths += write_versus(records, Path(out) / gpu_slug(device), subj, other, prefix)
             except ReportError as e:

@@ -87,7 +87,9 @@ def test_report_versus_writes_the_head_to_head_and_refuses_an_unknown_impl(tmp_p
     assert csv[0] == "mnk,kernel"
     assert csv[1] == "64_64_64,1.056"  # 0.95 / 0.9
     r = CliRunner().invoke(main, ["report", "--db", str(db), "--out", str(out), "--versus", "cuda-l2"])
-    assert r.exit_code == 1 and "no ok measurement of 'cuda-l2'" in r.output
+    assert r.exit_code == 1 and "no ok measurement of 'cuda-l2'" in r.output and "nothing written" in r.output
+    # refused before writing: the torch.matmul report of that call was not written
+    assert not list((out / "h100").glob("torch.matmul_*"))
 
 
 def test_report_errors(tmp_path):
