@@ -38,6 +38,11 @@ SPECS = [
     # split-K 16 with the separate reduction kernel, TN, ping-pong, bf16
     CutlassSpec(64, 128, 64, 1, 1, "pingpong", "splitk", 16, 0, "heuristic", 1, "TN", "bf16", "fp32",
                 "separate"),
+    # the register-to-global epilogue on an odd-width narrow tile, NN, 1x2 cluster; and TN fp16
+    CutlassSpec(64, 80, 128, 1, 2, "pingpong", "persistent", 1, 0, "heuristic", 1, "NN", "fp16", "fp32",
+                epilogue="nosmem"),
+    CutlassSpec(64, 16, 128, 1, 2, "pingpong", "persistent", 1, 0, "heuristic", 1, "TN", "fp16", "fp16",
+                epilogue="nosmem"),
 ]
 
 
