@@ -99,6 +99,21 @@ def test_served_shapes_match_torch(pack, M, N, K, batch, how):
     assert torch.equal(c_nn, torch.matmul(a, w.t().contiguous()))
 
 
+def test_a_tuned_shape_the_libraries_won_goes_to_torch_matmul(pack):
+    """The pack's winners are TN: the NN layout of each tuned shape is listed under `library`,
+    and an NN call there is torch.matmul's, saying why."""
+    assert {(256, 1024, 512, "NN"), (16, 1024, 4096, "NN")} <= pack.library
+    a, w = _inputs(256, 1024, 512)
+    b = w.t().contiguous()
+    with torch.inference_mode():
+        why = ops.explain(a, b, "NN")
+        c = gemmrl.matmul(a, b)
+    torch.cuda.synchronize()
+    assert why == ("torch.matmul: tuned on this GPU, where the libraries beat every kernel of ours "
+                   "in this layout"), why
+    assert torch.equal(c, torch.matmul(a, b))
+
+
 def test_unserved_shapes_are_exactly_torch_matmul(pack):
     with torch.inference_mode():
         # raw kernels serve their own shape only; CUTLASS ones need K % 8 == 0 (TMA), so no
