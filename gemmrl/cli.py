@@ -597,7 +597,7 @@ def shapes_to_time(problems, trials, store, device: str, protocol: str) -> list:
     the newest verification passed (a run cut between its search and the end of its final
     timing, which a rerun finishes; or a winner the newest check failed). Not the rest: a run over the grid that reached 60 shapes
     does not time the other 940 again."""
-    from gemmrl.runtime.pack import verified_differs
+    from gemmrl.runtime.pack import verified_choice, verified_differs
     from gemmrl.search.run import TUNED
 
     touched = {t.problem for t in trials}
@@ -613,7 +613,7 @@ def shapes_to_time(problems, trials, store, device: str, protocol: str) -> list:
             except ValueError:
                 choice = {}
             if TUNED not in store.measured_impls(device, p, "kernel", protocol) or (ver is not None and (
-                    not ver["passed"] or verified_differs(choice, (ver["details"].get("impl") or {}).get("chosen")))):
+                    not ver["passed"] or verified_differs(choice, verified_choice(ver)))):
                 out.append(p)
     return out
 

@@ -141,7 +141,7 @@ class Dispatcher:
         self.pack = pack
         self.force = force
         self.table = DispatchTable(pack.entries, pack.acc, max_distance=nearest,
-                                   library={(*k, pack.dtype) for k in getattr(pack, "library", ())})
+                                   library={(*k, pack.dtype) for k in pack.library})
         self.never_compile = never_compile
         self.arch = arch or pack.arch
         self._lock = threading.RLock()

@@ -179,13 +179,13 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
         tuned_us = float(row["time_us"])
         try:
             choice = json.loads(bytes(row["choice"]).decode())
-            verified = (ver["details"].get("impl") or {}).get("chosen")
+            verified = verified_choice(ver)
             if verified_differs(choice, verified):
                 # a run cut between its search and its final timing: the stored choice was never
                 # verified in full nor timed; ship the kernel that was (the timing below is its)
                 skipped.append(f"{problem.shape} {impl}: stored choice {_choice_name(choice)} awaits its final "
                                f"verification; the pack keeps the verified {_choice_name(verified)}")
-                choice, tuned_us = verified, float("nan")
+                choice, tuned_us = verified, None
             fam = registry.get(choice["family"])
             spec = fam.spec_type()(**choice["spec"])
         except (ValueError, KeyError, TypeError) as e:
@@ -212,7 +212,7 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
         runs.add(ver["run_id"])
         cands.append({"problem": problem, "impl": impl, "family": fam, "spec": spec,
                       "kernel_us": kernel_us, "baseline": baseline, "baseline_us": baseline_us,
-                      "tuned_us": tuned_us if math.isfinite(tuned_us) else kernel_us})
+                      "tuned_us": kernel_us if tuned_us is None else tuned_us})
     return cands, runs, skipped
 
 
@@ -223,6 +223,11 @@ def _tuned_shapes(store, device: str, dtype: str, acc: str) -> set:
     rows = store.db.execute("SELECT DISTINCT M, N, K FROM tuning WHERE device=? AND dtype=? AND acc=? "
                             "AND impl LIKE ?", (device, dtype, acc, GEMMRL_IMPL_PREFIX + "%")).fetchall()
     return {(int(r[0]), int(r[1]), int(r[2])) for r in rows}
+
+
+def verified_choice(ver: dict | None):
+    """The kernel a verification record names as chosen ({family, name, spec}), or None."""
+    return None if ver is None else (ver["details"].get("impl") or {}).get("chosen")
 
 
 def verified_differs(choice: dict, verified) -> bool:
