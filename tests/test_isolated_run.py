@@ -45,3 +45,37 @@ def test_a_passed_deadline_starts_nothing_and_says_so(tmp_path):
                           task=worker_tasks.fake_problem_task)
     assert counts["stopped"] is True and counts["sessions"] == 0
     assert store.measurements() == [] and "deadline reached after 0 of 1" in logs[0]
+
+
+def test_a_second_sigterm_during_the_stop_does_not_cut_it():
+    """coreutils `timeout` sends SIGTERM to the command and then to its process group, so the
+    command gets it twice: the first stops the loop, the second (here: while the stop is being
+    logged) must be ignored rather than raised out of the stop's own logging."""
+    import os
+    import signal
+    import time
+
+    from gemmrl.bench.runner import _stoppable
+
+    before = signal.getsignal(signal.SIGTERM)
+    logged, counts = [], {}
+
+    def log(msg):
+        os.kill(os.getpid(), signal.SIGTERM)  # the second one, mid-log
+        time.sleep(0.05)
+        logged.append(msg)
+    try:
+        with _stoppable(counts, log):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100):
+                time.sleep(0.01)
+            raise AssertionError("the first SIGTERM did not stop the loop")
+        assert counts["stopped"] and len(logged) == 1 and "stopped (_Stop)" in logged[0]
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # stopping: later ones ignored
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+    counts = {}
+    with _stoppable(counts, print):  # no signal: the handler it found is put back
+        pass
+    assert signal.getsignal(signal.SIGTERM) == before and not counts

@@ -67,15 +67,21 @@ def _stoppable(counts: dict, log):
     prev = signal.getsignal(signal.SIGTERM)
 
     def on_term(signum, frame):
+        # the first one stops the loop; any more are ignored, so the stop's own logging and the
+        # command's summary are not cut (coreutils `timeout` signals the command and then its
+        # whole process group, so the command gets SIGTERM twice)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise _Stop("SIGTERM")
     signal.signal(signal.SIGTERM, on_term)
+    stopped = False
     try:
         yield
     except (_Stop, KeyboardInterrupt) as e:
-        counts["stopped"] = True
+        stopped = counts["stopped"] = True
         log(f"stopped ({type(e).__name__}); everything measured so far is in the store")
     finally:
-        signal.signal(signal.SIGTERM, prev)
+        if not stopped:
+            signal.signal(signal.SIGTERM, prev)
 
 
 def _until_deadline(problems, cfg, counts: dict, log, progress):
