@@ -41,7 +41,10 @@ def test_name_encodes_every_field_and_parses_back():
     assert sk.name == "sm90_coop_128x128x64_c1x1_splitk4_s3_rn_sw8_tn_bf16_f32"
     ns = replace(GOLDEN_SPECS[1], epilogue="nosmem")
     assert ns.name == "sm90_pp_64x128x64_c1x1_persist_s0_rh_sw1_tn_f16_f16_nosmem"
-    for spec in (*GOLDEN_SPECS, sk, ns):
+    pdl = replace(ns, pdl=True)
+    assert pdl.name == "sm90_pp_64x128x64_c1x1_persist_s0_rh_sw1_tn_f16_f16_nosmem_pdl"
+    assert replace(BASE, pdl=True).name.endswith("_tn_f16_f32_pdl")
+    for spec in (*GOLDEN_SPECS, sk, ns, pdl, replace(BASE, pdl=True)):
         assert CutlassSpec.from_name(spec.name) == spec
     with pytest.raises(ValueError, match="not a cutlass_sm90 kernel name"):
         CutlassSpec.from_name("sm90_coop_128x128")
@@ -50,7 +53,9 @@ def test_name_encodes_every_field_and_parses_back():
 def test_key_is_a_stable_content_hash():
     assert BASE.key() == CutlassSpec().key()
     # fields added later are left out at their default, so older specs keep key, source and builds
-    assert "epilogue" not in BASE.to_dict() and "reduction" not in BASE.to_dict()
+    assert "epilogue" not in BASE.to_dict() and "reduction" not in BASE.to_dict() and "pdl" not in BASE.to_dict()
+    pdl = replace(BASE, pdl=True)
+    assert pdl.to_dict()["pdl"] is True and pdl.key() != BASE.key() and CutlassSpec.from_dict(pdl.to_dict()) == pdl
     ns = replace(BASE, epilogue="nosmem")
     assert ns.to_dict()["epilogue"] == "nosmem" and ns.key() != BASE.key()
     assert CutlassSpec.from_dict(ns.to_dict()) == ns
@@ -90,6 +95,7 @@ RULES = [
     ({"scheduler": "streamk", "splits": 4}, "needs scheduler 'splitk'"),
     ({"swizzle": 3}, "swizzle must be one of 1, 2, 4, 8"),
     ({"epilogue": "smem"}, "epilogue must be one of tma, nosmem"),
+    ({"pdl": 1}, "pdl must be true or false"),
     ({"epilogue": "nosmem", "scheduler": "streamk"}, "nosmem) is offered with the persistent scheduler only"),
     ({"epilogue": "nosmem", "scheduler": "splitk", "splits": 4}, "nosmem) is offered with the persistent"),
     ({"tile_m": 256, "tile_n": 256}, "registers per MMA thread"),
@@ -199,7 +205,7 @@ def test_golden_specs_are_in_the_space():
 MUTATIONS = {
     "tile_m": 256, "tile_n": 256, "tile_k": 128, "cluster_m": 2, "cluster_n": 2,
     "schedule": "pingpong", "scheduler": "streamk", "stages": 3, "raster": "along_m", "swizzle": 2,
-    "layout": "NN", "dtype": "bf16", "acc": "fp16", "epilogue": "nosmem",
+    "layout": "NN", "dtype": "bf16", "acc": "fp16", "epilogue": "nosmem", "pdl": True,
 }
 
 
@@ -366,7 +372,8 @@ def test_no_stale_golden_files():
 # cooperative fp32-acc NN c2x1; ping-pong TN fp16-acc; split-K 8 with the separate reduction (TN)
 NOSMEM = CutlassSpec(64, 32, 128, 1, 2, "pingpong", "persistent", 1, 0, "heuristic", 1, "NN", "fp16", "fp32",
                      epilogue="nosmem")
-COMPILED = [GOLDEN_SPECS[0], GOLDEN_SPECS[1], SR, NOSMEM]
+# ... and the register-to-global epilogue, launched as a programmatic dependent
+COMPILED = [GOLDEN_SPECS[0], GOLDEN_SPECS[1], SR, replace(NOSMEM, pdl=True)]
 
 
 def _cutlass_dirs():
@@ -582,6 +589,28 @@ def test_the_register_to_global_epilogue_is_a_twin_of_small_ping_pong_tiles():
     # of the mainloop's budget come back (a stage, where the TMA staging was what kept it out)
     assert cs.epilogue_smem_bytes(NOSMEM) == cs.NOSMEM_EPILOGUE_BYTES < cs.epilogue_smem_bytes(tma)
     assert cs.pipeline_stages(NOSMEM) >= cs.pipeline_stages(tma)
+
+
+def test_pdl_twin_differs_in_the_gdc_define_and_the_launch_attribute_only():
+    """pdl: the kernel compiled with CUTLASS's grid-dependency control (its producers wait in
+    griddepcontrol.wait before their first global load) and launched with the programmatic
+    stream serialization attribute; nothing else in the source changes."""
+    for plain in (NOSMEM, GOLDEN_SPECS[0], SR):
+        pdl = replace(plain, pdl=True)
+        assert valid(pdl) is None
+        a, b = render(plain), render(pdl)
+        assert "cudaLaunchAttributeProgrammaticStreamSerialization;\n  with_pdl" not in a
+        assert b.count("#define CUTLASS_ENABLE_GDC_FOR_SM90 1") == 1  # once, also where split-K had it
+        assert "with_pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;" in b
+        assert "config.numAttrs += 1;" in b and "config.numAttrs += 1;" not in a
+        back = b.replace(cs.PDL_LAUNCH, "", 1)
+        if plain is not SR:
+            back = back.replace(cs.PDL_PREFIX, "", 1)
+        back = (back.replace(pdl.name, plain.name).replace(pdl.key(), plain.key())
+                .replace(',"pdl":true', ""))
+        assert back == a
+    # the separate split-K kernel already had the define (for its reduction kernel's launch)
+    assert "CUTLASS_ENABLE_GDC_FOR_SM90" in render(SR)
 
 
 def test_odd_wgmma_widths_are_offered_for_64_row_ping_pong_tiles():

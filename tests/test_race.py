@@ -121,6 +121,27 @@ def test_the_incumbent_winner_races_too(tmp_path):
     assert store.verified_choices(dev, Problem(64, 64, 64), TUNED) == []
 
 
+def test_twins_race_beside_their_kernels(tmp_path, monkeypatch):
+    """race:K:pdl: each contender's programmatic-dependent-launch twin races too (after the
+    contenders and the incumbent, each once); under built_only only twins already built."""
+    from dataclasses import asdict, replace
+
+    store, dev = _store_with_search(tmp_path, [100.0, 104.0, 130.0])
+    run = store.start_run("gemmrl tune", dev, {}, {})
+    store.record_verification(run, dev, P, TUNED, True, "", {
+        "impl": {"name": TUNED, "chosen": {"family": "cutlass_sm90", "name": SPECS[3].name, "spec": asdict(SPECS[3])}}})
+    twin = [replace(s, pdl=True) for s in SPECS]
+    assert Race(store, dev, k=1, twins=("pdl",)).specs(P) == [SPECS[0], SPECS[3], twin[0], twin[3]]
+    assert Race(store, dev, k=2, twins=()).specs(P) == [SPECS[0], SPECS[1], SPECS[3]]
+    # built_only: the search's fastest always races; the rest, twins included, only if built
+    import gemmrl.search.run as srun
+    built = {SPECS[0].name, SPECS[3].name, twin[3].name}
+    monkeypatch.setattr(srun, "built_generic_only", lambda: (lambda fam, spec, problem: spec.name in built))
+    assert Race(store, dev, k=2, built_only=True, twins=("pdl",)).specs(P) == [SPECS[0], SPECS[3], twin[3]]
+    store.quarantine(dev, P, twin[3].name, "killed its worker")
+    assert Race(store, dev, k=2, built_only=True, twins=("pdl",)).specs(P) == [SPECS[0], SPECS[3]]
+
+
 def test_race_is_an_implementation_the_cli_names(tmp_path):
     store = Store(tmp_path / "s.sqlite")
     (r,) = impls_from_specs(["race:2"], store, "NVIDIA H200")
@@ -130,7 +151,13 @@ def test_race_is_an_implementation_the_cli_names(tmp_path):
     (r,) = impls_from_specs(["race:4:built"], store, "NVIDIA H200")
     assert r.k == 4 and r.built_only
     assert not impls_from_specs(["race:4"], store, "NVIDIA H200")[0].built_only
-    for bad in ("race:0", "race:x", "race:2:x", "race:2:built:y"):
+    assert impls_from_specs(["race:4"], store, "NVIDIA H200")[0].twins == ()
+    for spec in ("race:2:built:pdl", "race:2:pdl:built"):
+        (r,) = impls_from_specs([spec], store, "NVIDIA H200")
+        assert r.k == 2 and r.built_only and r.twins == ("pdl",)
+    (r,) = impls_from_specs(["race:2:pdl"], store, "NVIDIA H200")
+    assert not r.built_only and r.twins == ("pdl",)
+    for bad in ("race:0", "race:x", "race:2:x", "race:2:built:y", "race:2:built:built", "race:2:pdl:pdl"):
         with pytest.raises(ValueError, match=r"race:K\[:built\]"):
             impls_from_specs([bad], store, "NVIDIA H200")
 
@@ -154,7 +181,9 @@ def test_variants_move_one_field_the_built_only_search_never_moved():
     assert sorted(x.stages for x in v) == [n - 2, n - 1] and all(cs.valid(x, p) is None for x in v)
     v = variants(spec, p, ("epilogue",))
     assert [x.epilogue for x in v] == ["nosmem"] and replace(v[0], epilogue="tma") == spec
-    assert len(variants(spec, p)) == 8 and len({x.name for x in variants(spec, p)}) == 8
+    v = variants(spec, p, ("pdl",))
+    assert v == [replace(spec, pdl=True)] and variants(v[0], p, ("pdl",)) == [spec]
+    assert len(variants(spec, p)) == 9 and len({x.name for x in variants(spec, p)}) == 9
     assert variants(raw.heuristic_specs(Problem(64, 1024, 4096), "TN")[0], p) == []  # per-shape family: none
     with pytest.raises(ValueError, match="variant fields"):
         variants(spec, p, ("tile_m",))

@@ -17,7 +17,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTH
 
 @pytest.mark.parametrize("script, words", [
     ("server-noise.py", "--rounds"), ("fallback-gap.py", "pack"), ("product-gap.py", "pack"),
-    ("protocol-gap.py", "--repeats")])
+    ("protocol-gap.py", "--repeats"), ("launch-gap.py", "--calls")])
 def test_gpu_scripts_load_and_show_their_arguments(script, words):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--help"], capture_output=True,
                        text=True, env=ENV, timeout=300)
@@ -159,3 +159,21 @@ def test_trial_final_gap_reads_the_store(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "trial-final-gap.py"), "--db", str(db),
                         "--device", "GPU Y"], capture_output=True, text=True, env=ENV)
     assert r.returncode == 1 and "no tuned fp32 shape" in r.stderr
+
+
+def test_launch_gap_splits_a_trace_into_durations_and_gaps():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("launch_gap", ROOT / "scripts" / "launch-gap.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    # four calls of 5 us, 1 us apart (end to start), given out of order
+    ev = [("k", 12.0, 5.0), ("k", 0.0, 5.0), ("k", 6.0, 5.0), ("k", 18.0, 5.0)]
+    r = mod.split_trace(ev)
+    assert r["kernels"] == 4 and r["median_duration_us"] == 5.0 and r["median_interval_us"] == 6.0
+    assert r["median_gap_us"] == 1.0 and r["overlaps"] == 0 and r["gaps"] == 3
+    # programmatic dependent launches: each starts 0.5 us before the previous one ends
+    r = mod.split_trace([("k", 4.5 * i, 5.0) for i in range(5)])
+    assert r["median_gap_us"] == -0.5 and r["overlaps"] == 4
+    with pytest.raises(ValueError):
+        mod.split_trace([("k", 0.0, 1.0)])

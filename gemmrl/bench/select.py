@@ -11,7 +11,8 @@ def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> li
     each family's top candidates per shape; families: cutlass_sm90, raw), 'ours' (both) and
     'tuned' (the winners `gemmrl tune` stored) or 'race[:K[:built]]' (the tuned winner chosen again
     by a race of the search's top K candidates, default 3, in the full kernel protocol; stored;
-    ':built': generic contenders only if already built)."""
+    ':built': generic contenders only if already built; ':pdl': each contender's programmatic-
+    dependent-launch twin races too)."""
     from gemmrl.baselines import impls as bl
 
     all_named = {i.name: i for i in bl.baseline_impls(store, device, exhaustive=True, compile_=True,
@@ -48,10 +49,12 @@ def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> li
 
                 parts = s.split(":")
                 k = parts[1] if len(parts) > 1 else "3"
-                built_only = parts[2:] == ["built"]
-                if not k.isdigit() or int(k) < 1 or len(parts) > 3 or (len(parts) == 3 and not built_only):
-                    raise ValueError(f"race:K[:built] needs a positive whole number of contenders, got {s!r}")
-                out.append(Race(store, device, k=int(k), log=_log_stderr, built_only=built_only))
+                opts = parts[2:]
+                if not k.isdigit() or int(k) < 1 or len(set(opts)) < len(opts) or set(opts) - {"built", "pdl"}:
+                    raise ValueError(f"race:K[:built][:pdl] needs a positive whole number of contenders, "
+                                     f"then optionally 'built' and 'pdl'; got {s!r}")
+                out.append(Race(store, device, k=int(k), log=_log_stderr, built_only="built" in opts,
+                                twins=("pdl",) if "pdl" in opts else ()))
             elif s.startswith("pack:"):
                 from gemmrl.runtime.pack_impl import PackMatmul
 
@@ -65,7 +68,7 @@ def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> li
             else:
                 raise ValueError(
                     f"unknown implementation {s!r}; known: baselines, exhaustive, "
-                    f"{', '.join(all_named)}, cuda-l2:DIR, kernel:FILE, pack:DIR, gemmrl:FAMILY, ours, tuned, race[:K[:built]]")
+                    f"{', '.join(all_named)}, cuda-l2:DIR, kernel:FILE, pack:DIR, gemmrl:FAMILY, ours, tuned, race[:K[:built][:pdl]]")
     seen, unique = set(), []
     for i in out:
         if i.name not in seen:

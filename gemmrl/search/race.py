@@ -47,7 +47,7 @@ class Race(BestOf):
     timed with the full kernel protocol; the choice is stored as the winner (`name`)."""
 
     def __init__(self, store, device: str, k: int = 3, margin: float = 0.10, name: str | None = None,
-                 log=None, built_only: bool = False):
+                 log=None, built_only: bool = False, twins: tuple = ()):
         from gemmrl.bench.timing import KernelSettings
         from gemmrl.search.run import TUNED
         from gemmrl.space import registry
@@ -58,6 +58,10 @@ class Race(BestOf):
         # built_only (tune --built-only): a generic contender (CUTLASS) races only if its build is
         # in the cache, as the search proposed only those; the fastest, the stored winner, always
         self.built_only = built_only
+        # twins: fields (build.ahead.VARIANT_FIELDS) in which each contender's variants race too,
+        # e.g. ('pdl',): the same kernel launched as a programmatic dependent (under built_only,
+        # only those already built)
+        self.twins = tuple(twins)
         self.settings = KernelSettings()  # the final timing's protocol, not the search's quick one
 
     def specs(self, problem) -> list:
@@ -66,16 +70,26 @@ class Race(BestOf):
 
         bad = self.store.quarantined(self.device, problem) if self.store is not None else {}
         trials = [t for t in stored_history(self.store, self.device, [problem]) if t.problem == problem]
+        from gemmrl.search.run import built_generic_only
+
         if not self.built_only:
             out = [s for s in contenders(trials, self.k, self.margin) if s.name not in bad]
         else:
-            from gemmrl.search.run import built_generic_only
-
             built = built_generic_only()
             ranked = [s for s in contenders(trials, len(trials) or 1, self.margin) if s.name not in bad]
             out = (ranked[:1] + [s for s in ranked[1:] if built(registry.family_of(s).name, s, problem)])[:self.k]
         inc = self.incumbent(problem, trials, bad)
-        return out + [inc] if out and inc is not None and inc not in out else out
+        out = out + [inc] if out and inc is not None and inc not in out else out
+        if self.twins and out:
+            from gemmrl.build.ahead import variants
+
+            built = built_generic_only() if self.built_only else None
+            for spec in list(out):
+                for v in variants(spec, problem, self.twins):
+                    if v not in out and v.name not in bad and (
+                            built is None or built(registry.family_of(v).name, v, problem)):
+                        out.append(v)
+        return out
 
     def incumbent(self, problem, trials, bad):
         """The kernel that last passed the final verification as the winner: it races too, so a

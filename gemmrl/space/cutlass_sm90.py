@@ -90,20 +90,22 @@ class CutlassSpec:
     acc: str = "fp32"  # fp32 | fp16
     reduction: str = "deterministic"  # split-K / stream-K only: REDUCTIONS
     epilogue: str = "tma"  # EPILOGUES; 'nosmem' with the persistent scheduler only
+    pdl: bool = False  # programmatic dependent launch (see PDL below)
 
     @property
     def name(self) -> str:
         """Procedural name encoding every field, e.g.
         sm90_coop_128x256x64_c2x1_persist_s0_rh_sw1_tn_f16_f32 (split-K 8, nondeterministic
         reduction: ..._splitk8nd_...; separate reduction kernel: ..._splitk32sr_...; the
-        register-to-global epilogue: ..._f32_nosmem)."""
+        register-to-global epilogue: ..._f32_nosmem; launched as a programmatic dependent:
+        ..._f32_pdl)."""
         sched = f"splitk{self.splits}" if self.scheduler == "splitk" else _ABBREV.get(self.scheduler, self.scheduler)
         sched += _REDUCTION_SUFFIX.get(self.reduction, "")
         return (f"sm90_{_ABBREV.get(self.schedule, self.schedule)}_{self.tile_m}x{self.tile_n}x{self.tile_k}"
                 f"_c{self.cluster_m}x{self.cluster_n}_{sched}_s{self.stages}"
                 f"_{_ABBREV.get(self.raster, self.raster)}_sw{self.swizzle}_{str(self.layout).lower()}"
                 f"_{_ABBREV.get(self.dtype, self.dtype)}_{_ABBREV.get(self.acc, self.acc)}"
-                + ("" if self.epilogue == "tma" else f"_{self.epilogue}"))
+                + ("" if self.epilogue == "tma" else f"_{self.epilogue}") + ("_pdl" if self.pdl else ""))
 
     def key(self) -> str:
         """Stable content hash of the fields (and the family): the machine's name for a spec."""
@@ -111,14 +113,16 @@ class CutlassSpec:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict:
-        """The fields; `reduction` and `epilogue` only when they are not the default, so that
-        every spec made before those fields existed keeps its key, its rendered source and its
-        builds."""
+        """The fields; `reduction`, `epilogue` and `pdl` only when they are not the default, so
+        that every spec made before those fields existed keeps its key, its rendered source and
+        its builds."""
         d = asdict(self)
         if d["reduction"] == "deterministic":
             del d["reduction"]
         if d["epilogue"] == "tma":
             del d["epilogue"]
+        if d["pdl"] is False:
+            del d["pdl"]
         return d
 
     @staticmethod
@@ -148,12 +152,13 @@ class CutlassSpec:
             scheduler="splitk" if sched.startswith("splitk") else inv[sched],
             splits=int(sched[6:]) if sched.startswith("splitk") else 1, stages=int(g["stages"]),
             raster=inv[g["raster"]], swizzle=int(g["sw"]), layout=g["layout"].upper(),
-            dtype=inv[g["dtype"]], acc=inv[g["acc"]], reduction=reduction, epilogue=g["epi"] or "tma")
+            dtype=inv[g["dtype"]], acc=inv[g["acc"]], reduction=reduction, epilogue=g["epi"] or "tma",
+            pdl=bool(g["pdl"]))
 
 
 _NAME_RE = re.compile(r"sm90_(?P<schedule>coop|pp)_(?P<tm>\d+)x(?P<tn>\d+)x(?P<tk>\d+)_c(?P<cm>\d+)x(?P<cn>\d+)"
                       r"_(?P<sched>persist|streamk(?:nd)?|splitk\d+(?:nd|sr)?)_s(?P<stages>\d+)_(?P<raster>rh|rm|rn)_sw(?P<sw>\d+)"
-                      r"_(?P<layout>nn|tn)_(?P<dtype>f16|bf16)_(?P<acc>f32|f16)(?:_(?P<epi>nosmem))?")
+                      r"_(?P<layout>nn|tn)_(?P<dtype>f16|bf16)_(?P<acc>f32|f16)(?:_(?P<epi>nosmem))?(?P<pdl>_pdl)?")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,6 +281,8 @@ def valid(spec: CutlassSpec, problem=None) -> str | None:
     if s.epilogue == "nosmem" and s.scheduler != "persistent":
         return ("the register-to-global epilogue (nosmem) is offered with the persistent scheduler only "
                 f"(the small outputs it is for; not tried with partial tiles), not {s.scheduler!r}")
+    if not isinstance(s.pdl, bool):
+        return f"pdl must be true or false, got {s.pdl!r}"
     if s.swizzle not in SWIZZLES:
         return f"swizzle must be one of {', '.join(map(str, SWIZZLES))}, got {s.swizzle}"
     regs = accumulator_registers(s)
@@ -504,6 +511,26 @@ def include_dirs() -> tuple[str, ...]:
 _CPP_ELEMENT = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t", "fp32": "float"}
 _CPP_RASTER = {"heuristic": "Heuristic", "along_m": "AlongM", "along_n": "AlongN"}
 
+# Programmatic dependent launch (spec field `pdl`). CUTLASS's sm90 kernels, compiled with
+# CUTLASS_ENABLE_GDC_FOR_SM90, wait in griddepcontrol.wait (every producer warp, before its first
+# global load) until the grid before them in the stream has finished and its writes are visible,
+# and signal griddepcontrol.launch_dependents once their last tile's mainloop is done. Launched
+# with cudaLaunchAttributeProgrammaticStreamSerialization, such a kernel may be scheduled while
+# the previous kernel drains: its CTAs start on free SMs and set up (barriers, descriptor
+# prefetch) instead of waiting for the launch. Correctness does not depend on the previous
+# kernel: one that never signals releases the wait when it completes, as a plain launch would.
+PDL_PREFIX = ("// launched as a programmatic dependent: producers wait (griddepcontrol.wait) before their\n"
+              "// first global load; the last tile's mainloop signals the next kernel\n"
+              "#define CUTLASS_ENABLE_GDC_FOR_SM90 1\n")
+PDL_LAUNCH = """  // programmatic dependent launch: may start while the stream's previous kernel drains
+  cudaLaunchAttribute with_pdl[2];
+  with_pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  with_pdl[0].val.programmaticStreamSerializationAllowed = 1;
+  with_pdl[1] = attribute[0];
+  config.attrs = with_pdl;
+  config.numAttrs += 1;
+"""
+
 _TEMPLATE = Template(r"""// ${name}: a CUTLASS 3.x sm90 GEMM behind the gemmrl kernel ABI (gemmrl/runtime/abi.py).
 // Rendered by gemmrl.space.cutlass_sm90 (render version ${version}) from the spec
 //   ${spec_json}
@@ -638,7 +665,7 @@ bool launch_gemm(typename GemmKernel::Params& params, cudaStream_t stream) {
   attribute[0].val.clusterDim.z = 1;
   config.attrs = attribute;
   config.numAttrs = cx * cy > 1 ? 1 : 0;
-  void* kernel_args[] = {&params};
+${pdl_launch}  void* kernel_args[] = {&params};
   return cudaLaunchKernelExC(&config, reinterpret_cast<const void*>(cutlass::device_kernel<GemmKernel>),
                              kernel_args) == cudaSuccess;
 }
@@ -891,6 +918,11 @@ def render(spec: CutlassSpec, problem=None) -> str:
                    "  StrideD stride_d = cute::make_stride(int64_t(ldc), cute::Int<1>{}, int64_t(ldc) * M);\n")
         problem_shape = "cute::make_shape(M, N, K, 1)"
         entry, prefix, reduce_kernel = _ENTRY_POINTS, "", ""
+    pdl_launch = ""
+    if s.pdl:
+        if "CUTLASS_ENABLE_GDC_FOR_SM90" not in prefix:
+            prefix = PDL_PREFIX + prefix
+        pdl_launch = PDL_LAUNCH
     meta = {"layout": s.layout, "dtype": s.dtype, "acc": s.acc, "name": s.name, "family": FAMILY,
             "key": s.key()}
     return _TEMPLATE.substitute(
@@ -898,7 +930,7 @@ def render(spec: CutlassSpec, problem=None) -> str:
         extended_mma=prefix + ("" if s.tile_n in BASE_MMA_N else
                                "// tile_n is not a base wgmma N: one wide MMA atom needs cute's extended shapes\n"
                                "#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED 1\n"),
-        element_d_line=element_d_line, strides=strides, problem_shape=problem_shape,
+        element_d_line=element_d_line, strides=strides, problem_shape=problem_shape, pdl_launch=pdl_launch,
         reduce_kernel=reduce_kernel,
         ldb_min="N" if nn else "K",
         entry_points=entry.substitute(ldb_min="N" if nn else "K", ldb_packed="N" if nn else "K",
