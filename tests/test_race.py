@@ -93,6 +93,14 @@ def test_a_built_only_race_leaves_out_unbuilt_contenders_but_never_the_winner(tm
     unbuilt |= {SPECS[2].name, SPECS[3].name}
     race = Race(store, dev, k=3, built_only=True)
     assert race.specs(P) == [SPECS[0]] and race._stored(P) == SPECS[0]  # nothing to race
+    # once another kernel is the stored winner (a race after the search), the search's unbuilt
+    # fastest no longer races: nothing generic is compiled
+    import json
+    from dataclasses import asdict
+    store.put_tuning(dev, P, TUNED, json.dumps({"family": "cutlass_sm90", "spec": asdict(SPECS[2])}).encode(),
+                     "raced", 106.0)
+    unbuilt -= {SPECS[2].name, SPECS[3].name}
+    assert Race(store, dev, k=3, built_only=True).specs(P) == [SPECS[2], SPECS[3]]
 
 
 def test_the_incumbent_winner_races_too(tmp_path):

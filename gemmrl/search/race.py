@@ -75,11 +75,16 @@ class Race(BestOf):
         if not self.built_only:
             out = [s for s in contenders(trials, self.k, self.margin) if s.name not in bad]
         else:
+            # the stored winner races though unbuilt (the final timing builds it in any case);
+            # any other contender only if built: a race after the search (bench --impl race),
+            # where the search's fastest is no longer the stored winner, compiles nothing generic
             built = built_generic_only()
+            stored = BestOf._stored(self, problem)
             ranked = [s for s in contenders(trials, len(trials) or 1, self.margin) if s.name not in bad]
-            out = (ranked[:1] + [s for s in ranked[1:] if built(registry.family_of(s).name, s, problem)])[:self.k]
+            out = [s for s in ranked if s == stored or built(registry.family_of(s).name, s, problem)][:self.k]
         inc = self.incumbent(problem, trials, bad)
-        out = out + [inc] if out and inc is not None and inc not in out else out
+        if inc is not None and inc not in out and (out or self.twins):
+            out = out + [inc]
         if self.twins and out:
             from gemmrl.build.ahead import variants
 
