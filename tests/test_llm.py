@@ -117,6 +117,13 @@ def test_static_check_accepts_honest_kernel():
     ("#define CAT(a,b) a##b\n", "token pasting"),
     ('int host_fn(){ asm volatile("nop"); return 0; }', "inline assembly"),
     ('#define NOP() asm volatile("nop")\nint host_fn(){ NOP(); return 0; }', "inline assembly"),
+    ("void f(cudaLaunchAttribute* a){ a->id = cudaLaunchAttributeProgrammaticStreamSerialization; }",
+     "programmatic dependent launch"),
+    ("void f(cudaLaunchAttribute* a){ a->val.programmaticStreamSerializationAllowed = 1; }",
+     "programmatic dependent launch"),
+    ('__device__ void w(){ asm volatile("griddepcontrol.wait;" ::: "memory"); }', "programmatic dependent launch"),
+    ("__global__ void k3(){ cudaGridDependencySynchronize(); }", "programmatic dependent launch"),
+    ("#define CUTLASS_ENABLE_GDC_FOR_SM90 1\n", "programmatic dependent launch"),
 ])
 def test_static_check_rules_fire(snippet, expect):
     problems = check_source(HONEST + "\n" + snippet + "\n")

@@ -4,7 +4,8 @@
 first gate, not the security boundary (the build and run happen in a scrubbed, rlimited worker,
 and verify() still applies every cheat check): it refuses headers outside an allowlist, host
 code that reaches outside the kernel ABI (files, processes, network, dynamic loading, threads,
-other libraries, allocation or synchronisation), load-time constructors, token pasting (which
+other libraries, allocation or synchronisation), programmatic dependent launch (an overlap
+of consecutive calls that the kernel-mode timing would credit), load-time constructors, token pasting (which
 could assemble a refused name), inline assembly outside __device__ / __global__ functions, and
 sources that do not define the three ABI symbols. Comments and string literals are removed
 first, so neither triggers a refusal.
@@ -21,6 +22,12 @@ ALLOWED_HEADERS = frozenset({
     "cstdint", "stdint.h", "cstddef", "stddef.h",
 })
 ALLOWED_HEADER_PREFIXES = ("cute/", "cutlass/")
+
+# programmatic dependent launch lets a call start while the previous one drains: the judge's
+# kernel mode, a graph of back-to-back calls, would credit that overlap, which a model's graph
+# (other kernels between the GEMMs) does not deliver (results/README.md, eleventh session)
+PDL_REASON = "programmatic dependent launch: overlaps consecutive calls, which kernel-mode timing would credit"
+_GDC_ASM_RE = re.compile(r"\bgriddepcontrol\b")
 
 # (pattern over code without comments and strings, what it reaches)
 FORBIDDEN = [
@@ -42,6 +49,9 @@ FORBIDDEN = [
     (r"__attribute__\s*\(\(\s*(constructor|destructor)", "load-time constructor/destructor"),
     (r"\binit_priority\b|\.init_array|\.fini_array", "load-time code"),
     (r"##", "token pasting (can hide names from this check)"),
+    (r"\bcudaLaunchAttributeProgrammatic\w*|\bCU_LAUNCH_ATTRIBUTE_PROGRAMMATIC\w*|\bprogrammaticStreamSerialization\w*"
+     r"|\bcudaGridDependencySynchronize\b|\bcudaTriggerProgrammaticLaunchCompletion\b|\bCUTLASS_ENABLE_GDC_FOR_SM\d+\b",
+     PDL_REASON),
     (r"\b_Pragma\b|#\s*pragma\s+(push_macro|pop_macro)", "preprocessor indirection"),
 ]
 _FORBIDDEN_RE = [(re.compile(p), what) for p, what in FORBIDDEN]
@@ -164,7 +174,10 @@ def check_source(src: str) -> list[str]:
     """Why `src` is refused; an empty list when it may be built."""
     if not isinstance(src, str) or not src.strip():
         return ["empty source"]
-    problems = _check_includes(strip_comments_and_strings(src, keep_strings=True))
+    with_strings = strip_comments_and_strings(src, keep_strings=True)
+    problems = _check_includes(with_strings)
+    if _GDC_ASM_RE.search(with_strings):  # the PTX instruction lives in an asm string
+        problems.append(f"refused ({PDL_REASON}): griddepcontrol")
     code = strip_comments_and_strings(src)
     for rx, what in _FORBIDDEN_RE:
         hits = sorted({m.group(0).strip() for m in rx.finditer(code)})
