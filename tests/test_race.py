@@ -197,6 +197,18 @@ def test_variants_move_one_field_the_built_only_search_never_moved():
         variants(spec, p, ("tile_m",))
 
 
+def test_the_search_never_proposes_a_programmatic_dependent_launch():
+    """pdl overlaps consecutive calls, which kernel-mode timing would credit: no mutation flips
+    it, and the pool has none."""
+    from gemmrl.search.policy import candidate_pool, mutations
+    from gemmrl.space import cutlass_sm90 as cs
+
+    for p in (Problem(4096, 4096, 4096), Problem(512, 256, 2048)):
+        for spec in cs.heuristic_specs(p, "NN")[:4]:
+            assert not any(m.pdl for m in mutations("cutlass_sm90", spec, p))
+        assert not any(getattr(s, "pdl", False) for _, s in candidate_pool(p, ("NN", "TN"), ("cutlass_sm90",)))
+
+
 def test_the_search_mutates_the_raster_order_too():
     from gemmrl.search.policy import mutations
     from gemmrl.space import cutlass_sm90 as cs
