@@ -774,7 +774,7 @@ def store_cmd(db, compress, merge_from):
               help="with --tuned-in: only the winners tuned on this GPU model (as torch names it)")
 @click.option("--variants", "variant_opt", default=None, metavar="FIELDS",
               help="with --tuned-in: also each CUTLASS winner's neighbours in these fields (comma-separated: "
-                   "raster, swizzle, stages, epilogue, pdl), for a --built-only search around the winners")
+                   "raster, swizzle, stages, epilogue, pdl, cluster), for a --built-only search around the winners")
 @click.option("--acc-only", "acc_only", default=None, type=click.Choice(["fp32", "fp16"]),
               help="with --tuned-in: only the winners of this accumulator")
 @click.option("--jobs", default=None, type=click.IntRange(1, 1024), help="parallel nvcc processes (default: CPUs)")

@@ -12,10 +12,17 @@ started before this one ended):
     python3 scripts/launch-gap.py --db results/gemmrl.sqlite --out OUT/launch-gap.json \\
         256x128x2048 1024x512x1024:fp32
 
-Implementations: the stored winner ('tuned'), its programmatic-dependent-launch twin
-('tuned-pdl', CUTLASS winners only; built here if the cache lacks it), and cuBLASLt autotuned
-NN and TN. Each is timed twice in the judge's kernel protocol (two rounds of the whole set, in
-turn) and profiled once. Prints a table; writes every record as JSON.
+Implementations: the stored winner ('tuned') and cuBLASLt autotuned NN and TN; with --pdl the
+winner's programmatic-dependent-launch twin ('tuned-pdl'); with --variants FIELDS the winner's
+neighbours in those fields (gemmrl.build.ahead.variants: e.g. cluster,stages,epilogue), and
+with --kernels NAMES further CUTLASS kernels by name, each where it serves the shape; a kernel
+not in the build cache is built here (about a minute each). Each is timed twice in the judge's
+kernel protocol (two rounds of the whole set, in turn) and profiled once. Prints a table;
+writes every record as JSON. To find what a kernel's fixed cost is made of, compare the
+per-kernel durations of a winner and its variants (not the graph's per-call times):
+
+    python3 scripts/launch-gap.py --variants cluster,stages,epilogue --out OUT/fixed-cost.json \
+        512x256x2048 4096x256x256
 """
 
 from __future__ import annotations
@@ -83,7 +90,23 @@ def main(argv=None) -> int:
     ap.add_argument("--db", default="results/gemmrl.sqlite")
     ap.add_argument("--out", required=True)
     ap.add_argument("--calls", type=int, default=64, help="calls per profiled graph")
+    ap.add_argument("--pdl", action="store_true", help="also the winner's programmatic-dependent-launch twin")
+    ap.add_argument("--variants", default="", metavar="FIELDS",
+                    help="also the winner's neighbours in these comma-separated fields (CUTLASS winners)")
+    ap.add_argument("--kernels", default="", metavar="NAMES",
+                    help="also these comma-separated CUTLASS kernel names, where they serve the shape")
     args = ap.parse_args(argv)
+    from gemmrl.build.ahead import VARIANT_FIELDS
+
+    fields = tuple(f.strip() for f in args.variants.split(",") if f.strip())
+    if set(fields) - set(VARIANT_FIELDS):
+        ap.error(f"--variants: fields are {', '.join(VARIANT_FIELDS)}; got {args.variants!r}")
+    from gemmrl.space import cutlass_sm90 as cs
+
+    try:
+        extra = [cs.CutlassSpec.from_name(n.strip()) for n in args.kernels.split(",") if n.strip()]
+    except ValueError as e:
+        ap.error(f"--kernels: {e}")
 
     import torch
 
@@ -113,9 +136,24 @@ def main(argv=None) -> int:
             print(f"{dims}: nothing tuned, skipped", flush=True)
             continue
         fns["tuned"] = SpecImpl(spec).prepare(problem)
+        kernel_of = {"tuned": spec.name}
+        others = []
         if isinstance(spec, cs.CutlassSpec):
-            twin = replace(spec, pdl=not spec.pdl)
-            fns["tuned-pdl" if twin.pdl else "tuned-nopdl"] = SpecImpl(twin).prepare(problem)
+            if args.pdl:
+                others.append(("tuned-pdl" if not spec.pdl else "tuned-nopdl", replace(spec, pdl=not spec.pdl)))
+            if fields:
+                from gemmrl.build.ahead import variants
+
+                others += [(v.name, v) for v in variants(spec, problem, fields)]
+        others += [(x.name, replace(x, dtype=problem.dtype, acc=problem.acc)) for x in extra]
+        for label, other in others:
+            if label in fns or other == spec or cs.valid(other, problem) is not None:
+                continue
+            try:
+                fns[label] = SpecImpl(other).prepare(problem)
+                kernel_of[label] = other.name
+            except Exception as e:  # a variant that does not build: say so, go on
+                print(f"{dims}: {other.name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
         for impl in base:
             if impl.supports(problem):
                 fns[impl.name] = impl.prepare(problem)
@@ -131,8 +169,7 @@ def main(argv=None) -> int:
                 trace = split_trace(profile_graph(fn, sets, args.calls))
             except Exception as e:  # no events (profiler unavailable): say so, keep the timings
                 trace = {"error": f"{type(e).__name__}: {e}"[:300]}
-            rec = {"shape": dims, "acc": problem.acc, "impl": nm,
-                   "kernel": spec.name if nm == "tuned" else (twin.name if nm.startswith("tuned-") else nm),
+            rec = {"shape": dims, "acc": problem.acc, "impl": nm, "kernel": kernel_of.get(nm, nm),
                    "kernel_mode_us": timed[nm], **trace}
             records.append(rec)
             print(f"{dims}:{problem.acc} {nm:26s} graph {', '.join(f'{t:.2f}' for t in timed[nm] if t)} us/call"

@@ -191,7 +191,11 @@ def test_variants_move_one_field_the_built_only_search_never_moved():
     assert [x.epilogue for x in v] == ["nosmem"] and replace(v[0], epilogue="tma") == spec
     v = variants(spec, p, ("pdl",))
     assert v == [replace(spec, pdl=True)] and variants(v[0], p, ("pdl",)) == [spec]
-    assert len(variants(spec, p)) == 9 and len({x.name for x in variants(spec, p)}) == 9
+    v = variants(spec, p, ("cluster",))
+    assert {(x.cluster_m, x.cluster_n) for x in v} == {(1, 1), (2, 1), (1, 2)} - {(spec.cluster_m, spec.cluster_n)}
+    assert all(replace(x, cluster_m=spec.cluster_m, cluster_n=spec.cluster_n) == spec for x in v)
+    n_all = 9 + len(v)
+    assert len(variants(spec, p)) == n_all and len({x.name for x in variants(spec, p)}) == n_all
     assert variants(raw.heuristic_specs(Problem(64, 1024, 4096), "TN")[0], p) == []  # per-shape family: none
     with pytest.raises(ValueError, match="variant fields"):
         variants(spec, p, ("tile_m",))

@@ -177,3 +177,11 @@ def test_launch_gap_splits_a_trace_into_durations_and_gaps():
     assert r["median_gap_us"] == -0.5 and r["overlaps"] == 4
     with pytest.raises(ValueError):
         mod.split_trace([("k", 0.0, 1.0)])
+
+
+def test_launch_gap_refuses_unknown_variant_fields_and_kernel_names_before_any_gpu_work():
+    for args, words in ((["--variants", "tile_m"], "--variants: fields are"),
+                        (["--kernels", "sm90_nope"], "not a cutlass_sm90 kernel name")):
+        r = subprocess.run([sys.executable, str(ROOT / "scripts" / "launch-gap.py"), "--out", "x.json", *args,
+                            "64x64x64"], capture_output=True, text=True, env=ENV, timeout=300)
+        assert r.returncode == 2 and words in r.stderr, r.stderr
