@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", default="", metavar="NAMES",
                     help="also these comma-separated CUTLASS kernel names, where they serve the shape")
     args = ap.parse_args(argv)
-    from gemmrl.build.ahead import VARIANT_FIELDS
+    from gemmrl.build.ahead import VARIANT_FIELDS, variants
 
     fields = tuple(f.strip() for f in args.variants.split(",") if f.strip())
     if set(fields) - set(VARIANT_FIELDS):
@@ -115,22 +115,20 @@ def main(argv=None) -> int:
     from gemmrl.core.problem import Problem
     from gemmrl.runtime.spec_impl import SpecImpl
     from gemmrl.search.best_of import BestOf
-    from gemmrl.space import cutlass_sm90 as cs
     from gemmrl.store.db import Store
 
     store = Store(args.db, readonly=True)
     device = torch.cuda.get_device_name()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    base = [i for i in impls_from_specs(["cuBLASLt-auto-tuning-nn,cuBLASLt-auto-tuning-tn"], store=store,
-                                        device=device)]
+    base = impls_from_specs(["cuBLASLt-auto-tuning-nn,cuBLASLt-auto-tuning-tn"], store=store, device=device)
+    tuned = impls_from_specs(["tuned"], store=store, device=device)[0]
+    assert isinstance(tuned, BestOf)
     records = []
     for text in args.shapes:
         dims, _, acc = text.partition(":")
         m, n, k = (int(x) for x in dims.lower().split("x"))
         problem = Problem(m, n, k, dtype="fp16", acc=acc or "fp32")
         fns = {}
-        tuned = impls_from_specs(["tuned"], store=store, device=device)[0]
-        assert isinstance(tuned, BestOf)
         spec = tuned._stored(problem)
         if spec is None:
             print(f"{dims}: nothing tuned, skipped", flush=True)
@@ -142,8 +140,6 @@ def main(argv=None) -> int:
             if args.pdl:
                 others.append(("tuned-pdl" if not spec.pdl else "tuned-nopdl", replace(spec, pdl=not spec.pdl)))
             if fields:
-                from gemmrl.build.ahead import variants
-
                 others += [(v.name, v) for v in variants(spec, problem, fields)]
         others += [(x.name, replace(x, dtype=problem.dtype, acc=problem.acc)) for x in extra]
         for label, other in others:

@@ -274,8 +274,7 @@ def _features(family: str, spec, problem: Problem, est_us: float) -> list[float]
               c12 * lN, k128, k128 * lK, sw, sw * lN, float(spec.raster == "along_m"),
               float(spec.raster == "along_n"), float(spec.layout == "NN"), spec.stages / 8,
               float(spec.reduction == "nondeterministic"), float(spec.reduction == "separate"),
-              float(getattr(spec, "epilogue", "tma") == "nosmem"), float(tn % 64 != 0 and tn > 32),
-              float(getattr(spec, "pdl", False))]
+              float(getattr(spec, "epilogue", "tma") == "nosmem"), float(tn % 64 != 0 and tn > 32)]
     elif family == "raw":
         swap = float(spec.swap_ab)
         st = spec.stages / 4

@@ -72,13 +72,13 @@ class Race(BestOf):
         trials = [t for t in stored_history(self.store, self.device, [problem]) if t.problem == problem]
         from gemmrl.search.run import built_generic_only
 
-        if not self.built_only:
+        built = built_generic_only() if self.built_only else None
+        if built is None:
             out = [s for s in contenders(trials, self.k, self.margin) if s.name not in bad]
         else:
             # the stored winner races though unbuilt (the final timing builds it in any case);
             # any other contender only if built: a race after the search (bench --impl race),
             # where the search's fastest is no longer the stored winner, compiles nothing generic
-            built = built_generic_only()
             stored = BestOf._stored(self, problem)
             ranked = [s for s in contenders(trials, len(trials) or 1, self.margin) if s.name not in bad]
             out = [s for s in ranked if s == stored or built(registry.family_of(s).name, s, problem)][:self.k]
@@ -88,7 +88,6 @@ class Race(BestOf):
         if self.twins and out:
             from gemmrl.build.ahead import variants
 
-            built = built_generic_only() if self.built_only else None
             for spec in list(out):
                 for v in variants(spec, problem, self.twins):
                     if v not in out and v.name not in bad and (
