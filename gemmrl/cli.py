@@ -437,8 +437,13 @@ def report(db, out, device, subject, dtype, acc, versus):
                    "keep the fastest: the search's quick timing misranks the largest shapes. The winner that "
                    "last passed the final verification always races too (so with 1, a new winner races only "
                    "the old one); with --built-only, CUTLASS contenders only if already built")
+@click.option("--transfer-from", "transfer_from", default=None, metavar="GPU",
+              help="seed the search with what tuning found on another GPU model in the store, of the same "
+                   "architecture (e.g. 'NVIDIA H200' for an H100): per shape its winner and runners-up are "
+                   "proposed first, its trials warm the cost model; `gemmrl build --tuned-in DB --device GPU "
+                   "--race K` compiles them ahead")
 def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, built_only, family_opts, match, layouts,
-         db, out, ray_address, gpus, no_report, reuse_baselines, race):
+         db, out, ray_address, gpus, no_report, reuse_baselines, race, transfer_from):
     """Search kernels per shape with speed over the best baseline as the reward; keep the winners.
 
     Baselines are measured first (kernel mode) where the store lacks them; then the model-free
@@ -495,6 +500,8 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
     store = Store(db)
     device = torch.cuda.get_device_name()
     prov = env.provenance()
+    if transfer_from is not None:
+        _check_transfer_source(store, transfer_from, device, prov.get("capability"))
     run_id = store.start_run(" ".join(["gemmrl"] + sys.argv[1:]), device, prov,
                              {"candidates": candidates, "more": more, "batch": batch, "budget_s": budget_s,
                               "layouts": lays})
@@ -531,7 +538,8 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
             res = run_tune(problems, store, device, evaluate, candidates=candidates, batch=batch,
                            budget_s=budget_s or float("inf"), layouts=lays, run_id=run_id, on_trial=on_trial,
                            deadline=time.monotonic() + wall_s if wall_s else None,
-                           generic_built_only=built_only, families=fams, match=match, more=more)
+                           generic_built_only=built_only, families=fams, match=match, more=more,
+                           transfer_from=transfer_from)
             search_wall = time.monotonic() - t_search
         finally:
             close()
@@ -589,6 +597,23 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
 
 
 RUNNER_UP_ROUNDS = 3  # how many times a shape's rejected winner gives way to the next (tune)
+
+
+def _check_transfer_source(store, source: str, device: str, capability: str | None) -> None:
+    """tune --transfer-from: the source must be another GPU model the store has tuning of, and of
+    this GPU's architecture where its runs recorded one (kernels for another one would not load)."""
+    if source == device:
+        raise click.BadParameter(f"{source!r} is this GPU: its own trials already seed the search",
+                                 param_hint="--transfer-from")
+    tuned = {c[0] for c in store.tuned_choices("gemmrl-tuned")}
+    if source not in tuned:
+        raise click.BadParameter(f"the store {store.path} holds no tuning on {source!r}"
+                                 + (f"; it has tuning on {', '.join(map(repr, sorted(tuned)))}" if tuned else ""),
+                                 param_hint="--transfer-from")
+    caps = {r["provenance"].get("capability") for r in store.runs() if r["device"] == source} - {None}
+    if capability is not None and caps and capability not in caps:
+        raise click.BadParameter(f"{source!r} is compute capability {', '.join(sorted(caps))}, this GPU "
+                                 f"{capability}: its kernels are not this architecture's", param_hint="--transfer-from")
 
 
 def shapes_to_time(problems, trials, store, device: str, protocol: str) -> list:

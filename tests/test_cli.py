@@ -343,3 +343,41 @@ def test_tune_whose_final_timing_is_stopped_ends_partial_and_promotes_no_runner_
     assert r.exit_code == 0 and seen_kw[-1]["more"] == 3, r.output
     r = CliRunner().invoke(main, ["tune", "--shapes", "64x64x64", "--more", "0"])
     assert r.exit_code == 2 and "--more" in r.output
+
+
+def test_cuda_l2_imports_a_carried_prebuilt_module(tmp_path):
+    """A CUDA-L2 module built on another machine of the same image and carried as the .so alone
+    (scripts/cuda-l2-prebuild.py) is imported as it is, not compiled again; a build directory
+    that torch's JIT made itself (build.ninja beside it) is left to the JIT. The module here is a
+    real CPython extension compiled with the C compiler, standing in for the torch extension."""
+    import shutil
+    import subprocess
+    import sysconfig
+
+    import pytest
+
+    from gemmrl.baselines import cuda_l2
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    src = tmp_path / "64_64_64.cu"
+    src.write_text("void cuda_l2_h100_fp32(torch::Tensor a, torch::Tensor b, torch::Tensor b_col_major, "
+                   "torch::Tensor c) {}\n")
+    name = cuda_l2.module_name(src)
+    assert name.startswith("cudal2_64_64_64_") and name == cuda_l2.module_name(src)
+    src2 = tmp_path / "other" / "64_64_64.cu"
+    src2.parent.mkdir()
+    src2.write_text(src.read_text() + "// changed\n")
+    assert cuda_l2.module_name(src2) != name  # the digest follows the text
+    bdir = tmp_path / "root" / name
+    bdir.mkdir(parents=True)
+    c = tmp_path / "m.c"
+    c.write_text('#include <Python.h>\n'
+                 'static PyObject* run(PyObject* s, PyObject* a) { return PyLong_FromLong(42); }\n'
+                 'static PyMethodDef M[] = {{"run", run, METH_VARARGS, ""}, {0}};\n'
+                 f'static struct PyModuleDef D = {{PyModuleDef_HEAD_INIT, "{name}", 0, -1, M}};\n'
+                 f'PyMODINIT_FUNC PyInit_{name}(void) {{ return PyModule_Create(&D); }}\n')
+    subprocess.run(["cc", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}", str(c), "-o",
+                    str(bdir / f"{name}.so")], check=True)
+    mod = cuda_l2.build(src, tmp_path / "root")
+    assert mod.run() == 42 and mod.__name__ == name

@@ -17,7 +17,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTH
 
 @pytest.mark.parametrize("script, words", [
     ("server-noise.py", "--rounds"), ("fallback-gap.py", "pack"), ("product-gap.py", "pack"),
-    ("protocol-gap.py", "--repeats"), ("launch-gap.py", "--calls")])
+    ("protocol-gap.py", "--repeats"), ("launch-gap.py", "--calls"), ("cuda-l2-prebuild.py", "--shapes")])
 def test_gpu_scripts_load_and_show_their_arguments(script, words):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--help"], capture_output=True,
                        text=True, env=ENV, timeout=300)

@@ -298,6 +298,59 @@ def test_transfer_from_a_tuned_neighbour_saves_candidates():
     assert sum(w for _, w in reached) * 1.5 <= sum(c for c, _ in reached), (cold_n, warm_n)
 
 
+class OtherGPU(SimGPU):
+    """The same architecture with slower memory: memory-heavy shapes (low FLOPs per byte) take up
+    to 40% longer whatever the kernel, and every kernel's time moves by up to +-6% more (a
+    deterministic draw per spec and shape), so rankings mostly but not always carry over."""
+
+    def __call__(self, problem, candidates):
+        out = []
+        for t in super().__call__(problem, candidates):
+            if t.status == "ok":
+                intensity = problem.flops / (2 * (problem.M * problem.K + problem.K * problem.N + problem.M * problem.N))
+                f = (1 + 0.4 * _clip((256 - intensity) / 256)) * math.exp(0.12 * (_u("other", t.candidate.name,
+                                                                                       problem.key()) - 0.5))
+                t = Trial(problem, t.candidate, "ok", t.time_us * f, t.reward / f, t.details)
+            out.append(t)
+        return out
+
+
+def test_a_prior_from_another_gpu_saves_candidates():
+    """tune --transfer-from on the simulated pair of GPUs: the other GPU's ranking, proposed
+    first, reaches 0.98 of this GPU's exhaustive optimum in fewer candidates than a cold start."""
+    problems = [Problem(*s) for s in ((64, 4096, 8192), (4096, 4096, 4096), (128, 1024, 16384), (2048, 64, 2048),
+                                      (512, 512, 512), (256, 256, 4096), (16384, 1024, 1024), (1024, 8192, 256))]
+
+    def needed(result, problem, target):
+        best = 0.0
+        for i, t in enumerate((t for t in result.trials if t.problem == problem), 1):
+            best = max(best, t.reward)
+            if best >= target:
+                return i
+        return 33
+
+    other = tune(problems, ModelFreePolicy(layouts=LAYOUTS, seed=1), OtherGPU(), per_shape_candidates=48, batch=8)
+    cold_n, warm_n = [], []
+    for p in problems:
+        target = 0.98 * optimum(p)
+        cold = tune([p], ModelFreePolicy(layouts=LAYOUTS), SimGPU(), per_shape_candidates=32, batch=8)
+        warm_policy = ModelFreePolicy(layouts=LAYOUTS)
+        for q in problems:  # as add_store_prior gives it: best first
+            ranked = sorted((t for t in other.trials if t.problem == q and t.status == "ok"), key=lambda t: -t.reward)
+            warm_policy.add_prior(q, [(t.candidate.family, t.candidate.spec) for t in ranked])
+        warm = tune([p], warm_policy, SimGPU(), per_shape_candidates=32, batch=8)
+        assert [t.candidate.origin for t in warm.trials[:3]] == ["prior"] * 3
+        cold_n.append(needed(cold, p, target))
+        warm_n.append(needed(warm, p, target))
+    # measured: cold [3, 33, 12, 4, 21, 33, 30, 27], warm [1, 33, 1, 7, 21, 1, 1, 33] (33: not
+    # reached within 32): the other GPU's winner is this one's on 4 shapes; where it is not, the
+    # three slots it takes in the first batch can cost a few candidates
+    print("cold", cold_n, "warm", warm_n)
+    assert sum(w == 1 for w in warm_n) >= 3, (cold_n, warm_n)
+    assert sum(w <= c for c, w in zip(cold_n, warm_n)) >= 6, (cold_n, warm_n)
+    assert sum(warm_n) * 1.5 <= sum(cold_n), (cold_n, warm_n)
+
+
 class Checked:
     """Wraps a policy and fails the test on any proposal that repeats a tried spec, is invalid
     for the problem, is quarantined, crashed before on the problem, or repeats within a batch."""

@@ -202,3 +202,78 @@ def test_rejected_winners_reads_the_runs_final_checks():
     assert rejected_winners(store, "H100", [P1], run) == {P1: "random test 1: too far"}
     store.record_verification(run, "H100", P1, TUNED, True, "", {})  # the runner-up passed
     assert P1 not in rejected_winners(store, "H100", [P1, P2], run)
+
+
+# --- tune --transfer-from: another GPU's tuning seeds this one's search -----------------------
+
+def _tuned_elsewhere(store, device="NVIDIA H200"):
+    """Tune P1 and P2 on `device` with the fake GPU; returns each shape's stored winner's name."""
+    run_tune([P1, P2], store, device, fake_evaluate, candidates=6, batch=3, layouts=("TN",),
+             policy=ModelFreePolicy(layouts=("TN",), seed=0))
+    return {p: store.get_tuning(device, p, TUNED)["info"].split()[0] for p in (P1, P2)}
+
+
+def test_transfer_from_another_gpu_proposes_its_winners_first(tmp_path):
+    from gemmrl.search.run import add_store_prior
+
+    store = Store(tmp_path / "s.sqlite")
+    won = _tuned_elsewhere(store)
+    seen = []
+
+    def record(problem, candidates):
+        seen.append((problem, [c for c in candidates]))
+        return fake_evaluate(problem, candidates)
+
+    res = run_tune([P1, P2], store, "NVIDIA H100 80GB HBM3", record, candidates=4, batch=4, layouts=("TN",),
+                   policy=ModelFreePolicy(layouts=("TN",), seed=3), transfer_from="NVIDIA H200")
+    for p in (P1, P2):
+        first = next(cands for q, cands in seen if q == p)
+        # the other GPU's winner leads this GPU's first batch, and its runners-up follow
+        assert first[0].name == won[p] and first[0].origin == "prior"
+        assert [c.origin for c in first[:3]] == ["prior"] * 3
+        others = sorted((r for r in store.trials("NVIDIA H200", [p]) if r["status"] == "ok"),
+                        key=lambda r: -r["reward"])
+        assert {c.name for c in first[1:3]} <= {r["candidate"] for r in others}
+    # nothing of the other GPU counts as tried or timed here: every prior suggestion was timed anew
+    assert len(res.trials) == 8 and len(store.trials("NVIDIA H100 80GB HBM3")) == 8
+    # a fresh policy gets suggestions for both shapes, best first, and nothing else of it
+    pol = ModelFreePolicy(layouts=("TN",))
+    assert add_store_prior(pol, store, "NVIDIA H200", "NVIDIA H100 80GB HBM3") == 2
+    for p in (P1, P2):
+        assert pol.prior[p][0][1].name == won[p] and len(pol.prior[p]) == 6
+    assert pol.model.observed() == 0 and not pol.tried and not pol.ok
+    assert add_store_prior(ModelFreePolicy(layouts=("TN",)), store, "NVIDIA H200", "H100", problems=[P2]) == 1
+
+
+def test_transfer_from_reaches_shapes_the_other_gpu_never_tuned(tmp_path):
+    from gemmrl.search.run import add_store_prior
+
+    store = Store(tmp_path / "s.sqlite")
+    won = _tuned_elsewhere(store)
+    pol = ModelFreePolicy(layouts=("TN",), seed=0)
+    add_store_prior(pol, store, "NVIDIA H200", "H100")
+    unseen = Problem(4096, 4096, 2048)  # nearest tuned shape: P2 (4096x4096x1024)
+    got = pol.propose(unseen, 4)
+    assert got[0].name == won[P2] and got[0].origin == "prior"
+
+
+def test_transfer_from_refuses_this_gpu_and_unknown_ones(tmp_path):
+    import click
+    import pytest
+
+    from gemmrl.cli import _check_transfer_source
+    from gemmrl.search.run import add_store_prior
+
+    store = Store(tmp_path / "s.sqlite")
+    _tuned_elsewhere(store)
+    rid = store.start_run("gemmrl tune", "NVIDIA H200", {"capability": "9.0"}, {})
+    store.finish_run(rid)
+    with pytest.raises(click.BadParameter, match="is this GPU"):
+        _check_transfer_source(store, "NVIDIA H200", "NVIDIA H200", "9.0")
+    with pytest.raises(click.BadParameter, match="no tuning on 'NVIDIA A100'.*'NVIDIA H200'"):
+        _check_transfer_source(store, "NVIDIA A100", "NVIDIA H100 80GB HBM3", "9.0")
+    with pytest.raises(click.BadParameter, match="compute capability 9.0, this GPU 10.0"):
+        _check_transfer_source(store, "NVIDIA H200", "NVIDIA B200", "10.0")
+    _check_transfer_source(store, "NVIDIA H200", "NVIDIA H100 80GB HBM3", "9.0")  # accepted
+    with pytest.raises(ValueError, match="nothing tuned on 'GPU X'"):
+        add_store_prior(ModelFreePolicy(layouts=("TN",)), store, "GPU X", "H100")

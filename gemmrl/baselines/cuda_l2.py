@@ -62,6 +62,26 @@ def padding(problem, tiles) -> tuple[int, int, int]:
             math.ceil(problem.K / bk) * bk - problem.K)
 
 
+def module_name(source_path: str | Path, text: str | None = None) -> str:
+    """The extension's name: the file's stem and a digest of its text and the build flags."""
+    src = Path(source_path)
+    text = src.read_text() if text is None else text
+    return f"cudal2_{src.stem}_{hashlib.sha256((text + chr(0).join(CUDA_FLAGS)).encode()).hexdigest()[:16]}"
+
+
+def _import_built(path: Path, name: str):
+    """Import an extension built earlier (the same torch, elsewhere: a build cache carried to this
+    machine holds the .so alone, without the objects torch's JIT would want to see)."""
+    import importlib.util
+
+    import torch  # noqa: F401  (the extension resolves torch's libraries from the loaded process)
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def build(source_path: str | Path, build_root: str | Path, verbose: bool = False):
     """Build one CUDA-L2 file as a torch extension (cached by content in build_root)."""
     from torch.utils.cpp_extension import load
@@ -69,9 +89,11 @@ def build(source_path: str | Path, build_root: str | Path, verbose: bool = False
     src = Path(source_path)
     text = src.read_text()
     func = entry_point(text)
-    digest = hashlib.sha256((text + "\0".join(CUDA_FLAGS)).encode()).hexdigest()[:16]
-    name = f"cudal2_{src.stem}_{digest}"
+    name = module_name(src, text)
     bdir = Path(build_root) / name
+    built = bdir / f"{name}.so"
+    if built.exists() and not (bdir / "build.ninja").exists():
+        return _import_built(built, name)
     bdir.mkdir(parents=True, exist_ok=True)
     binding = bdir / "binding.cc"
     if not binding.exists():

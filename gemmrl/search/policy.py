@@ -11,7 +11,9 @@ policy observes the trials and proposes again (search/tune.py runs the loop).
   (`candidate_pool`) and the families' own heuristic picks, the winners of the nearest tuned
   problems (transfer), and one-field mutations of this problem's best kernels so far (evolution);
   all are ranked by the cost model's lower confidence bound on the time (LinUCB), with an
-  epsilon of random exploration. Legality only ever through the family's valid().
+  epsilon of random exploration. Legality only ever through the family's valid(). A prior from
+  another GPU of the same architecture (`add_prior`: what tuning there found best per shape)
+  leads a problem's first batch; nothing of it counts as tried here.
 - `ExhaustivePolicy` (the comparison baseline): the whole pool in a fixed order.
 - `RandomPolicy`: the pool in a seeded random order (the floor any policy must beat).
 
@@ -49,7 +51,7 @@ class Candidate:
     spec: object  # that family's frozen spec dataclass
     # not part of a candidate's identity (equality is family and spec):
     predicted_us: float = field(default=float("nan"), compare=False)
-    origin: str = field(default="", compare=False)  # why proposed: pool, heuristic, transfer, mutation, explore
+    origin: str = field(default="", compare=False)  # pool, heuristic, transfer, prior, mutation, explore
 
     @property
     def name(self) -> str:
@@ -477,6 +479,20 @@ class ModelFreePolicy(_Tracking):
         self.rng = random.Random(seed)
         self.fails: dict[tuple, list[int]] = {}  # (family, name) -> [failures, trials] over problems
         self.broken: set[tuple] = set()  # generic specs that did not build: broken for every shape
+        self.prior: dict[Problem, list[tuple]] = {}  # problem -> [(family, spec)], best first (add_prior)
+        self.prior_top = transfer_top + 1  # prior suggestions a batch takes: the winner and its runners-up
+
+    def add_prior(self, problem: Problem, suggestions: Iterable[tuple]) -> None:
+        """What tuning `problem` on another GPU of the same architecture found: (family, spec)
+        suggestions, best first; the first `prior_top` lead the problem's first batch (through
+        the nearest such problems, on shapes the other GPU never tuned too). Nothing of it counts
+        as tried or timed here, and its times do not train the cost model: on the simulated pair
+        of GPUs (tests/test_search.py) a model fitted to the other GPU's times was confidently
+        wrong and searched worse than a cold one."""
+        seen = self.prior.setdefault(problem, [])
+        for family, spec in suggestions:
+            if (family, spec.name) not in {(f, s.name) for f, s in seen}:
+                seen.append((family, spec))
 
     def observe(self, trials: Iterable[Trial]) -> None:
         trials = list(trials)
@@ -499,6 +515,15 @@ class ModelFreePolicy(_Tracking):
             out += [(t.candidate.family, t.candidate.spec) for t in best]
         return out
 
+    def _prior(self, problem: Problem) -> list:
+        """The prior's suggestions for the problem; for a shape it lacks, those of its nearest
+        shapes (same precision), the nearest first."""
+        if problem in self.prior:
+            return list(self.prior[problem])
+        near = sorted((p for p in self.prior if (p.dtype, p.acc) == (problem.dtype, problem.acc)),
+                      key=lambda p: (_distance(p, problem), p.key()))[:self.neighbours]
+        return [s for p in near for s in self.prior[p][:self.transfer_top]]
+
     def _options(self, problem: Problem) -> dict:
         """key -> [family, spec, origin] of every open option, first origin wins."""
         tried, quarantined = self.blocked(problem)
@@ -515,6 +540,11 @@ class ModelFreePolicy(_Tracking):
             if checked or registry.get(family).valid(spec, problem) is None:
                 opts[key] = [family, spec, origin]
 
+        if not tried:  # the prior's best lead a problem's first batch; then this GPU's own trials lead
+            for family, spec in self._prior(problem):
+                if sum(o[2] == "prior" for o in opts.values()) >= self.prior_top:
+                    break
+                add(family, spec, "prior")
         for family, spec in self._transfer(problem):
             add(family, spec, "transfer")
         best = sorted(self.ok.get(problem, ()), key=lambda t: t.time_us)[:self.mutate_top]
@@ -560,6 +590,7 @@ class ModelFreePolicy(_Tracking):
                         opts[key][2] = origin
 
         quota = -(-k // 4)
+        take([key for key in opts if opts[key][2] == "prior"], self.prior_top)  # in the prior's order
         take([key for key in ranked if opts[key][2] == "transfer"], quota)
         take([key for key in ranked if opts[key][2] == "mutation"], quota)
         if not self.tried.get(problem):

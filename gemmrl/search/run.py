@@ -88,6 +88,43 @@ def stored_history(store, device: str, problems) -> list[Trial]:
     return out
 
 
+def add_store_prior(policy, store, source: str, device: str, problems=None) -> int:
+    """Give the policy what tuning found on `source`, another GPU of this one's architecture
+    (`tune --transfer-from`): per shape, the stored winner first, then the other candidates that
+    passed there, highest reward first. `problems`: only these shapes' suggestions.
+    Returns the number of shapes with suggestions. Raises ValueError when the store has nothing
+    tuned on `source`, or `source` is this device."""
+    if source == device:
+        raise ValueError(f"{source!r} is this GPU: its trials are the search's own history already")
+    trials = stored_history(store, source, None)
+    winners = {c[1]: (c[2], c[3]) for c in store.tuned_choices(TUNED, source)}
+    if not trials and not winners:
+        known = sorted(set(store.devices()) - {device})
+        raise ValueError(f"the store holds nothing tuned on {source!r}"
+                         + (f"; it knows {', '.join(map(repr, known))}" if known else ""))
+    wanted = None if problems is None else set(problems)
+    by_problem: dict = {}
+    for t in trials:
+        if t.status == "ok" and t.time_us is not None and (wanted is None or t.problem in wanted):
+            by_problem.setdefault(t.problem, []).append(t)
+    shapes = 0
+    for problem in sorted(set(by_problem) | {p for p in winners if wanted is None or p in wanted},
+                          key=lambda p: p.key()):
+        first = []
+        if problem in winners:
+            family, fields = winners[problem]
+            try:
+                first = [(family, registry.get(family).spec_type()(**fields))]
+            except (TypeError, ValueError):
+                first = []  # a choice from an older spec layout
+        ranked = sorted(by_problem.get(problem, ()), key=lambda t: (-t.reward, t.time_us, t.candidate.name))
+        suggestions = first + [(t.candidate.family, t.candidate.spec) for t in ranked]
+        if suggestions:
+            policy.add_prior(problem, suggestions)
+            shapes += 1
+    return shapes
+
+
 def built_generic_only():
     """A policy filter: specs of a generic family (one build for every shape, slow to compile:
     CUTLASS) only where their build is already in the cache; per-shape families always."""
@@ -166,12 +203,15 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
              budget_s: float = float("inf"), layouts=("NN", "TN"), run_id: int | None = None,
              policy=None, on_trial=None, deadline: float | None = None,
              generic_built_only: bool = False, families: tuple | None = None,
-             match: str | None = None, more: int | None = None) -> TuneResult:
+             match: str | None = None, more: int | None = None,
+             transfer_from: str | None = None) -> TuneResult:
     """Tune, resuming from the trials already in the store; store every trial and the winners.
     The policy also learns from the store's trials of other shapes on this device (its cost
     model, and transfer from the nearest tuned shapes), so a new shape set starts informed.
     `match`: a regular expression; only kernels whose name it finds are proposed. `more`: that
-    many candidates per shape beyond those already stored, instead of `candidates` in all."""
+    many candidates per shape beyond those already stored, instead of `candidates` in all.
+    `transfer_from`: another GPU model in the store (same architecture) whose tuning seeds this
+    one's search (add_store_prior)."""
     problems = list(problems)
     wanted = {p.key() for p in problems}
     stored = stored_history(store, device, None)
@@ -182,6 +222,8 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
                                        allow=policy_filter(generic_built_only, match))
     if others:
         policy.observe(others)
+    if transfer_from is not None:
+        add_store_prior(policy, store, transfer_from, device)
 
     def keep(t: Trial) -> None:
         choice = json.dumps({"family": t.candidate.family, "spec": t.to_dict()["spec"]}, sort_keys=True).encode()
