@@ -12,6 +12,9 @@
 # or less: a step written "@SECONDS tune ..." is cut after that many seconds (SIGTERM: it stops
 # cleanly, keeping what it measured); a step's failure does not stop the next. OUT gets logs.tgz (a log per step) and the store,
 # compressed, as OUT/gemmrl.sqlite.xz.
+# BG="command" runs beside the steps at the lowest CPU priority (CPU work for a later call, such
+# as scripts/cuda-l2-prebuild.py), its output in OUT/bg.log; the call waits for it until TOTAL_S
+# less 20 s, then stops it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?OUT}; total=${TOTAL_S:-560}
@@ -24,6 +27,12 @@ unpack_caches "$GEMMRL_CACHE"
 db=results/gemmrl.sqlite
 python3 -m gemmrl.cli store --db "$db" > "$out/logs/store-before.txt" 2>&1  # unpacked once, before the lanes
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv > "$out/logs/gpu.txt"
+bgpid=""
+if [ -n "${BG:-}" ]; then
+  OUT=$out nice -n 19 bash -c "$BG" > "$out/bg.log" 2>&1 &
+  bgpid=$!
+  echo "background: $BG" | tee -a "$out/logs/steps.txt"
+fi
 # lane g: its steps in turn on GPU g (STEPS is lane 0, STEPS_1 lane 1, ...); the lanes at once
 lane() {
   local g=$1 spec=$2 i args argv cap verb extra budget log
@@ -63,6 +72,15 @@ for g in $(seq 1 $((ngpu - 1))); do
   [ -n "${!var:-}" ] && { lane "$g" "${!var}" & pids+=($!); }
 done
 wait "${pids[@]}"
+if [ -n "$bgpid" ]; then
+  while kill -0 "$bgpid" 2>/dev/null && [ "$SECONDS" -lt $(( total - 20 )) ]; do sleep 2; done
+  if kill -0 "$bgpid" 2>/dev/null; then
+    pkill -TERM -P "$bgpid"; kill -TERM "$bgpid"
+    echo "background: stopped after $SECONDS s" | tee -a "$out/logs/steps.txt"
+  else
+    wait "$bgpid"; echo "background: exit $? after $SECONDS s" | tee -a "$out/logs/steps.txt"
+  fi
+fi
 send_store_back "$out" "$db"
 rm -rf "$out"/logs/results-*
 tar czf "$out/logs.tgz" -C "$out" logs && rm -rf "$out/logs"
