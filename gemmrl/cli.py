@@ -739,10 +739,15 @@ def pack(db, device, dtype, acc, min_speedup, out_dir):
 @click.option("--merge", "merge_from", default=None, metavar="OTHER",
               help="first add another store's runs that this one lacks (a second machine's, or a copy a "
                    "device call sent back), with their measurements, trials and winners; OTHER.xz is read too")
-def store_cmd(db, compress, merge_from):
+@click.option("--since-run", "since_run", default=None, type=click.IntRange(0, None), metavar="N",
+              help="with --merge: only OTHER's runs after run N (and the winners and quarantines written since): "
+                   "merged into a new DB, the work of one device call, small enough to send back")
+def store_cmd(db, compress, merge_from, since_run):
     """What the store holds (runs, measurements, trials, tuned shapes per device); --compress packs it."""
     from gemmrl.store.db import Store, StoreError, decompress, pack, unpack_if_missing
 
+    if since_run is not None and merge_from is None:
+        raise click.UsageError("--since-run goes with --merge")
     unpack_if_missing(db)
     if merge_from is not None:
         import tempfile
@@ -753,7 +758,7 @@ def store_cmd(db, compress, merge_from):
                 src = decompress(src, Path(tmp) / "other.sqlite")
             try:
                 target = Store(db)
-                added = target.merge(src)
+                added = target.merge(src, since_run=since_run)
                 target.close()
             except StoreError as e:
                 raise click.ClickException(str(e)) from None

@@ -18,9 +18,20 @@ unpack_caches() {
 }
 
 # the store DB, compressed, as OUT/gemmrl.sqlite.xz; never the .xz the call started from (if the
-# compression fails, say so and send nothing: a stale store read as the call's result loses work)
+# compression fails, say so and send nothing: a stale store read as the call's result loses work).
+# With a third argument N (the last run id before the call): only the runs after N, as
+# OUT/gemmrl-delta.sqlite.xz (`gemmrl store --merge` it here): a few MB and seconds, where the
+# whole store takes a minute or more to compress.
 send_store_back() {
-  local out=$1 db=$2
+  local out=$1 db=$2 since=${3:-} delta=/tmp/gemmrl-delta.sqlite
+  if [ -n "$since" ]; then
+    rm -f "$delta" "$delta.xz"
+    if python3 -m gemmrl.cli store --db "$delta" --merge "$db" --since-run "$since" --compress \
+        > "$out/logs/store-after.txt" 2>&1; then
+      tail -2 "$out/logs/store-after.txt"; mv "$delta.xz" "$out/gemmrl-delta.sqlite.xz"; return
+    fi
+    echo "ERROR: the runs after $since could not be sent back (logs/store-after.txt); trying the whole store" >&2
+  fi
   rm -f "$db.xz"
   if python3 -m gemmrl.cli store --db "$db" --compress > "$out/logs/store-after.txt" 2>&1; then
     tail -2 "$out/logs/store-after.txt"; mv "$db.xz" "$out/gemmrl.sqlite.xz"

@@ -11,7 +11,8 @@
 # bench, under OUT/logs) and whatever is left of TOTAL_S (default 560) less 60 s as its timeout,
 # or less: a step written "@SECONDS tune ..." is cut after that many seconds (SIGTERM: it stops
 # cleanly, keeping what it measured); a step's failure does not stop the next. OUT gets logs.tgz (a log per step) and the store,
-# compressed, as OUT/gemmrl.sqlite.xz.
+# compressed, as OUT/gemmrl.sqlite.xz: only this call's runs, as OUT/gemmrl-delta.sqlite.xz, unless
+# FULL_STORE=1 (scripts/device-common.sh).
 # BG="command" runs beside the steps at the lowest CPU priority (CPU work for a later call, such
 # as scripts/cuda-l2-prebuild.py), its output in OUT/bg.log; the call waits for it until TOTAL_S
 # less 20 s, then stops it.
@@ -26,6 +27,7 @@ install_cutlass
 unpack_caches "$GEMMRL_CACHE"
 db=results/gemmrl.sqlite
 python3 -m gemmrl.cli store --db "$db" > "$out/logs/store-before.txt" 2>&1  # unpacked once, before the lanes
+since=$(python3 -c "import sqlite3, sys; print(sqlite3.connect(sys.argv[1]).execute('SELECT COALESCE(MAX(id), 0) FROM runs').fetchone()[0])" "$db")
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv > "$out/logs/gpu.txt"
 bgpid=""
 if [ -n "${BG:-}" ]; then
@@ -81,6 +83,7 @@ if [ -n "$bgpid" ]; then
     wait "$bgpid"; echo "background: exit $? after $SECONDS s" | tee -a "$out/logs/steps.txt"
   fi
 fi
-send_store_back "$out" "$db"
+[ -n "${FULL_STORE:-}" ] && since=""
+send_store_back "$out" "$db" "$since"
 rm -rf "$out"/logs/results-*
 tar czf "$out/logs.tgz" -C "$out" logs && rm -rf "$out/logs"

@@ -311,6 +311,52 @@ def test_merge_adds_the_other_stores_new_runs_once_with_their_rows(tmp_path):
     assert r.exit_code == 1 and "no store at" in r.output
 
 
+def test_a_device_call_sends_back_only_its_own_runs(tmp_path):
+    """store --merge FULL --since-run N into an empty store: the runs after N with their rows, and
+    the winners and quarantines written since the first of them started, nothing older; merged
+    into the store the call started from, it adds exactly what a merge of the full copy adds."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from gemmrl.cli import main
+    from gemmrl.core.problem import Problem
+    from gemmrl.store.db import Store, pack
+
+    home = tmp_path / "home.sqlite"
+    s = Store(home)
+    _run_with_rows(s, "old 1", (64, 64, 64), "torch.matmul", 5.0, winner=b"old", created=100.0)
+    _run_with_rows(s, "old 2", (128, 64, 64), "torch.matmul", 6.0, winner=b"old2", created=101.0)
+    s.quarantine("GPU X", Problem(64, 64, 64), "bad_kernel", "crashed")
+    s.db.execute("UPDATE quarantine SET created=50.0")
+    s.close()
+    full = tmp_path / "device.sqlite"
+    shutil.copy(home, full)  # the device call's copy
+    d = Store(full)
+    last = max(r["id"] for r in d.runs())
+    _run_with_rows(d, "on the device", (256, 64, 64), "cuBLAS-nn", 9.0, winner=b"new")
+    d.quarantine("GPU X", Problem(256, 64, 64), "worse_kernel", "hung")
+    d.close()
+    delta = tmp_path / "delta.sqlite"
+    r = CliRunner().invoke(main, ["store", "--db", str(delta), "--merge", str(full), "--since-run", str(last)])
+    assert r.exit_code == 0, r.output
+    sd = Store(delta)
+    assert [x["command"] for x in sd.runs()] == ["on the device"]
+    assert [(m["M"], m["impl"]) for m in sd.measurements()] == [(256, "cuBLAS-nn")]
+    assert [row[0] for row in sd.db.execute("SELECT M FROM tuning")] == [256]
+    assert [row[0] for row in sd.db.execute("SELECT name FROM quarantine")] == ["worse_kernel"]
+    sd.close()
+    assert delta.stat().st_size <= full.stat().st_size
+    via_delta, via_full = tmp_path / "h1.sqlite", tmp_path / "h2.sqlite"
+    shutil.copy(home, via_delta)
+    shutil.copy(home, via_full)
+    a, b = Store(via_delta), Store(via_full)
+    assert a.merge(delta) == b.merge(full)
+    assert {(m["M"], m["impl"], m["median_us"]) for m in a.measurements()} == \
+        {(m["M"], m["impl"], m["median_us"]) for m in b.measurements()}
+    r = CliRunner().invoke(main, ["store", "--db", str(delta), "--since-run", "3"])
+    assert r.exit_code == 2 and "--since-run goes with --merge" in r.output
+
 def test_processes_started_together_on_a_packed_store_unpack_it_once(tmp_path):
     """Four processes opening a store that exists only as its .xz at the same moment (two GPUs'
     steps of one device call) must not each rename their own copy into place: one that opened

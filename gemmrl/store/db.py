@@ -6,6 +6,7 @@ measured under the same protocol is not measured again unless asked.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sqlite3
 import time
@@ -405,7 +406,7 @@ class Store:
         merged.update(in_session)
         return sorted(merged.values(), key=lambda r: (r["M"], r["N"], r["K"], r["impl"], r["mode"]))
 
-    def merge(self, other: str | Path) -> dict[str, int]:
+    def merge(self, other: str | Path, since_run: int | None = None) -> dict[str, int]:
         """Bring another store's work into this one (a second machine, a copy a device call sent
         back): its runs that this store lacks (same start time, command and device) are added
         under new run ids with every row that belongs to them (peaks, verifications,
@@ -413,6 +414,9 @@ class Store:
         newer; quarantines are added. Rows are appended, so for `measurements` a merged row is
         the latest of its key. Merging the same store twice adds nothing. Rows of the other store
         that belong to no run (trials or trajectories recorded without one) are not copied.
+        `since_run`: only the other's runs with a larger id, and only winners and quarantines
+        written since the first of them started (how a device call sends back just its own work,
+        into an empty store: `gemmrl store --db DELTA --merge FULL --since-run N`).
         Returns how many rows of each table were added."""
         other = Path(other)
         if not other.exists():
@@ -429,8 +433,9 @@ class Store:
             with self.tx():
                 mine = {(r[0], r[1], r[2]) for r in self.db.execute("SELECT started, command, device FROM runs")}
                 mapping: dict[int, int] = {}
+                since = -1 if since_run is None else int(since_run)
                 for r in self.db.execute("SELECT id, started, finished, status, command, device, provenance, "
-                                         "settings FROM other.runs ORDER BY id").fetchall():
+                                         "settings FROM other.runs WHERE id > ? ORDER BY id", (since,)).fetchall():
                     if (r[1], r[4], r[5]) in mine:
                         continue
                     cur = self.db.execute("INSERT INTO runs (started, finished, status, command, device, "
@@ -451,12 +456,18 @@ class Store:
                     added[table] = cur.rowcount
                 self.db.execute("DROP TABLE temp.run_map")
                 before = self.db.total_changes
+                t0 = -math.inf
+                if since_run is not None:
+                    first = self.db.execute("SELECT MIN(started) FROM other.runs WHERE id > ?", (since,)).fetchone()[0]
+                    t0 = math.inf if first is None else first
                 self.db.execute(
-                    "INSERT INTO main.tuning SELECT * FROM other.tuning WHERE true ON CONFLICT "
+                    "INSERT INTO main.tuning SELECT * FROM other.tuning WHERE created >= ? ON CONFLICT "
                     "(device, M, N, K, dtype, acc, impl) DO UPDATE SET choice=excluded.choice, info=excluded.info, "
-                    "time_us=excluded.time_us, created=excluded.created WHERE excluded.created > tuning.created")
+                    "time_us=excluded.time_us, created=excluded.created WHERE excluded.created > tuning.created",
+                    (t0,))
                 added["tuning"] = self.db.total_changes - before
-                cur = self.db.execute("INSERT OR IGNORE INTO main.quarantine SELECT * FROM other.quarantine")
+                cur = self.db.execute("INSERT OR IGNORE INTO main.quarantine SELECT * FROM other.quarantine "
+                                      "WHERE created >= ?", (t0,))
                 added["quarantine"] = cur.rowcount
         finally:
             self.db.execute("DETACH DATABASE other")
