@@ -15,10 +15,13 @@ valid under the torch it was built with: build and use on the same machine image
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
+import signal
 import sys
 import tarfile
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -34,7 +37,7 @@ def main(argv=None) -> int:
     ap.add_argument("--nice", type=int, default=19, help="CPU priority increment for the builds")
     args = ap.parse_args(argv)
 
-    from gemmrl.baselines.cuda_l2 import module_name, prebuild
+    from gemmrl.baselines.cuda_l2 import _build_worker, module_name
     from gemmrl.build.nvcc import cache_root
     from gemmrl.core.shapes import resolve
 
@@ -48,18 +51,29 @@ def main(argv=None) -> int:
     if args.nice:
         os.nice(args.nice)
     t0 = time.monotonic()
-    errors = prebuild(paths, str(root), args.jobs)
     built = []
-    for path in paths:
-        name = module_name(path)
-        so = root / name / f"{name}.so"
-        if errors.get(path) or not so.exists():
-            print(f"not built: {Path(path).name}: {(errors.get(path) or 'no module')[-300:]}", flush=True)
-        else:
-            built.append(so)
-    with tarfile.open(args.out, "w:xz") as tar:
-        for so in built:
-            tar.add(so, arcname=str(so.relative_to(cache_root())))
+    # SIGTERM (the device call's time is up): pack what is built so far, leave the rest
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    ctx = mp.get_context("spawn")
+    pool = ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=ctx)
+    try:
+        futures = {pool.submit(_build_worker, (path, str(root))): path for path in paths}
+        for fut in as_completed(futures):
+            path, err = fut.result()
+            name = module_name(path)
+            so = root / name / f"{name}.so"
+            if err or not so.exists():
+                print(f"not built: {Path(path).name}: {(err or 'no module')[-300:]}", flush=True)
+            else:
+                built.append(so)
+                print(f"built {Path(path).name} ({time.monotonic() - t0:.0f} s)", flush=True)
+    except KeyboardInterrupt:
+        print(f"stopped after {time.monotonic() - t0:.0f} s: packing the {len(built)} built", flush=True)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        with tarfile.open(args.out, "w:xz", preset=1) as tar:
+            for so in built:
+                tar.add(so, arcname=str(so.relative_to(cache_root())))
     print(f"built {len(built)} of {len(paths)} in {time.monotonic() - t0:.0f} s; "
           f"{args.out}: {Path(args.out).stat().st_size / 1e6:.1f} MB", flush=True)
     return 0

@@ -185,3 +185,31 @@ def test_launch_gap_refuses_unknown_variant_fields_and_kernel_names_before_any_g
         r = subprocess.run([sys.executable, str(ROOT / "scripts" / "launch-gap.py"), "--out", "x.json", *args,
                             "64x64x64"], capture_output=True, text=True, env=ENV, timeout=300)
         assert r.returncode == 2 and words in r.stderr, r.stderr
+
+
+def test_transfer_report_reads_a_store(tmp_path):
+    """scripts/transfer-report.py on a store with a source GPU's winners and a target's trials."""
+    from gemmrl.core.problem import Problem
+    from gemmrl.store.db import Store
+
+    db = tmp_path / "s.sqlite"
+    s = Store(db)
+    rid = s.start_run("tune", "GPU T", {}, {})
+    p1, p2 = Problem(64, 64, 64), Problem(4096, 4096, 4096)
+    for p, src_win, tgt_win, times in ((p1, "a", "a", {"a": 2.0, "b": 2.5}), (p2, "c", "d", {"c": 110.0, "d": 100.0})):
+        s.put_tuning("GPU S", p, "gemmrl-tuned", b"{}", f"{src_win} (reward 1.0)", 1.0)
+        s.put_tuning("GPU T", p, "gemmrl-tuned", b"{}", f"{tgt_win} (reward 1.0)", 1.0)
+        for cand, t in times.items():
+            s.record_trial(rid, "GPU T", p, cand, "ok", 1.0, t, {})
+    s.record_trial(rid, "GPU T", p2, "e", "rejected", 0.0, None, {})
+    s.close()
+    out = tmp_path / "t.csv"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "transfer-report.py"), "--db", str(db),
+                        "--source", "GPU S", "--target", "GPU T", "--csv", str(out)],
+                       capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "2 shapes tuned on GPU T" in r.stdout and "4 candidates timed" in r.stdout
+    assert "winner timed there: 2; the target's final winner too: 1" in r.stdout
+    assert "geomean 1.049" in r.stdout and "over 5% on 1" in r.stdout
+    got = list(csv.DictReader(open(out)))
+    assert [(g["M"], g["same"], g["source_winner_over_fastest"]) for g in got] == [("64", "1", "1.0"), ("4096", "0", "1.1")]
