@@ -439,9 +439,9 @@ def report(db, out, device, subject, dtype, acc, versus):
                    "the old one); with --built-only, CUTLASS contenders only if already built")
 @click.option("--transfer-from", "transfer_from", default=None, metavar="GPU",
               help="seed the search with what tuning found on another GPU model in the store, of the same "
-                   "architecture (e.g. 'NVIDIA H200' for an H100): per shape its winner and runners-up are "
-                   "proposed first, its trials warm the cost model; `gemmrl build --tuned-in DB --device GPU "
-                   "--race K` compiles them ahead")
+                   "architecture ('NVIDIA H200' or 'h200', for an H100): per shape its winner and runners-up lead "
+                   "the first batch (for untuned shapes, the nearest tuned ones'); `gemmrl build --tuned-in DB "
+                   "--device GPU --race K` compiles them ahead")
 def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, built_only, family_opts, match, layouts,
          db, out, ray_address, gpus, no_report, reuse_baselines, race, transfer_from):
     """Search kernels per shape with speed over the best baseline as the reward; keep the winners.
@@ -501,7 +501,7 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
     device = torch.cuda.get_device_name()
     prov = env.provenance()
     if transfer_from is not None:
-        _check_transfer_source(store, transfer_from, device, prov.get("capability"))
+        transfer_from = _check_transfer_source(store, transfer_from, device, prov.get("capability"))
     run_id = store.start_run(" ".join(["gemmrl"] + sys.argv[1:]), device, prov,
                              {"candidates": candidates, "more": more, "batch": batch, "budget_s": budget_s,
                               "layouts": lays})
@@ -599,13 +599,19 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
 RUNNER_UP_ROUNDS = 3  # how many times a shape's rejected winner gives way to the next (tune)
 
 
-def _check_transfer_source(store, source: str, device: str, capability: str | None) -> None:
-    """tune --transfer-from: the source must be another GPU model the store has tuning of, and of
-    this GPU's architecture where its runs recorded one (kernels for another one would not load)."""
+def _check_transfer_source(store, source: str, device: str, capability: str | None) -> str:
+    """tune --transfer-from: the source must be another GPU model the store has tuning of (its
+    name as torch gives it, or its short name: 'h200'), and of this GPU's architecture where its
+    runs recorded one (kernels for another one would not load). Returns its name in the store."""
+    from gemmrl.bench.env import gpu_slug
+
+    tuned = {c[0] for c in store.tuned_choices("gemmrl-tuned")}
+    if source not in tuned:
+        named = [d for d in tuned if gpu_slug(d) == source.lower()]
+        source = named[0] if len(named) == 1 else source
     if source == device:
         raise click.BadParameter(f"{source!r} is this GPU: its own trials already seed the search",
                                  param_hint="--transfer-from")
-    tuned = {c[0] for c in store.tuned_choices("gemmrl-tuned")}
     if source not in tuned:
         raise click.BadParameter(f"the store {store.path} holds no tuning on {source!r}"
                                  + (f"; it has tuning on {', '.join(map(repr, sorted(tuned)))}" if tuned else ""),
@@ -614,6 +620,7 @@ def _check_transfer_source(store, source: str, device: str, capability: str | No
     if capability is not None and caps and capability not in caps:
         raise click.BadParameter(f"{source!r} is compute capability {', '.join(sorted(caps))}, this GPU "
                                  f"{capability}: its kernels are not this architecture's", param_hint="--transfer-from")
+    return source
 
 
 def shapes_to_time(problems, trials, store, device: str, protocol: str) -> list:

@@ -274,6 +274,9 @@ def test_transfer_from_refuses_this_gpu_and_unknown_ones(tmp_path):
         _check_transfer_source(store, "NVIDIA A100", "NVIDIA H100 80GB HBM3", "9.0")
     with pytest.raises(click.BadParameter, match="compute capability 9.0, this GPU 10.0"):
         _check_transfer_source(store, "NVIDIA H200", "NVIDIA B200", "10.0")
-    _check_transfer_source(store, "NVIDIA H200", "NVIDIA H100 80GB HBM3", "9.0")  # accepted
+    assert _check_transfer_source(store, "NVIDIA H200", "NVIDIA H100 80GB HBM3", "9.0") == "NVIDIA H200"
+    assert _check_transfer_source(store, "h200", "NVIDIA H100 80GB HBM3", "9.0") == "NVIDIA H200"  # short name
+    with pytest.raises(click.BadParameter, match="is this GPU"):
+        _check_transfer_source(store, "h200", "NVIDIA H200", "9.0")
     with pytest.raises(ValueError, match="nothing tuned on 'GPU X'"):
         add_store_prior(ModelFreePolicy(layouts=("TN",)), store, "GPU X", "H100")
