@@ -480,7 +480,7 @@ class ModelFreePolicy(_Tracking):
         self.fails: dict[tuple, list[int]] = {}  # (family, name) -> [failures, trials] over problems
         self.broken: set[tuple] = set()  # generic specs that did not build: broken for every shape
         self.prior: dict[Problem, list[tuple]] = {}  # problem -> [(family, spec)], best first (add_prior)
-        self.prior_top = transfer_top + 1  # prior suggestions a batch takes: the winner and its runners-up
+        self.prior_top = transfer_top + 1  # what a first batch takes of the prior: the winner, its runners-up
 
     def add_prior(self, problem: Problem, suggestions: Iterable[tuple]) -> None:
         """What tuning `problem` on another GPU of the same architecture found: (family, spec)
