@@ -3,8 +3,8 @@
 #   GEMMRL_CACHE=.ext/carry/gcache gemmrl build --shapes subset --top 2   # about 50 s per CUTLASS kernel per core
 #   scripts/pack-build-cache.sh .ext/carry/gcache .ext/carry/gcache.tgz   # or .txz (xz)
 # Then carry the .tgz; `scripts/device-session.sh OUT tune` unpacks it into $GEMMRL_CACHE there.
-# Builds must use the same nvcc and the same CUTLASS header path on both machines (the wheel
-# installed into /tmp/site: PYTHONPATH=/tmp/site here too), or they are not found there.
+# Builds must use the same nvcc and CUTLASS version on both machines, or they are not found there
+# (where the headers are installed does not matter: the key names them by version).
 # A third argument, an extended regular expression, keeps only the builds whose directory name
 # matches it (e.g. '_f16_f16-' for the fp16-accumulator kernels): a smaller carry; or @FILE, a list
 # of cache directories (`gemmrl build ... --entries FILE`), keeps exactly those that were built.

@@ -48,3 +48,42 @@ def test_ahead_plan_builds_a_generic_spec_once_and_raw_per_shape(tmp_path, monke
     assert len(raw) == 2 * 2 * 2  # the shape is compiled in: every (shape, layout, pick) is a build
     assert len({j.source for j in raw}) == len(raw)
     assert ahead.pending(raw) == raw  # nothing built yet in this cache
+
+
+def test_cutlass_builds_are_keyed_by_header_version_not_install_path(tmp_path, monkeypatch):
+    """The same CUTLASS headers installed at two places (a virtual environment here, /tmp/site on
+    the GPU machine) give the same cache entry, so a cache built ahead is found there; headers of
+    another version give another; and a plain include directory is still keyed by its path."""
+    from gemmrl.build import nvcc
+    from gemmrl.build.cutlass import cutlass_build_kwargs
+    from gemmrl.space import cutlass_sm90 as cs
+    from gemmrl.space.registry import get
+
+    def tree(where, version):
+        root = tmp_path / where
+        (root / "include" / "cutlass").mkdir(parents=True)
+        (root / "tools" / "util" / "include").mkdir(parents=True)
+        (root / "include" / "cutlass" / "cutlass.h").write_text("")
+        major, minor, patch = version.split(".")
+        (root / "include" / "cutlass" / "version.h").write_text(
+            f"#define CUTLASS_MAJOR {major}\n#define CUTLASS_MINOR {minor}\n#define CUTLASS_PATCH {patch}\n")
+        return root
+
+    spec = cs.CutlassSpec(64, 64, 64, 1, 1, "pingpong", "persistent", 1, 0, "heuristic", 1, "NN", "fp16", "fp32")
+    from gemmrl.core.problem import Problem
+    source = cs.render(spec, Problem(256, 256, 256))
+    entries = {}
+    for where, version in (("venv", "4.2.0"), ("site", "4.2.0"), ("other", "4.3.0")):
+        monkeypatch.setenv("GEMMRL_CUTLASS_DIR", str(tree(where, version)))
+        kw = get("cutlass_sm90").build_kwargs()
+        assert kw["include_dirs"][0].startswith(str(tmp_path / where))
+        assert kw["include_keys"] == (f"cutlass-{version}/include", f"cutlass-{version}/tools/util/include")
+        assert kw == {**cutlass_build_kwargs(), "extra_flags": kw["extra_flags"]}
+        entries[where] = nvcc.cache_entry(source, name=spec.name, cache_dir=tmp_path / "cache", **kw)
+    assert entries["venv"] == entries["site"] != entries["other"]
+    plain = [nvcc.cache_entry(source, name="k", cache_dir=tmp_path / "cache", include_dirs=(str(tmp_path / d),))
+             for d in ("venv", "site")]
+    assert plain[0] != plain[1]
+    import pytest
+    with pytest.raises(ValueError, match="1 include_keys for 2 include_dirs"):
+        nvcc.cache_entry(source, include_dirs=("/a", "/b"), include_keys=("x",))

@@ -1,7 +1,8 @@
 """Compile ahead of time, on any machine with nvcc and no GPU: the candidate kernels a set of
 shapes will try, deduplicated by source (a generic family's spec is one build for every shape),
-into the content-hash cache. A cache built here and copied to the GPU machine (same nvcc, same
-header paths) saves the GPU's time: CUTLASS kernels take about a minute each to compile."""
+into the content-hash cache. A cache built here and copied to the GPU machine (same nvcc and
+CUTLASS version, wherever its headers are installed) saves the GPU's time: CUTLASS kernels take
+about a minute each to compile."""
 
 from __future__ import annotations
 

@@ -37,6 +37,12 @@ def cutlass_version(include_dir: str) -> str:
 
 
 def cutlass_build_kwargs() -> dict:
+    """The build arguments of a CUTLASS kernel. The headers are named in the cache key by their
+    version and place in the CUTLASS tree, not by where they are installed: a cache built where
+    the wheel is in a virtual environment serves a GPU machine where it is in /tmp/site."""
     inc = cutlass_include_dirs()
+    version = cutlass_version(inc[0])
+    root = Path(inc[0]).parent
     return {"include_dirs": tuple(inc),
-            "extra_flags": (f"-DGEMMRL_CUTLASS_VERSION=\"{cutlass_version(inc[0])}\"",)}
+            "include_keys": tuple(f"cutlass-{version}/{Path(d).relative_to(root)}" for d in inc),
+            "extra_flags": (f"-DGEMMRL_CUTLASS_VERSION=\"{version}\"",)}

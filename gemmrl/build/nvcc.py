@@ -150,9 +150,21 @@ def _flags(arch: str, include_dirs: tuple[str, ...], libraries: tuple[str, ...],
     return flags, include_dirs
 
 
+def _key_flags(flags: list[str], include_dirs: tuple[str, ...], include_keys: tuple[str, ...]) -> list[str]:
+    """The flags as the cache key sees them: an include directory that has a key (a name for its
+    contents, such as 'cutlass-4.2.0/include') is named by it, not by where it lies, so a cache
+    built on one machine is found on another whose headers are installed elsewhere."""
+    if not include_keys:
+        return flags
+    if len(include_keys) != len(include_dirs):
+        raise ValueError(f"{len(include_keys)} include_keys for {len(include_dirs)} include_dirs")
+    named = {f"-I{d}": f"-I<{k}>" for d, k in zip(include_dirs, include_keys)}
+    return [named.get(f, f) for f in flags]
+
+
 def _artifact(source: str, name: str, flags: list[str], include_dirs: tuple[str, ...],
-              cache_dir, object_only: bool):
-    key = build_key(source, flags, local_headers(source, include_dirs))
+              cache_dir, object_only: bool, include_keys: tuple[str, ...] = ()):
+    key = build_key(source, _key_flags(flags, include_dirs, include_keys), local_headers(source, include_dirs))
     root = Path(cache_dir) if cache_dir else cache_root() / "builds"
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:60]
     final_dir = root / f"{safe}-{key}"
@@ -162,20 +174,22 @@ def _artifact(source: str, name: str, flags: list[str], include_dirs: tuple[str,
 def is_built(source: str, *, name: str = "kernel", arch: str = "sm_90a",
              include_dirs: tuple[str, ...] = (), libraries: tuple[str, ...] = (),
              library_dirs: tuple[str, ...] = (), extra_flags: tuple[str, ...] = (),
+             include_keys: tuple[str, ...] = (),
              cache_dir: str | Path | None = None, object_only: bool = False) -> bool:
     """Whether build_shared with these arguments would find its result in the cache (no nvcc
     run beyond `nvcc --version`, once)."""
     flags, include_dirs = _flags(arch, include_dirs, libraries, library_dirs, extra_flags, object_only)
-    return _artifact(source, name, flags, include_dirs, cache_dir, object_only)[4].exists()
+    return _artifact(source, name, flags, include_dirs, cache_dir, object_only, include_keys)[4].exists()
 
 
 def cache_entry(source: str, *, name: str = "kernel", arch: str = "sm_90a",
                 include_dirs: tuple[str, ...] = (), libraries: tuple[str, ...] = (),
                 library_dirs: tuple[str, ...] = (), extra_flags: tuple[str, ...] = (),
+                include_keys: tuple[str, ...] = (),
                 cache_dir: str | Path | None = None, object_only: bool = False, **_ignored) -> Path:
     """The cache directory build_shared would use for these arguments (it may not exist)."""
     flags, include_dirs = _flags(arch, include_dirs, libraries, library_dirs, extra_flags, object_only)
-    return _artifact(source, name, flags, include_dirs, cache_dir, object_only)[3]
+    return _artifact(source, name, flags, include_dirs, cache_dir, object_only, include_keys)[3]
 
 
 def install_built(entry: str | Path, files: dict[str, bytes]) -> bool:
@@ -202,12 +216,13 @@ def install_built(entry: str | Path, files: dict[str, bytes]) -> bool:
 def build_shared(source: str, *, name: str = "kernel", arch: str = "sm_90a",
                  include_dirs: tuple[str, ...] = (), libraries: tuple[str, ...] = (),
                  library_dirs: tuple[str, ...] = (), extra_flags: tuple[str, ...] = (),
+                 include_keys: tuple[str, ...] = (),
                  cache_dir: str | Path | None = None, timeout_s: float = 900,
                  object_only: bool = False) -> BuildResult:
     """Compile one .cu source into a shared object (or an object file), cached by content."""
     flags, include_dirs = _flags(arch, include_dirs, libraries, library_dirs, extra_flags, object_only)
     key, root, safe, final_dir, artifact = _artifact(source, name, flags, include_dirs, cache_dir,
-                                                     object_only)
+                                                     object_only, include_keys)
     if artifact.exists():
         log = (final_dir / "build.log").read_text() if (final_dir / "build.log").exists() else ""
         return BuildResult(True, key, str(artifact), log, 0.0, True, parse_ptxas(log))

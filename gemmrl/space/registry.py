@@ -45,7 +45,8 @@ class Family:
             from gemmrl.build.cutlass import cutlass_build_kwargs
 
             cut = cutlass_build_kwargs()
-            kw = {"include_dirs": cut["include_dirs"], "extra_flags": kw["extra_flags"] + cut["extra_flags"]}
+            kw = {"include_dirs": cut["include_dirs"], "include_keys": cut["include_keys"],
+                  "extra_flags": kw["extra_flags"] + cut["extra_flags"]}
         return kw
 
 
