@@ -68,14 +68,18 @@ def main(argv=None) -> int:
                 built.append(so)
                 print(f"built {Path(path).name} ({time.monotonic() - t0:.0f} s)", flush=True)
     except KeyboardInterrupt:
+        stopped = True
         print(f"stopped after {time.monotonic() - t0:.0f} s: packing the {len(built)} built", flush=True)
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-        with tarfile.open(args.out, "w:xz", preset=1) as tar:
-            for so in built:
-                tar.add(so, arcname=str(so.relative_to(cache_root())))
+    else:
+        stopped = False
+    pool.shutdown(wait=False, cancel_futures=True)
+    with tarfile.open(args.out, "w:xz", preset=1) as tar:
+        for so in built:
+            tar.add(so, arcname=str(so.relative_to(cache_root())))
     print(f"built {len(built)} of {len(paths)} in {time.monotonic() - t0:.0f} s; "
           f"{args.out}: {Path(args.out).stat().st_size / 1e6:.1f} MB", flush=True)
+    if stopped:  # the builds still running would hold the interpreter's exit: leave them
+        os._exit(0)
     return 0
 
 

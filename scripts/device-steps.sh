@@ -15,7 +15,7 @@
 # FULL_STORE=1 (scripts/device-common.sh).
 # BG="command" runs beside the steps at the lowest CPU priority (CPU work for a later call, such
 # as scripts/cuda-l2-prebuild.py), its output in OUT/bg.log; the call waits for it until TOTAL_S
-# less 20 s, then stops it.
+# less 30 s, then stops it (SIGTERM, and up to 15 s for its own clean-up).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?OUT}; total=${TOTAL_S:-560}
@@ -75,9 +75,11 @@ for g in $(seq 1 $((ngpu - 1))); do
 done
 wait "${pids[@]}"
 if [ -n "$bgpid" ]; then
-  while kill -0 "$bgpid" 2>/dev/null && [ "$SECONDS" -lt $(( total - 20 )) ]; do sleep 2; done
+  while kill -0 "$bgpid" 2>/dev/null && [ "$SECONDS" -lt $(( total - 30 )) ]; do sleep 2; done
   if kill -0 "$bgpid" 2>/dev/null; then
-    pkill -TERM -P "$bgpid"; kill -TERM "$bgpid"
+    pkill -TERM -P "$bgpid"
+    for _ in $(seq 15); do kill -0 "$bgpid" 2>/dev/null || break; sleep 1; done  # its own clean-up
+    kill -TERM "$bgpid" 2>/dev/null
     echo "background: stopped after $SECONDS s" | tee -a "$out/logs/steps.txt"
   else
     wait "$bgpid"; echo "background: exit $? after $SECONDS s" | tee -a "$out/logs/steps.txt"
