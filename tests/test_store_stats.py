@@ -151,6 +151,33 @@ def test_invalidated_measurements_are_kept_skipped_and_measured_again(tmp_path):
     row = next(r for r in s.measurements() if r["impl"] == "torch.compile" and r["M"] == P.M)
     assert row["status"] == "invalid" and row["details"]["invalidated"] == "ran eagerly"
     assert row["median_us"] == 5.0  # kept, not deleted
+    # one mode of one session, every implementation (a session whose timings were all wrong)
+    s.record_session(run, "s3", "H100", Q, "offline", "offline:v1", {"torch.compile": _st(9.0), "torch.matmul": _st(8.0)})
+    s.record_session(run, "s3", "H100", Q, "kernel", "kernel:v1", {"torch.matmul": _st(2.5)})
+    assert s.invalidate(run, None, [Q], "session beyond the floor", mode="kernel") == 2
+    assert s.measured_impls("H100", Q, "kernel", "kernel:v1") == set()
+    assert s.measured_impls("H100", Q, "offline", "offline:v1") == {"torch.compile", "torch.matmul"}
+
+
+def test_times_beyond_the_physical_floor_are_invalid():
+    peaks = {"matrix_tflops": 700.0, "bandwidth_gbs": 3000.0}
+    big = Problem(12288, 1024, 2048)  # 51.5 GFLOP: 73.6 us at 700 TFLOP/s
+    floor = stats.roofline_floor_us(big.flops, big.min_bytes, 700.0, 3000.0)
+    assert floor == pytest.approx(73.6, rel=0.01)
+    ok = {"torch.matmul": _st(82.0), "ours": _st(78.0), "slow": {"status": "wrong", "n": 0}}
+    assert stats.judge_floor(big, ok, peaks, {"torch.matmul"}) == ok  # near the floor is fine
+    assert stats.judge_floor(big, {"ours": _st(1.3)}, None, set()) == {"ours": _st(1.3)}  # no peaks: unjudged
+    # an untrusted kernel timed far beyond the floor: it alone is invalid, with the reason
+    got = stats.judge_floor(big, {"torch.matmul": _st(82.0), "ours": _st(40.0)}, peaks, {"torch.matmul"})
+    assert got["torch.matmul"]["status"] == "ok" and got["ours"]["status"] == "invalid"
+    assert "faster than the physical floor" in got["ours"]["details"]["reason"]
+    assert got["ours"]["details"]["was"] == "ok" and got["ours"]["median_us"] == 40.0
+    # a library baseline (or its repeat) beyond the floor: the session's timings are not measurements
+    got = stats.judge_floor(big, {"torch.matmul@repeat": _st(5.2), "ours": _st(80.0), "other": {"status": "wrong"}},
+                            peaks, {"torch.matmul"})
+    assert {n: r["status"] for n, r in got.items()} == {"torch.matmul@repeat": "invalid", "ours": "invalid",
+                                                         "other": "invalid"}
+    assert "session beyond the physical floor (torch.matmul@repeat)" in got["ours"]["details"]["reason"]
 
 
 def test_tuning_effort_sums_finished_runs_for_one_precision(tmp_path):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gemmrl.bench import timing
+from gemmrl.bench.stats import judge_floor
 from gemmrl.bench.worker import HEARTBEAT_ENV, Worker, beat, last_beat
 from gemmrl.core.impl import UnsupportedProblem
 from gemmrl.verify.checks import clear_reference_cache, verify
@@ -176,6 +177,7 @@ def _one_problem(problem, impls, store, cfg, device, run_id, l2, counts, log):
             res = timing.time_kernel(problem, calls, l2_bytes=l2, settings=cfg.kernel, seed=cfg.seed)
         else:
             res = timing.time_host(problem, calls, settings=getattr(cfg, mode), seed=cfg.seed)
+        res = judge_floor(problem, res, store.latest_peaks(device), {i.name for i in impls if i.trusted})
         store.record_session(run_id, session, device, problem, mode, cfg.protocol(mode), res)
         counts["sessions"] += 1
         for name, r in res.items():

@@ -44,6 +44,45 @@ def roofline_floor_us(flops: int, min_bytes: int, matrix_tflops: float, bandwidt
     return max(flops / (matrix_tflops * 1e12), min_bytes / (bandwidth_gbs * 1e9)) * 1e6
 
 
+# A time this many times under the roofline floor is no measurement. Legitimate kernels come near
+# the floor (the measured bandwidth is a copy's and a read's, and skinny GEMMs reached 1.1 of it on
+# an H200); 1.5 leaves room for that and still catches a timer, a graph or a kernel that skipped
+# the work (an H100 session of 2026-11-25 timed every implementation of one shape at 13-52 times
+# the floor after a CUDA-L2 kernel that synchronizes the device inside each call ran among them).
+BEYOND_FLOOR = 1.5
+
+
+def judge_floor(problem, results: dict, peaks: dict | None, trusted: set) -> dict:
+    """One timing session's results (name -> {'status', 'median_us', ...}) with every time that
+    beats the physical floor by more than BEYOND_FLOOR marked 'invalid' (reason kept). If a
+    trusted implementation (a library baseline, or its repeat) is among them, the whole session
+    is unreliable and every result is marked. Without measured peaks, unchanged."""
+    if not peaks or not peaks.get("matrix_tflops") or not peaks.get("bandwidth_gbs"):
+        return results
+    floor = roofline_floor_us(problem.flops, problem.min_bytes, peaks["matrix_tflops"], peaks["bandwidth_gbs"])
+    bad = {n for n, r in results.items() if r.get("status") == "ok" and r.get("median_us") is not None
+           and r["median_us"] * BEYOND_FLOOR < floor}
+    if not bad:
+        return results
+    why = {n: f"{results[n]['median_us']:.3g} us is {floor / results[n]['median_us']:.1f}x faster than the "
+              f"physical floor ({floor:.3g} us at {peaks['matrix_tflops']:.0f} TFLOP/s, {peaks['bandwidth_gbs']:.0f} GB/s)"
+           for n in bad}
+    if any(n in trusted or n.split("@")[0] in trusted for n in bad):
+        names = ", ".join(sorted(bad))
+        marked = set(results)
+        reason = {n: f"session beyond the physical floor ({names}): its timings are not measurements"
+                  + (f"; {why[n]}" if n in why else "") for n in marked}
+    else:
+        marked, reason = bad, why
+    out = dict(results)
+    for n in marked:
+        r = dict(out[n])
+        r["details"] = {**r.get("details", {}), "reason": reason[n], "was": r.get("status")}
+        r["status"] = "invalid"
+        out[n] = r
+    return out
+
+
 def repeat_noise(t_first: float, t_repeat: float) -> float:
     """Relative disagreement of two timings of the same implementation."""
     return abs(t_repeat / t_first - 1.0)

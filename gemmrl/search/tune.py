@@ -321,6 +321,7 @@ def gpu_evaluate(store, device: str, baseline_us_fn: Callable[[Problem], float],
         import torch
 
         from gemmrl.bench import timing
+        from gemmrl.bench.stats import judge_floor
         from gemmrl.bench.worker import beat
         from gemmrl.runtime.spec_impl import SpecImpl
         from gemmrl.verify.checks import verify
@@ -373,6 +374,8 @@ def gpu_evaluate(store, device: str, baseline_us_fn: Callable[[Problem], float],
             except Exception as e:
                 res = {n: {"status": "error", "details": {"reason": f"{type(e).__name__}: {e}"[:500]}}
                        for n in timed}
+            if store is not None:  # a time beyond the physical floor earns nothing (bench/stats.py)
+                res = judge_floor(problem, res, store.latest_peaks(device), {REFERENCE})
             share = (time.perf_counter() - t0) / len(calls)
             scale = 1.0
             if ref is not None:

@@ -339,18 +339,20 @@ class Store:
             (device, mode, protocol, *problem.key()))
         return {r[0] for r in rows}
 
-    def invalidate(self, run_id: int, impl: str, problems, reason: str) -> int:
-        """Mark a run's measurements of `impl` on these problems as not what they claim to be
-        (status 'invalid', the reason kept in details): reports skip them and a resumed run
-        measures them again. Nothing is deleted. Returns how many rows were marked."""
+    def invalidate(self, run_id: int, impl: str | None, problems, reason: str, mode: str | None = None) -> int:
+        """Mark a run's measurements of `impl` (None: every implementation) on these problems, in
+        `mode` or every mode, as not what they claim to be (status 'invalid', the reason kept in
+        details): reports skip them and a resumed run measures them again. Nothing is deleted.
+        Returns how many rows were marked."""
         if not reason.strip():
             raise StoreError("invalidate needs a reason")
         n = 0
         with self.db:
             for p in problems:
                 rows = self.db.execute(
-                    "SELECT id, details FROM measurements WHERE run_id=? AND impl=? AND M=? AND N=? "
-                    "AND K=? AND dtype=? AND acc=? AND status != 'invalid'", (run_id, impl, *p.key())).fetchall()
+                    "SELECT id, details FROM measurements WHERE run_id=? AND (? IS NULL OR impl=?) AND M=? AND N=? "
+                    "AND K=? AND dtype=? AND acc=? AND (? IS NULL OR mode=?) AND status != 'invalid'",
+                    (run_id, impl, impl, *p.key(), mode, mode)).fetchall()
                 for rid, det in rows:
                     d = json.loads(det) if det else {}
                     d["invalidated"] = reason
