@@ -201,10 +201,15 @@ def time_kernel(problem: Problem, calls: dict, *, l2_bytes: int, settings: Kerne
                                        "launches outside the caller's stream")
                 graphs[name] = (g, n_calls, True)
             except Exception as e:  # not capturable: time eager launches instead, and say so
+                # torch.cuda.graph's exit leaves its capture stream current when capture_end raises
+                # (a call that failed inside the capture): put the timing stream back, or every
+                # graph after it replays on the capture stream while the events time this one
+                torch.cuda.set_stream(stream)
                 torch.cuda.synchronize()
                 graphs[name] = (None, n_calls, False)
                 results.setdefault(name, {})["capture_error"] = f"{type(e).__name__}: {e}"[:300]
         except Exception as e:
+            torch.cuda.set_stream(stream)
             torch.cuda.synchronize()
             results[name] = _fail("error", f"{type(e).__name__}: {e}"[:500])
 
@@ -217,6 +222,8 @@ def time_kernel(problem: Problem, calls: dict, *, l2_bytes: int, settings: Kerne
             for i in range(n_calls):
                 fn(*sets[i % n_sets])
 
+    if torch.cuda.current_stream() != stream:  # an implementation switched streams and left it so
+        torch.cuda.set_stream(stream)
     live = [n for n in calls if n in graphs]
     samples: dict[str, list[float]] = {n: [] for n in live}
     for name in live:  # warm the graphs
