@@ -25,15 +25,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def rows(db_path: str, source: str, target: str, acc: str, dtype: str = "fp16") -> list[dict]:
+def rows(db_path: str, source: str, target: str, acc: str, dtype: str = "fp16", runs=None) -> list[dict]:
     db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
     won = {}
     for dev, M, N, K, info in db.execute("SELECT device, M, N, K, info FROM tuning WHERE impl='gemmrl-tuned' "
                                          "AND dtype=? AND acc=? AND device IN (?, ?)", (dtype, acc, source, target)):
         won[(dev, M, N, K)] = info.split()[0]
     timed: dict = {}
-    for M, N, K, cand, t in db.execute("SELECT M, N, K, candidate, time_us FROM trials WHERE device=? AND dtype=? "
-                                       "AND acc=? AND status='ok' AND time_us > 0", (target, dtype, acc)):
+    for M, N, K, cand, t, run in db.execute("SELECT M, N, K, candidate, time_us, run_id FROM trials WHERE device=? "
+                                            "AND dtype=? AND acc=? AND status='ok' AND time_us > 0",
+                                            (target, dtype, acc)):
+        if runs and run not in runs:
+            continue
         best = timed.setdefault((M, N, K), {})
         best[cand] = min(t, best.get(cand, math.inf))
     out = []
@@ -56,10 +59,13 @@ def main(argv=None) -> int:
     ap.add_argument("--target", required=True, help="the GPU tuned with --transfer-from")
     ap.add_argument("--acc", default="fp32", choices=("fp32", "fp16"))
     ap.add_argument("--csv", default=None, help="write the per-shape rows here")
+    ap.add_argument("--run", type=int, action="append", default=None,
+                    help="only the trials of this store run (repeatable): e.g. the transfer tune's own first batch, "
+                         "before a later search added candidates timed in other sessions")
     args = ap.parse_args(argv)
     if not Path(args.db).exists():
         ap.error(f"no store at {args.db}")
-    got = rows(args.db, args.source, args.target, args.acc)
+    got = rows(args.db, args.source, args.target, args.acc, runs=set(args.run or ()))
     if not got:
         print(f"no {args.acc} trials on {args.target!r} in {args.db}", file=sys.stderr)
         return 1
@@ -70,7 +76,8 @@ def main(argv=None) -> int:
             w.writeheader()
             w.writerows(got)
     ratios = [r["source_winner_over_fastest"] for r in got if r["source_winner_timed"]]
-    print(f"{len(got)} shapes tuned on {args.target} ({args.acc} accumulate), "
+    print(f"{len(got)} shapes tuned on {args.target} ({args.acc} accumulate"
+          + (f", runs {', '.join(map(str, args.run))}" if args.run else "") + "), "
           f"{sum(r['candidates'] for r in got)} candidates timed")
     print(f"- {args.source}'s winner timed there: {len(ratios)}; the target's final winner too: "
           f"{sum(r['same'] for r in got)}")

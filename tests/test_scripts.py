@@ -213,3 +213,7 @@ def test_transfer_report_reads_a_store(tmp_path):
     assert "geomean 1.049" in r.stdout and "over 5% on 1" in r.stdout
     got = list(csv.DictReader(open(out)))
     assert [(g["M"], g["same"], g["source_winner_over_fastest"]) for g in got] == [("64", "1", "1.0"), ("4096", "0", "1.1")]
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "transfer-report.py"), "--db", str(db),
+                        "--source", "GPU S", "--target", "GPU T", "--run", str(rid + 1)],
+                       capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 1 and "no fp32 trials" in r.stderr  # another run's trials only: none

@@ -1,8 +1,8 @@
-// raw_nn_fp32_16x16x128_w1x1_s4_k1_swap_64x64x1024: gemmrl raw family (gemmrl/space/raw.py); generated, regenerate rather than edit.
+// raw_nn_fp32_16x16x128_w1x1_s4_k1_64x64x1024: gemmrl raw family (gemmrl/space/raw.py); generated, regenerate rather than edit.
 // C[64,64] fp16 = A[64,1024] @ B[K,N], fp32 accumulate, row-major, packed.
-// block_m=16, block_n=16, block_k=128, warps_m=1, warps_n=1, stages=4, split_k=1, swap_ab=True, layout=NN, acc=fp32
-// Logical GEMM D[GM,GN] = P[GM,K] . Q[GN,K]^T, swap_ab: GM = N, GN = M, P = B-side, Q = A, D = C^T
-// P is stored MN-contiguous, Q K-contiguous; mma.sync m16n8k16, ldmatrix, cp.async.cg
+// block_m=16, block_n=16, block_k=128, warps_m=1, warps_n=1, stages=4, split_k=1, swap_ab=False, layout=NN, acc=fp32
+// Logical GEMM D[GM,GN] = P[GM,K] . Q[GN,K]^T, P = A, Q = B, D = C
+// P is stored K-contiguous, Q MN-contiguous; mma.sync m16n8k16, ldmatrix, cp.async.cg
 // ring of STAGES, padded shared rows. K tail zero-filled; M/N residues bounds-checked.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -15,8 +15,8 @@
 namespace raw {
 constexpr int M = 64, N = 64, K = 1024;
 constexpr int LDA = K, LDB = 64, LDC = N;          // packed: the only strides served
-constexpr int GM = 64, GN = 64;                   // logical D = C^T
-constexpr int LD_P = 64, LD_Q = 1024;              // global row pitch of P, Q
+constexpr int GM = 64, GN = 64;                   // logical D = C
+constexpr int LD_P = 1024, LD_Q = 64;              // global row pitch of P, Q
 constexpr int BM = 16, BN = 16, BK = 128;
 constexpr int WM = 1, WN = 1;
 constexpr int STAGES = 4, SPLIT_K = 1;
@@ -28,8 +28,8 @@ constexpr int TILES = TILES_M * TILES_N;
 constexpr int KT = (K + BK - 1) / BK;                   // K tiles, the last maybe a zero-filled tail
 constexpr int KT_PER = (KT + SPLIT_K - 1) / SPLIT_K;    // K tiles per split
 constexpr bool FULL_M = GM % BM == 0, FULL_N = GN % BN == 0, FULL_K = K % BK == 0;
-constexpr int P_LD = 24, P_STAGE = 3072;          // shared: [BK][BM+8] halves per stage
-constexpr int Q_LD = 136, Q_STAGE = 2176;          // shared: [BN][BK+8] halves per stage
+constexpr int P_LD = 136, P_STAGE = 2176;          // shared: [BM][BK+8] halves per stage
+constexpr int Q_LD = 24, Q_STAGE = 3072;          // shared: [BK][BN+8] halves per stage
 constexpr int SMEM_BYTES = STAGES * (P_STAGE + Q_STAGE) * 2;
 constexpr size_t COUNTER_OFFSET = 0ull;      // bytes: fp32 partials first, then counters
 constexpr size_t WORKSPACE_BYTES = 0ull;
@@ -68,33 +68,33 @@ __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint3
 // ---- end of PTX wrappers ----
 
 __device__ __forceinline__ void load_p(uint32_t s, const __half* __restrict__ g, int r0, int k0, int tid) {
-  constexpr int CPR = BM / 8;          // 16-byte chunks per row
-  constexpr int TOTAL = BK * CPR;         // tile [BK][BM] of an M/N-contiguous operand
-#pragma unroll
-  for (int i = 0; i < (TOTAL + THREADS - 1) / THREADS; ++i) {
-    const int c = tid + i * THREADS;
-    if (TOTAL % THREADS == 0 || c < TOTAL) {
-      const int r = c / CPR, c8 = (c % CPR) * 8;
-      const int gk = k0 + r, gc = r0 + c8;  // GM % 8 == 0: a chunk is all in or all out
-      const bool ok = (FULL_K || gk < K) && (FULL_M || gc < GM);
-      const __half* src = ok ? g + (size_t)gk * LD_P + gc : g;
-      cp_async16(s + (uint32_t)(r * P_LD + c8) * 2u, src, ok);
-    }
-  }
-}
-
-__device__ __forceinline__ void load_q(uint32_t s, const __half* __restrict__ g, int r0, int k0, int tid) {
   constexpr int CPR = BK / 8;            // 16-byte chunks per row
-  constexpr int TOTAL = BN * CPR;      // tile [BN][BK] of a K-contiguous operand
+  constexpr int TOTAL = BM * CPR;      // tile [BM][BK] of a K-contiguous operand
 #pragma unroll
   for (int i = 0; i < (TOTAL + THREADS - 1) / THREADS; ++i) {
     const int c = tid + i * THREADS;
     if (TOTAL % THREADS == 0 || c < TOTAL) {
       const int r = c / CPR, k8 = (c % CPR) * 8;
       const int gr = r0 + r, gk = k0 + k8;
-      const bool ok = (FULL_N || gr < GN) && (FULL_K || gk < K);
-      const __half* src = ok ? g + (size_t)gr * LD_Q + gk : g;
-      cp_async16(s + (uint32_t)(r * Q_LD + k8) * 2u, src, ok);
+      const bool ok = (FULL_M || gr < GM) && (FULL_K || gk < K);
+      const __half* src = ok ? g + (size_t)gr * LD_P + gk : g;
+      cp_async16(s + (uint32_t)(r * P_LD + k8) * 2u, src, ok);
+    }
+  }
+}
+
+__device__ __forceinline__ void load_q(uint32_t s, const __half* __restrict__ g, int r0, int k0, int tid) {
+  constexpr int CPR = BN / 8;          // 16-byte chunks per row
+  constexpr int TOTAL = BK * CPR;         // tile [BK][BN] of an M/N-contiguous operand
+#pragma unroll
+  for (int i = 0; i < (TOTAL + THREADS - 1) / THREADS; ++i) {
+    const int c = tid + i * THREADS;
+    if (TOTAL % THREADS == 0 || c < TOTAL) {
+      const int r = c / CPR, c8 = (c % CPR) * 8;
+      const int gk = k0 + r, gc = r0 + c8;  // GN % 8 == 0: a chunk is all in or all out
+      const bool ok = (FULL_K || gk < K) && (FULL_N || gc < GN);
+      const __half* src = ok ? g + (size_t)gk * LD_Q + gc : g;
+      cp_async16(s + (uint32_t)(r * Q_LD + c8) * 2u, src, ok);
     }
   }
 }
@@ -150,11 +150,11 @@ gemmrl_raw_gemm(const __half* __restrict__ Pg, const __half* __restrict__ Qg, __
       uint32_t a[MI][4], b[NI][2];
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
-        ldsm_x4_trans(a[mi], sp + (uint32_t)((kk * 16 + ((lane & 7) + ((lane >> 4) & 1) * 8)) * P_LD + wm * WTM + mi * 16 + (((lane >> 3) & 1) * 8)) * 2u);
+        ldsm_x4(a[mi], sp + (uint32_t)((wm * WTM + mi * 16 + (lane & 15)) * P_LD + kk * 16 + ((lane >> 4) * 8)) * 2u);
 #pragma unroll
       for (int nj = 0; nj < NI / 2; ++nj) {
         uint32_t t[4];
-        ldsm_x4(t, sq + (uint32_t)((wn * WTN + nj * 16 + ((lane & 7) + (lane >> 4) * 8)) * Q_LD + kk * 16 + (((lane >> 3) & 1) * 8)) * 2u);
+        ldsm_x4_trans(t, sq + (uint32_t)((kk * 16 + ((lane & 7) + ((lane >> 3) & 1) * 8)) * Q_LD + wn * WTN + nj * 16 + ((lane >> 4) * 8)) * 2u);
         b[2 * nj][0] = t[0]; b[2 * nj][1] = t[1]; b[2 * nj + 1][0] = t[2]; b[2 * nj + 1][1] = t[3];
       }
 #pragma unroll
@@ -176,18 +176,13 @@ gemmrl_raw_gemm(const __half* __restrict__ Pg, const __half* __restrict__ Qg, __
         const int gm = m0 + wm * WTM + mi * 16 + (lane >> 2) + h * 8;
         const int gn = n0 + wn * WTN + ni * 8 + (lane & 3) * 2;
         const float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
-        // D = C^T: D[gm][gn] is C[gn][gm]. Lanes g and g^1 (lane ^ 4) trade values so each stores
-        // one half2 along a row of C: even g -> C[gn][gm..gm+1], odd g -> C[gn+1][gm-1..gm].
-        const bool odd = (lane >> 2) & 1;
-        const float other = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
-        const int row = odd ? gn + 1 : gn, col = odd ? gm - 1 : gm;
-        const __half2 v = odd ? __floats2half2_rn(other, v1) : __floats2half2_rn(v0, other);
-        if ((FULL_N || row < GN) && (FULL_M || col < GM))
-          *reinterpret_cast<__half2*>(C + (size_t)row * LDC + col) = v;
+        // D = C: lane (g, q) holds C[gm][gn], C[gm][gn+1] (N even: one aligned half2 store)
+        if ((FULL_M || gm < GM) && (FULL_N || gn < GN))
+          *reinterpret_cast<__half2*>(C + (size_t)gm * LDC + gn) = __floats2half2_rn(v0, v1);
       }
 }
 
-GEMMRL_EXPORT const char* gemmrl_meta(void) { return "{\"layout\": \"NN\", \"dtype\": \"fp16\", \"acc\": \"fp32\", \"name\": \"raw_nn_fp32_16x16x128_w1x1_s4_k1_swap_64x64x1024\"}"; }
+GEMMRL_EXPORT const char* gemmrl_meta(void) { return "{\"layout\": \"NN\", \"dtype\": \"fp16\", \"acc\": \"fp32\", \"name\": \"raw_nn_fp32_16x16x128_w1x1_s4_k1_64x64x1024\"}"; }
 
 GEMMRL_EXPORT size_t gemmrl_workspace_bytes(int m, int n, int k) {
   return (m == raw::M && n == raw::N && k == raw::K) ? raw::WORKSPACE_BYTES : 0;
@@ -216,7 +211,7 @@ GEMMRL_EXPORT int gemmrl_run(const void* A, const void* B, void* C, int m, int n
     }
   }
   gemmrl_raw_gemm<<<TILES * SPLIT_K, THREADS, SMEM_BYTES, stream>>>(
-      static_cast<const __half*>(B), static_cast<const __half*>(A),
+      static_cast<const __half*>(A), static_cast<const __half*>(B),
       static_cast<__half*>(C), static_cast<float*>(workspace));
   return cudaGetLastError() == cudaSuccess ? 0 : 7;
 }
