@@ -80,8 +80,9 @@ def test_pack_build_cache_keeps_every_build_or_the_matching_ones(tmp_path):
 
 def test_device_steps_runs_each_step_in_turn_with_its_cap_and_returns_the_store(tmp_path):
     """scripts/device-steps.sh on a copy of the repository's layout with a small store: each step
-    gets --db, a step with @N is cut after N seconds, one that fails does not stop the next, and
-    the store comes back compressed beside the logs."""
+    gets --db, a step with @N is cut after N seconds, one that fails does not stop the next, a
+    BG job runs beside them and is waited for, and the call's own runs come back compressed
+    beside the logs (the whole store with FULL_STORE=1)."""
     import shutil
     import tarfile
 
@@ -100,25 +101,30 @@ def test_device_steps_runs_each_step_in_turn_with_its_cap_and_returns_the_store(
     (repo / "scripts" / "hello.py").write_text(
         "import os, sys\nopen(os.environ['OUT'] + '/hello.txt', 'w').write(' '.join(sys.argv[1:]))\n")
     env = {**ENV, "STEPS": "store ; @1 verify --impl nope ; store ; scripts/hello.py a b", "TOTAL_S": "300",
-           "GEMMRL_CACHE": str(tmp_path / "cache"), "PATH": os.environ["PATH"]}
+           "GEMMRL_CACHE": str(tmp_path / "cache"), "PATH": os.environ["PATH"],
+           "BG": "sleep 2; echo built > $OUT/bg.txt"}
     r = subprocess.run(["bash", str(repo / "scripts" / "device-steps.sh"), str(out)], capture_output=True,
                        text=True, env=env, cwd=repo, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "== step 0: gemmrl store" in r.stdout and "== step 2: gemmrl store" in r.stdout
     assert "(timeout 1 s)" in r.stdout  # the cap
-    assert (out / "gemmrl.sqlite.xz").exists() and not (repo / "results" / "gemmrl.sqlite.xz").exists()
+    assert (out / "gemmrl-delta.sqlite.xz").exists() and not (out / "gemmrl.sqlite.xz").exists()
+    assert not (repo / "results" / "gemmrl.sqlite.xz").exists()
+    assert (out / "bg.txt").read_text() == "built\n"
     with tarfile.open(out / "logs.tgz") as t:
         names = set(t.getnames())
     assert {"logs/steps.txt", "logs/step-0-store.log", "logs/step-1-verify.log", "logs/step-2-store.log"} <= names
     with tarfile.open(out / "logs.tgz") as t:
         steps = t.extractfile("logs/steps.txt").read().decode()
+    assert "background: exit 0" in steps
+    steps = "\n".join(line for line in steps.splitlines() if not line.startswith("background"))
     assert steps.count("exit 0") == 3 and "exit 0" not in steps.splitlines()[3]  # the bad step failed
     # a diagnostic script's step: run with python3, its arguments as given (no --db), OUT in its env
     assert "== step 3: python3 scripts/hello.py a b" in steps and (out / "hello.txt").read_text() == "a b"
     # two lanes (GPUs): STEPS_1 runs beside STEPS; a lane for a GPU the machine lacks is named
     out2 = tmp_path / "out2"
     env2 = {**env, "STEPS": "store", "STEPS_1": "store --db-missing-option", "STEPS_2": "store",
-            "STEPS_GPUS": "2"}
+            "STEPS_GPUS": "2", "FULL_STORE": "1", "BG": ""}
     (repo / "results" / "gemmrl.sqlite").unlink()  # a fresh store for the second call
     store = Store(repo / "results" / "gemmrl.sqlite")
     store.close()
@@ -129,6 +135,7 @@ def test_device_steps_runs_each_step_in_turn_with_its_cap_and_returns_the_store(
     assert "STEPS_2 is set but this machine has 2 GPU(s)" in r.stdout
     with tarfile.open(out2 / "logs.tgz") as t:
         assert {"logs/step-0-store.log", "logs/step-1.0-store.log"} <= set(t.getnames())
+    assert (out2 / "gemmrl.sqlite.xz").exists() and not (out2 / "gemmrl-delta.sqlite.xz").exists()
 
 
 def test_trial_final_gap_reads_the_store(tmp_path):

@@ -134,6 +134,17 @@ def optimum(problem: Problem) -> float:
     return best
 
 
+def candidates_to_reach(result, problem: Problem, target: float, budget: int) -> int:
+    """How many of a run's candidates on `problem` it took to reach `target` reward; budget + 1
+    when it never did."""
+    best = 0.0
+    for i, t in enumerate((t for t in result.trials if t.problem == problem), 1):
+        best = max(best, t.reward)
+        if best >= target:
+            return i
+    return budget + 1
+
+
 def spearman(a, b) -> float:
     ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
     return float(np.corrcoef(ra, rb)[0, 1])
@@ -271,22 +282,14 @@ def test_transfer_from_a_tuned_neighbour_saves_candidates():
              ((512, 512, 512), (512, 1024, 512)), ((8192, 8192, 256), (8192, 12288, 256)),
              ((256, 256, 4096), (256, 512, 4096)), ((16384, 1024, 1024), (12288, 1024, 1024))]
 
-    def needed(result, problem, target):
-        best = 0.0
-        for i, t in enumerate((t for t in result.trials if t.problem == problem), 1):
-            best = max(best, t.reward)
-            if best >= target:
-                return i
-        return 49  # not reached within the 48 candidates
-
     cold_n, warm_n = [], []
     for q, p in pairs:
         q, p = Problem(*q), Problem(*p)
         target = 0.98 * optimum(p)
         cold = tune([p], ModelFreePolicy(layouts=LAYOUTS), SimGPU(), per_shape_candidates=48, batch=8)
         warm = tune([q, p], ModelFreePolicy(layouts=LAYOUTS), SimGPU(), per_shape_candidates=48, batch=8)
-        cold_n.append(needed(cold, p, target))
-        warm_n.append(needed(warm, p, target))
+        cold_n.append(candidates_to_reach(cold, p, target, 48))
+        warm_n.append(candidates_to_reach(warm, p, target, 48))
         assert any(t.candidate.origin == "transfer" for t in warm.trials if t.problem == p)
     # measured: cold [1, 15, 49, 6, 6, 49, 6, 17], after the neighbour [3, 3, 49, 1, 5, 49, 4, 1]:
     # the neighbour's winners are not always this shape's; shapes where neither run reached the
@@ -321,14 +324,6 @@ def test_a_prior_from_another_gpu_saves_candidates():
     problems = [Problem(*s) for s in ((64, 4096, 8192), (4096, 4096, 4096), (128, 1024, 16384), (2048, 64, 2048),
                                       (512, 512, 512), (256, 256, 4096), (16384, 1024, 1024), (1024, 8192, 256))]
 
-    def needed(result, problem, target):
-        best = 0.0
-        for i, t in enumerate((t for t in result.trials if t.problem == problem), 1):
-            best = max(best, t.reward)
-            if best >= target:
-                return i
-        return 33
-
     other = tune(problems, ModelFreePolicy(layouts=LAYOUTS, seed=1), OtherGPU(), per_shape_candidates=48, batch=8)
     cold_n, warm_n = [], []
     for p in problems:
@@ -340,8 +335,8 @@ def test_a_prior_from_another_gpu_saves_candidates():
             warm_policy.add_prior(q, [(t.candidate.family, t.candidate.spec) for t in ranked])
         warm = tune([p], warm_policy, SimGPU(), per_shape_candidates=32, batch=8)
         assert [t.candidate.origin for t in warm.trials[:3]] == ["prior"] * 3
-        cold_n.append(needed(cold, p, target))
-        warm_n.append(needed(warm, p, target))
+        cold_n.append(candidates_to_reach(cold, p, target, 32))
+        warm_n.append(candidates_to_reach(warm, p, target, 32))
     # measured: cold [3, 33, 12, 4, 21, 33, 30, 27], warm [1, 33, 1, 7, 21, 1, 1, 33] (33: not
     # reached within 32): the other GPU's winner is this one's on 4 shapes; where it is not, the
     # three slots it takes in the first batch can cost a few candidates
