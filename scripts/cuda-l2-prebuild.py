@@ -15,13 +15,11 @@ valid under the torch it was built with: build and use on the same machine image
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import signal
 import sys
 import tarfile
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -37,13 +35,13 @@ def main(argv=None) -> int:
     ap.add_argument("--nice", type=int, default=19, help="CPU priority increment for the builds")
     args = ap.parse_args(argv)
 
-    from gemmrl.baselines.cuda_l2 import _build_worker, module_name
+    from gemmrl.baselines.cuda_l2 import CudaL2Impl, module_name, prebuild
     from gemmrl.build.nvcc import cache_root
     from gemmrl.core.shapes import resolve
 
     problems = resolve(args.shapes)
-    src = Path(args.dir)
-    paths = sorted({str(src / f"{p.M}_{p.N}_{p.K}.cu") for p in problems if (src / f"{p.M}_{p.N}_{p.K}.cu").exists()})
+    impl = CudaL2Impl(args.dir)
+    paths = sorted({str(impl.path_for(p)) for p in problems if impl.supports(p)})
     missing = len({(p.M, p.N, p.K) for p in problems}) - len(paths)
     root = cache_root() / "cuda_l2"
     print(f"building {len(paths)} CUDA-L2 kernels with {args.jobs} processes ({missing} shapes have no file)",
@@ -52,27 +50,24 @@ def main(argv=None) -> int:
         os.nice(args.nice)
     t0 = time.monotonic()
     built = []
+
+    def done(path, err):
+        name = module_name(path)
+        so = root / name / f"{name}.so"
+        if err or not so.exists():
+            print(f"not built: {Path(path).name}: {(err or 'no module')[-300:]}", flush=True)
+        else:
+            built.append(so)
+            print(f"built {Path(path).name} ({time.monotonic() - t0:.0f} s)", flush=True)
+
     # SIGTERM (the device call's time is up): pack what is built so far, leave the rest
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    ctx = mp.get_context("spawn")
-    pool = ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=ctx)
+    stopped = False
     try:
-        futures = {pool.submit(_build_worker, (path, str(root))): path for path in paths}
-        for fut in as_completed(futures):
-            path, err = fut.result()
-            name = module_name(path)
-            so = root / name / f"{name}.so"
-            if err or not so.exists():
-                print(f"not built: {Path(path).name}: {(err or 'no module')[-300:]}", flush=True)
-            else:
-                built.append(so)
-                print(f"built {Path(path).name} ({time.monotonic() - t0:.0f} s)", flush=True)
+        prebuild(paths, str(root), args.jobs, on_done=done)
     except KeyboardInterrupt:
         stopped = True
         print(f"stopped after {time.monotonic() - t0:.0f} s: packing the {len(built)} built", flush=True)
-    else:
-        stopped = False
-    pool.shutdown(wait=False, cancel_futures=True)
     with tarfile.open(args.out, "w:xz", preset=1) as tar:
         for so in built:
             tar.add(so, arcname=str(so.relative_to(cache_root())))

@@ -113,14 +113,27 @@ def _build_worker(args):
         return path, f"{type(e).__name__}: {e}"[-2000:]
 
 
-def prebuild(paths: list[str], build_root: str, jobs: int) -> dict[str, str]:
-    """Build many files in parallel processes; returns {path: error ('' when built)}."""
+def prebuild(paths: list[str], build_root: str, jobs: int, on_done=None) -> dict[str, str]:
+    """Build many files in parallel processes; returns {path: error ('' when built)}.
+    `on_done(path, error)` is called as each finishes. Interrupted (KeyboardInterrupt, or a
+    SIGTERM handler raising it), it cancels the builds not started, leaves the running ones
+    and re-raises: what finished is already in build_root."""
     import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    ctx = mp.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=ctx) as ex:
-        return dict(ex.map(_build_worker, [(p, build_root) for p in paths]))
+    ex = ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=mp.get_context("spawn"))
+    out: dict[str, str] = {}
+    try:
+        for fut in as_completed([ex.submit(_build_worker, (p, build_root)) for p in paths]):
+            path, err = fut.result()
+            out[path] = err
+            if on_done is not None:
+                on_done(path, err)
+    except KeyboardInterrupt:
+        ex.shutdown(wait=False, cancel_futures=True)
+        raise
+    ex.shutdown()
+    return out
 
 
 class CudaL2Impl(Impl):
