@@ -2,7 +2,7 @@
 
 The runtime API is exported lazily, so `import gemmrl` stays light (no torch import):
 `gemmrl.matmul`, `gemmrl.use_pack`, `gemmrl.patch`, `gemmrl.unpatch`, `gemmrl.warmup`,
-`gemmrl.explain` (gemmrl/runtime/ops.py) and `gemmrl.load_pack`, `gemmrl.export_pack`
+`gemmrl.explain`, `gemmrl.set_fallback` (gemmrl/runtime/ops.py) and `gemmrl.load_pack`, `gemmrl.export_pack`
 (gemmrl/runtime/pack.py).
 """
 
@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "matmul": "gemmrl.runtime.ops", "use_pack": "gemmrl.runtime.ops", "patch": "gemmrl.runtime.ops",
     "unpatch": "gemmrl.runtime.ops", "warmup": "gemmrl.runtime.ops", "explain": "gemmrl.runtime.ops",
+    "set_fallback": "gemmrl.runtime.ops",
     "load_pack": "gemmrl.runtime.pack", "export_pack": "gemmrl.runtime.pack",
 }
 

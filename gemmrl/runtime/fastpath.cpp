@@ -16,6 +16,14 @@
 // and links c10_cuda only when torch has CUDA. Without it no tensor can be a CUDA tensor, and
 // only the test-only host mode (CPU tensors, stream 0) reaches the table.
 //
+// A fallback on a CUDA tensor that cuBLASLt can take (fp16/bf16, contiguous, 16-byte aligned, no
+// autograd, no dispatch mode) is computed with cuBLASLt and a plan made once per (shape, layout,
+// dtype, device, alignment): the heuristic's first algorithm for a 32 MiB workspace, as the
+// harness's cuBLASLt-heuristic baseline chooses it (GEMMRL_FASTPATH_LT: built where cuBLASLt's
+// headers and library are found). torch.matmul's cuBLAS call costs 7 to 12 us more host time per
+// call in the harness's offline mode for the same kernel time (results/README.md). set_lt(False),
+// or GEMMRL_FALLBACK=torch, makes every fallback torch.matmul's again.
+//
 // Every function runs with the GIL held, which is what guards the table. An entry is copied out
 // before anything that could run Python (allocation under a dispatch mode), and keeps its own
 // reference to the workspace tensor, so a workspace outlives every call that uses it.
@@ -31,14 +39,20 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+
 #ifdef GEMMRL_FASTPATH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
+#endif
+#ifdef GEMMRL_FASTPATH_LT
+#include <cublasLt.h>
 #endif
 
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -108,8 +122,177 @@ PyObject* key_tuple(const Key& k, int extra, bool with_extra) {
 // Python, so that a shape with no kernel costs no more host time than torch.matmul itself (the
 // offline timing of 2026-11-22 measured 5 to 11 us more when Python did it). The GIL is released
 // around the call, as torch's bindings do.
+bool overlaps(const at::Tensor& x, const at::Tensor& y);
+
+// ------------------------------------------------------------------ the cuBLASLt fallback
+bool g_lt_on = true;  // set_lt(); compiled in only with GEMMRL_FASTPATH_LT
+uint64_t g_lt_calls = 0, g_lt_plans = 0, g_lt_no_algo = 0, g_lt_failed = 0;
+
+#ifdef GEMMRL_FASTPATH_LT
+constexpr size_t kLtWorkspace = size_t(32) << 20;  // the harness's cuBLASLt baselines' workspace
+constexpr size_t kLtMaxStreams = 8;  // workspaces kept; one more stream clears them (stream-ordered frees)
+
+// One (shape, layout, dtype, device, alignment)'s cuBLASLt call. Row-major C[M,N] = A[M,K] B is
+// computed as its column-major transpose: C^T[N,M] = op(B)[N,K] A^T[K,M], so cuBLASLt's "A" is
+// our B ([N,K] col-major with ld N for NN, [K,N] col-major with ld K and op T for TN) and its
+// "B" is our A ([K,M] col-major, ld K).
+struct LtPlan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  size_t ws = 0;
+  bool ok = false;  // false: cuBLASLt offers no algorithm, or one failed: torch.matmul serves the key
+  ~LtPlan() {
+    if (lc) cublasLtMatrixLayoutDestroy(lc);
+    if (lb) cublasLtMatrixLayoutDestroy(lb);
+    if (la) cublasLtMatrixLayoutDestroy(la);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+// keyed by Key with `stream` holding the alignment (bytes) the plan was made for
+std::unordered_map<Key, std::unique_ptr<LtPlan>, KeyHash> g_lt_plan;
+// per (device, stream): a workspace used only on that stream, so calls on it never overlap
+std::unordered_map<Key, at::Tensor, KeyHash> g_lt_ws;
+cublasLtHandle_t g_lt_handle[130] = {};  // per device; [0] is host mode's (device -1)
+
+bool lt_make(LtPlan* p, int64_t M, int64_t N, int64_t K, bool tn, at::ScalarType st, cublasLtHandle_t h,
+             uint32_t align) {
+  const cudaDataType dt = st == at::kHalf ? CUDA_R_16F : CUDA_R_16BF;
+  if (cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS) return false;
+  const cublasOperation_t ta = tn ? CUBLAS_OP_T : CUBLAS_OP_N, tb = CUBLAS_OP_N;
+  if (cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)) != CUBLAS_STATUS_SUCCESS ||
+      cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)) != CUBLAS_STATUS_SUCCESS) {
+    return false;
+  }
+  const cublasStatus_t s1 = tn ? cublasLtMatrixLayoutCreate(&p->la, dt, uint64_t(K), uint64_t(N), K)
+                               : cublasLtMatrixLayoutCreate(&p->la, dt, uint64_t(N), uint64_t(K), N);
+  if (s1 != CUBLAS_STATUS_SUCCESS ||
+      cublasLtMatrixLayoutCreate(&p->lb, dt, uint64_t(K), uint64_t(M), K) != CUBLAS_STATUS_SUCCESS ||
+      cublasLtMatrixLayoutCreate(&p->lc, dt, uint64_t(N), uint64_t(M), N) != CUBLAS_STATUS_SUCCESS) {
+    return false;
+  }
+  cublasLtMatmulPreference_t pref = nullptr;
+  if (cublasLtMatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS) return false;
+  const uint64_t ws = kLtWorkspace;
+  bool ok = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)) ==
+            CUBLAS_STATUS_SUCCESS;
+  for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
+    ok = ok && cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align)) == CUBLAS_STATUS_SUCCESS;
+  }
+  cublasLtMatmulHeuristicResult_t res{};
+  int n = 0;
+  ok = ok && cublasLtMatmulAlgoGetHeuristic(h, p->op, p->la, p->lb, p->lc, p->lc, pref, 1, &res, &n) ==
+                 CUBLAS_STATUS_SUCCESS;
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (!ok || n < 1 || res.state != CUBLAS_STATUS_SUCCESS) return false;
+  p->algo = res.algo;
+  p->ws = res.workspaceSize;
+  return true;
+}
+
+// the largest power of two up to 256 that divides every address
+uint32_t alignment(uintptr_t x) {
+  uint32_t al = 256;
+  while (al > 1 && (x & (al - 1))) al >>= 1;
+  return al;
+}
+
+// The fallback through cuBLASLt, or nullptr (no Python error set) where it declines: torch.matmul
+// then serves the call. Declines before anything is enqueued or allocated but the plan.
+PyObject* lt_fallback(const at::Tensor& a, const at::Tensor& b, bool tn, PyObject* pout) {
+  if (!a.is_cuda() && !g_host_mode) return nullptr;
+  const at::ScalarType st = a.scalar_type();
+  if ((st != at::kHalf && st != at::kBFloat16) || b.scalar_type() != st) return nullptr;
+  if (a.dim() < 2 || b.dim() != 2 || b.device() != a.device()) return nullptr;
+  if (!a.is_contiguous() || !b.is_contiguous()) return nullptr;
+  if (at::GradMode::is_enabled() && (a.requires_grad() || b.requires_grad())) return nullptr;  // autograd
+  if (c10::impl::TorchDispatchModeTLS::any_modes_set()) return nullptr;  // a mode sees torch's ops
+  const int64_t K = a.size(-1);
+  const int64_t N = tn ? b.size(0) : b.size(1);
+  if ((tn ? b.size(1) : b.size(0)) != K || K == 0 || N == 0) return nullptr;
+  const int64_t M = a.numel() / K;
+  if (M == 0 || M > INT_MAX || N > INT_MAX || K > INT_MAX) return nullptr;
+  const c10::DeviceIndex dev = a.is_cuda() ? a.device().index() : -1;
+#ifdef GEMMRL_FASTPATH_CUDA
+  if (a.is_cuda() && dev != c10::cuda::current_device()) return nullptr;
+#endif
+  c10::SmallVector<int64_t, 6> sizes(a.sizes().begin(), a.sizes().end());
+  sizes.back() = N;
+  uintptr_t addr = reinterpret_cast<uintptr_t>(a.data_ptr()) | reinterpret_cast<uintptr_t>(b.data_ptr());
+  at::Tensor c;
+  if (pout) {  // exactly the result (torch.matmul's out= rules otherwise)
+    c = THPVariable_Unpack(pout);
+    if (c.requires_grad() || c.scalar_type() != st || c.device() != a.device() || !c.is_contiguous() ||
+        c.sizes() != c10::IntArrayRef(sizes) || overlaps(c, a) || overlaps(c, b)) {
+      return nullptr;
+    }
+    addr |= reinterpret_cast<uintptr_t>(c.data_ptr());
+  }
+  const uint32_t align = alignment(addr);
+  if (align < 16) return nullptr;
+  const int slot = dev + 1;
+  if (slot < 0 || slot >= 130) return nullptr;
+  if (!g_lt_handle[slot] && cublasLtCreate(&g_lt_handle[slot]) != CUBLAS_STATUS_SUCCESS) {
+    g_lt_handle[slot] = nullptr;
+    return nullptr;
+  }
+  const cublasLtHandle_t h = g_lt_handle[slot];
+  const Key pk{M, N, K, align, static_cast<int8_t>(st), static_cast<int8_t>(dev), tn};
+  auto it = g_lt_plan.find(pk);
+  if (it == g_lt_plan.end()) {
+    if (g_lt_plan.size() >= g_limit) g_lt_plan.clear();
+    auto p = std::make_unique<LtPlan>();
+    p->ok = lt_make(p.get(), M, N, K, tn, st, h, align);
+    ++g_lt_plans;
+    if (!p->ok) ++g_lt_no_algo;
+    it = g_lt_plan.emplace(pk, std::move(p)).first;
+  }
+  LtPlan* p = it->second.get();
+  if (!p->ok) return nullptr;
+  uintptr_t stream = 0;
+#ifdef GEMMRL_FASTPATH_CUDA
+  stream = reinterpret_cast<uintptr_t>(c10::cuda::getCurrentCUDAStream(a.is_cuda() ? dev : -1).stream());
+#endif
+  void* ws = nullptr;
+  if (p->ws > 0) {
+    const Key wk{0, 0, 0, stream, 0, static_cast<int8_t>(dev), false};
+    auto w = g_lt_ws.find(wk);
+    if (w == g_lt_ws.end()) {
+      if (g_lt_ws.size() >= kLtMaxStreams) g_lt_ws.clear();
+      at::Tensor t = at::empty({static_cast<int64_t>(kLtWorkspace)}, a.options().dtype(at::kByte));
+      w = g_lt_ws.emplace(wk, std::move(t)).first;
+    }
+    ws = w->second.data_ptr();
+  }
+  if (!pout) c = at::empty(sizes, a.options());
+  const float one = 1.0f, zero = 0.0f;
+  const cublasStatus_t s = cublasLtMatmul(h, p->op, &one, b.data_ptr(), p->la, a.data_ptr(), p->lb, &zero,
+                                          c.data_ptr(), p->lc, c.data_ptr(), p->lc, &p->algo, ws, p->ws,
+                                          reinterpret_cast<cudaStream_t>(stream));
+  if (s != CUBLAS_STATUS_SUCCESS) {  // refused before launching: never again for this key
+    p->ok = false;
+    ++g_lt_failed;
+    return nullptr;
+  }
+  ++g_lt_calls;
+  if (pout) {
+    Py_INCREF(pout);
+    return pout;
+  }
+  return THPVariable_Wrap(std::move(c));
+}
+#endif  // GEMMRL_FASTPATH_LT
+
 PyObject* fallback(const at::Tensor& a, const at::Tensor& b, bool tn, PyObject* pout) {
   ++g_fallbacks;
+#ifdef GEMMRL_FASTPATH_LT
+  if (g_lt_on) {
+    PyObject* r = lt_fallback(a, b, tn, pout);
+    if (r) return r;
+  }
+#endif
   at::Tensor r;
   at::Tensor out;
   if (pout) out = THPVariable_Unpack(pout);
@@ -472,13 +655,14 @@ PyObject* clear(PyObject* /*self*/, PyObject* /*unused*/) {
   g_table.clear();
   g_unserved.clear();
   g_hits = g_misses = g_fallbacks = g_refusals = g_to_python = 0;
+  g_lt_calls = g_lt_plans = g_lt_no_algo = g_lt_failed = 0;  // the plans stay: they are no pack's
   Py_RETURN_NONE;
 }
 
 PyObject* stats(PyObject* /*self*/, PyObject* /*unused*/) {
   size_t served = 0;
   for (const auto& kv : g_table) served += kv.second.fn != nullptr;
-  return Py_BuildValue("{s:n,s:n,s:n,s:K,s:K,s:K,s:K,s:K,s:n,s:O,s:O}", "entries", (Py_ssize_t)g_table.size(),
+  PyObject* d = Py_BuildValue("{s:n,s:n,s:n,s:K,s:K,s:K,s:K,s:K,s:n,s:O,s:O}", "entries", (Py_ssize_t)g_table.size(),
                        "unserved", (Py_ssize_t)g_unserved.size(),
                        "served", (Py_ssize_t)served, "hits", (unsigned long long)g_hits, "misses",
                        (unsigned long long)g_misses, "fallbacks", (unsigned long long)g_fallbacks,
@@ -491,6 +675,37 @@ PyObject* stats(PyObject* /*self*/, PyObject* /*unused*/) {
                        Py_False
 #endif
   );
+  if (!d) return nullptr;
+  // the cuBLASLt fallback: compiled in, on, calls it served, plans made, of them without an
+  // algorithm, calls cuBLASLt refused (their key then falls back to torch.matmul)
+#ifdef GEMMRL_FASTPATH_LT
+  PyObject* lt = Py_BuildValue("{s:O,s:O,s:K,s:K,s:K,s:K}", "compiled", Py_True, "on", g_lt_on ? Py_True : Py_False,
+                               "calls", (unsigned long long)g_lt_calls, "plans", (unsigned long long)g_lt_plans,
+                               "no_algo", (unsigned long long)g_lt_no_algo, "failed", (unsigned long long)g_lt_failed);
+#else
+  PyObject* lt = Py_BuildValue("{s:O,s:O,s:K,s:K,s:K,s:K}", "compiled", Py_False, "on", Py_False, "calls", 0ull,
+                               "plans", 0ull, "no_algo", 0ull, "failed", 0ull);
+#endif
+  if (!lt || PyDict_SetItemString(d, "lt", lt) < 0) {
+    Py_XDECREF(lt);
+    Py_DECREF(d);
+    return nullptr;
+  }
+  Py_DECREF(lt);
+  return d;
+}
+
+// set_lt(on): fallbacks through cuBLASLt (where compiled in) or all through torch.matmul;
+// returns whether cuBLASLt is compiled in
+PyObject* set_lt(PyObject* /*self*/, PyObject* arg) {
+  int on = PyObject_IsTrue(arg);
+  if (on < 0) return nullptr;
+  g_lt_on = on != 0;
+#ifdef GEMMRL_FASTPATH_LT
+  Py_RETURN_TRUE;
+#else
+  Py_RETURN_FALSE;
+#endif
 }
 
 PyObject* set_limit(PyObject* /*self*/, PyObject* arg) {
@@ -537,6 +752,9 @@ PyMethodDef methods[] = {
     {"clear", clear, METH_NOARGS, "empty the table (and zero the counters)"},
     {"stats", stats, METH_NOARGS, "entries, served, hits, misses, fallbacks, refusals, ..."},
     {"set_limit", set_limit, METH_O, "the table size at which it is cleared"},
+    {"set_lt", set_lt, METH_O,
+     "set_lt(on): fallbacks through cuBLASLt with a cached plan, or through torch.matmul; "
+     "returns whether cuBLASLt is compiled in"},
     {"set_host_mode", set_host_mode, METH_O, "test only: serve CPU tensors with stream 0"},
     {nullptr, nullptr, 0, nullptr}};
 

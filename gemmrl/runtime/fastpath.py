@@ -10,6 +10,12 @@ linked to c10_cuda, so it reads the caller's current stream itself
 torch has no libc10_cuda: the module is then built without that branch, which is what the CPU
 tests exercise (with CPU tensors, in its test-only host mode).
 
+Where cuBLASLt's headers and library are found (gemmrl.baselines.cublas.find_cublas: the nvidia
+wheels torch depends on first), it is also compiled with GEMMRL_FASTPATH_LT and linked to
+libcublasLt: a fallback then runs cuBLASLt with a plan made once per shape, instead of
+torch.matmul's cuBLAS call, which costs more host time per call (fastpath.cpp says how much).
+GEMMRL_FASTPATH_LT=0 builds without it; GEMMRL_FALLBACK=torch turns it off at run time.
+
 `get()` is what the runtime calls: the loaded module, or None (with one warning) when it cannot
 be built here, in which case gemmrl dispatches in Python as before. GEMMRL_FASTPATH=0 turns the
 fast path off.
@@ -66,9 +72,32 @@ def cuda_include_dir() -> str | None:
     return next((d for d in dirs if Path(d, "cuda_runtime_api.h").is_file()), None)
 
 
-def build_flags(cuda: bool) -> dict:
-    """The arguments for cpp_extension.load beside name and sources."""
+def find_lt():
+    """The cuBLASLt the fallback links (gemmrl.baselines.cublas.CublasPaths), or None where
+    there is none or GEMMRL_FASTPATH_LT=0."""
+    if os.environ.get("GEMMRL_FASTPATH_LT", "1") == "0":
+        return None
+    from gemmrl.baselines.cublas import find_cublas
+
+    try:
+        return find_cublas(require_lib=True)
+    except RuntimeError:
+        return None
+
+
+def build_flags(cuda: bool, lt=None) -> dict:
+    """The arguments for cpp_extension.load beside name and sources; `lt` (CublasPaths) compiles
+    in the cuBLASLt fallback, linked to its libcublasLt (rpath: the same file at run time)."""
+    from gemmrl.baselines.cublas import _link_flag
+
     flags = {"extra_cflags": ["-O2"], "extra_ldflags": [], "extra_include_paths": []}
+    if lt is not None:
+        inc = cuda_include_dir()
+        if inc is None:
+            raise RuntimeError("cuBLASLt was found but no cuda_runtime_api.h (set CUDA_HOME)")
+        flags["extra_cflags"].append("-DGEMMRL_FASTPATH_LT")
+        flags["extra_include_paths"] += [str(lt.include), inc]
+        flags["extra_ldflags"] += [f"-L{lt.lib}", _link_flag(Path(lt.lib), "cublasLt"), f"-Wl,-rpath,{lt.lib}"]
     if cuda:
         inc = cuda_include_dir()
         if inc is None:
@@ -80,7 +109,8 @@ def build_flags(cuda: bool) -> dict:
             # a CPU torch's headers lack this generated file (export macros, Windows only);
             # only a build against a stand-in c10_cuda (the tests) gets here
             flags["extra_cflags"].append("-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE")
-        flags["extra_include_paths"].append(inc)
+        if inc not in flags["extra_include_paths"]:
+            flags["extra_include_paths"].append(inc)
         flags["extra_ldflags"].append("-lc10_cuda")
     return flags
 
@@ -99,9 +129,10 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = d + os.pathsep + os.environ.get("PATH", "")
 
 
-def load(*, cuda: bool | None = None, name: str = NAME, extra_ldflags: tuple[str, ...] = (),
+def load(*, cuda: bool | None = None, lt=None, name: str = NAME, extra_ldflags: tuple[str, ...] = (),
          verbose: bool = False):
-    """Build (or find built) and import the extension; raises when that fails."""
+    """Build (or find built) and import the extension; raises when that fails. `lt`: None finds
+    cuBLASLt where torch has CUDA (find_lt), False builds without it, a CublasPaths links that."""
     import torch
     from torch.utils.cpp_extension import load as cpp_load
 
@@ -109,9 +140,13 @@ def load(*, cuda: bool | None = None, name: str = NAME, extra_ldflags: tuple[str
 
     if cuda is None:
         cuda = torch_has_cuda()
-    flags = build_flags(cuda)
+    if lt is None:
+        lt = find_lt() if cuda else None
+    elif lt is False:
+        lt = None
+    flags = build_flags(cuda, lt)
     flags["extra_ldflags"] += list(extra_ldflags)
-    ident = (name, cuda, tuple(extra_ldflags))
+    ident = (name, cuda, None if lt is None else (str(lt.include), str(lt.lib)), tuple(extra_ldflags))
     with _lock:
         if ident in _loaded:
             return _loaded[ident]

@@ -6,8 +6,10 @@
         c = gemmrl.matmul(x, w, b_layout="TN")     # x [.., K] @ w[N, K].T, as nn.Linear
     model = gemmrl.patch(model)                    # every nn.Linear through gemmrl::mm
 
-A call runs a pack's kernel when one serves it, else it is exactly torch.matmul (a @ b, or
-a @ b.t() for TN). Falls back for: no active pack; CPU (non-CUDA) tensors; a tensor on another
+A call runs a pack's kernel when one serves it, else it falls back: to cuBLASLt with a plan made
+once per shape where the C++ fast path has it and the call is fp16/bf16, contiguous, 16-byte
+aligned and needs no autograd (`set_fallback('torch')` or GEMMRL_FALLBACK=torch: never), else to
+exactly torch.matmul (a @ b, or a @ b.t() for TN). Falls back for: no active pack; CPU (non-CUDA) tensors; a tensor on another
 device than the current one; a dtype other than the pack's; a and b of different dtypes or
 devices; b not 2-D or a 1-D; a or b not row-major contiguous (a >2-D contiguous is viewed as
 [M, K] and served; a non-contiguous one falls back); empty or misaligned (not 16-byte) data;
@@ -40,6 +42,7 @@ records the host time per call of both paths beside torch.matmul's.
 
 from __future__ import annotations
 
+import os
 import threading
 import types
 import warnings
@@ -74,11 +77,41 @@ def _fast():
     return _FAST
 
 
+FALLBACKS = ("cublaslt", "torch")
+
+
+def _fallback_kind() -> str:
+    kind = os.environ.get("GEMMRL_FALLBACK", "cublaslt").strip().lower() or "cublaslt"
+    if kind not in FALLBACKS:
+        raise ValueError(f"GEMMRL_FALLBACK must be one of {FALLBACKS}, got {kind!r}")
+    return kind
+
+
+_FALLBACK = _UNSET  # set_fallback's choice; unset: GEMMRL_FALLBACK's
+
+
 def _wire(fast) -> None:
-    """Tell the C++ module's matmul() what Python serves (the full call, and a key it missed) and
-    whether a pack is active."""
+    """Tell the C++ module's matmul() what Python serves (the full call, and a key it missed),
+    whether a pack is active and what a fallback runs."""
     fast.set_python(matmul, _c_miss)
     fast.set_active(_ACTIVE is not None)
+    fast.set_lt((_fallback_kind() if _FALLBACK is _UNSET else _FALLBACK) == "cublaslt")
+
+
+def set_fallback(kind: str) -> bool:
+    """What a call no kernel serves runs: 'cublaslt' (the default: cuBLASLt with a plan made once
+    per shape, in the C++ fast path, for fp16/bf16 contiguous calls; less host time per call than
+    torch.matmul's cuBLAS) or 'torch' (torch.matmul itself, bit for bit). The environment's
+    GEMMRL_FALLBACK sets the default. Returns whether cuBLASLt fallbacks are available here (the
+    fast path loaded, with cuBLASLt compiled in); where they are not, every fallback is torch.matmul."""
+    global _FALLBACK
+    if kind not in FALLBACKS:
+        raise ValueError(f"fallback must be one of {FALLBACKS}, got {kind!r}")
+    _FALLBACK = kind
+    f = _fast()
+    if f is None:
+        return False
+    return bool(f.set_lt(kind == "cublaslt")) and kind == "cublaslt"
 
 
 def _clear_fast() -> None:
@@ -308,12 +341,28 @@ def _py_mm(a, b, layout: str, d: Dispatcher, out=None):
     return c
 
 
+def _lt_takes(a, b, layout: str) -> bool:
+    """Whether the C++ fast path's cuBLASLt fallback would take this call (its own checks, less
+    the plan: cuBLASLt may still offer no algorithm, and then it is torch.matmul)."""
+    f = _FAST if _FAST is not _UNSET else None
+    if f is None or _FALLBACK == "torch" or (_FALLBACK is _UNSET and _fallback_kind() == "torch"):
+        return False
+    lt = f.stats().get("lt", {})
+    if not (lt.get("compiled") and lt.get("on")):
+        return False
+    if not (a.is_cuda and a.dtype in _DTYPES and b.dtype is a.dtype and a.dim() >= 2 and b.dim() == 2
+            and b.device == a.device and a.is_contiguous() and b.is_contiguous() and not _needs_grad(a, b)):
+        return False
+    K, (N, Kb) = a.shape[-1], ((b.shape[0], b.shape[1]) if layout == "TN" else (b.shape[1], b.shape[0]))
+    return Kb == K and K > 0 and N > 0 and a.numel() > 0 and (a.data_ptr() | b.data_ptr()) % 16 == 0
+
+
 def explain(a, b, b_layout: str = "NN") -> str:
     """Why a call would run a kernel (which) or fall back, for people."""
     d = _ACTIVE
     plan = _plan(a, b, b_layout, d)
     if plan.__class__ is str:
-        return f"torch.matmul: {plan}"
+        return f"{'cuBLASLt' if _lt_takes(a, b, b_layout) else 'torch.matmul'}: {plan}"
     M, N, K, dtype = plan
     e = d.lookup(M, N, K, b_layout, dtype)
     how = "exact" if e.problem.M == M and e.problem.N == N and e.problem.K == K else f"nearest {e.problem.shape}"

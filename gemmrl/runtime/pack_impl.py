@@ -4,8 +4,9 @@ a pack active, fallback to torch.matmul included (`bench --impl pack:DIR`).
 Two implementations, one per B layout ('gemmrl.matmul-nn' reads [K, N], 'gemmrl.matmul-tn' the
 [N, K] weight), so that each is timed against torch.matmul and cuBLAS on equal terms: the result
 written into the harness's C (out=), as the torch.matmul baseline does. They are trusted like the
-baselines (a shape without a kernel runs cuBLAS through torch.matmul by design), so the harness
-does not hold them to launching only their own kernels; every correctness check still applies.
+baselines (a shape without a kernel runs cuBLAS by design: cuBLASLt from the fast path, or
+torch.matmul), so the harness does not hold them to launching only their own kernels; every
+correctness check still applies.
 """
 
 from __future__ import annotations

@@ -1,0 +1,110 @@
+"""The cuBLASLt fallback of gemmrl.matmul on a GPU (fastpath.cpp, GEMMRL_FASTPATH_LT): with no
+pack active every call is a fallback, so these calls are all cuBLASLt's or torch.matmul's.
+Results against an fp32 reference (held to torch.matmul's own error), out=, batched inputs,
+bf16, residues, side streams, a captured CUDA graph, and the calls it must leave to torch."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import gemmrl  # noqa: E402
+from gemmrl.runtime import fastpath, ops  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def fast():
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    ops.use_pack(None)
+    f = ops._fast()
+    assert f is not None, f"the C++ fast path did not build here: {fastpath._failed}"
+    assert f.stats()["lt"]["compiled"], "built without cuBLASLt under a CUDA torch"
+    ops.set_fallback("cublaslt")
+    yield f
+    ops.set_fallback("cublaslt")
+
+
+def _calls(f):
+    return f.stats()["lt"]["calls"]
+
+
+def _err(c, ref):
+    return ((c.float() - ref).norm() / ref.norm()).item()
+
+
+SHAPES = [(1, 4096, 4096), (64, 64, 64), (17, 1024, 4100), (1000, 1000, 1000), (5, 3, 7),
+          (128, 12288, 256), (4096, 64, 8192)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["NN", "TN"])
+@pytest.mark.parametrize("M, N, K", SHAPES)
+def test_results_as_accurate_as_torch_matmul(fast, M, N, K, layout, dtype):
+    g = torch.Generator(device="cuda").manual_seed(M * 7 + N * 3 + K)
+    a = torch.randn(M, K, device="cuda", dtype=dtype, generator=g)
+    b = torch.randn(*((N, K) if layout == "TN" else (K, N)), device="cuda", dtype=dtype, generator=g)
+    bt = b.t() if layout == "TN" else b
+    ref = a.float() @ bt.float()
+    n = _calls(fast)
+    with torch.inference_mode():
+        c = gemmrl.matmul(a, b, b_layout=layout)
+        out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+        assert gemmrl.matmul(a, b, b_layout=layout, out=out) is out
+        t = torch.matmul(a, bt)
+    torch.cuda.synchronize()
+    assert _calls(fast) == n + 2, fast.stats()
+    assert c.dtype == dtype and c.shape == (M, N)
+    assert torch.isfinite(out).all(), "every element of out= was written"
+    bound = 2 * _err(t, ref) + (1e-4 if dtype == torch.float16 else 1e-3)
+    assert _err(c, ref) <= bound and _err(out, ref) <= bound
+
+
+def test_batched_exact_and_graphs_and_streams(fast):
+    # {0,1} inputs: every partial sum is an exact integer, whatever the algorithm
+    g = torch.Generator(device="cuda").manual_seed(1)
+    a = torch.randint(0, 2, (2, 96, 512), device="cuda", generator=g).half()
+    w = torch.randint(0, 2, (384, 512), device="cuda", generator=g).half()
+    ref = (a.float() @ w.float().t()).half()
+    with torch.inference_mode():
+        assert torch.equal(gemmrl.matmul(a, w, b_layout="TN"), ref)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            c_side = gemmrl.matmul(a, w, b_layout="TN")
+        torch.cuda.current_stream().wait_stream(s)
+        assert torch.equal(c_side, ref)
+        # a graph: warmed up eagerly, captured, replayed on new inputs
+        for _ in range(2):
+            gemmrl.matmul(a, w, b_layout="TN")
+        n = _calls(fast)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            c_g = gemmrl.matmul(a, w, b_layout="TN")
+        assert _calls(fast) == n + 1, "the captured call is cuBLASLt's"
+        a.copy_(torch.randint(0, 2, a.shape, device="cuda", generator=g).half())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(c_g, (a.float() @ w.float().t()).half())
+
+
+def test_calls_it_must_leave_to_torch(fast):
+    a = torch.randn(64, 256, device="cuda", dtype=torch.float16)
+    b = torch.randn(256, 128, device="cuda", dtype=torch.float16)
+    n = _calls(fast)
+    r = gemmrl.matmul(a.requires_grad_(True), b)  # autograd records the call
+    assert r.grad_fn is not None
+    a = a.detach()
+    with torch.inference_mode():
+        gemmrl.matmul(a.float(), b.float())  # fp32
+        gemmrl.matmul(a, b.t().contiguous().t())  # b not row-major
+        gemmrl.matmul(a.view(-1)[4:].view(-1)[: 63 * 256].view(63, 256), b)  # 8-byte aligned a
+    assert _calls(fast) == n
+    ops.set_fallback("torch")
+    try:
+        with torch.inference_mode():
+            c = gemmrl.matmul(a, b)
+        assert torch.equal(c, torch.matmul(a, b)) and _calls(fast) == n
+    finally:
+        ops.set_fallback("cublaslt")
