@@ -384,6 +384,7 @@ def test_matmul_fallbacks_are_registered_and_exactly_torch_matmul(served, fast):
     assert fast.is_unserved(16, 8, 64, True, "bf16") and not fast.is_unserved(16, 8, 64, False, "bf16")
     s = fast.stats()
     assert (s["misses"], s["entries"], s["unserved"], s["served"], s["hits"]) == (2, 0, 2, 0, 0)
+    assert s["fallbacks"] == 5, "every call computed in C++, a miss's own call too"
     # with grad: torch.matmul before any dispatch, gradients flow
     x = torch.randn(4, 64, requires_grad=True)
     gemmrl.matmul(x, torch.randn(8, 64).half().float().t().contiguous()).sum().backward()

@@ -215,7 +215,8 @@ def test_lt_is_compiled_in_and_the_default_module_says_whether_it_is(lt):
     m, _ = lt
     s = m.stats()["lt"]
     assert s["compiled"] is True and s["on"] is True
-    assert set(s) == {"compiled", "on", "calls", "plans", "no_algo", "failed"}
+    assert set(s) == {"compiled", "on", "max_flops", "calls", "plans", "no_algo", "failed"}
+    assert s["max_flops"] == 2.0 ** 39
     assert fastpath.build_flags(False, None)["extra_ldflags"] == []
     flags = fastpath.build_flags(False, CublasPaths("/x/include", "/x/lib", "t"))
     assert "-DGEMMRL_FASTPATH_LT" in flags["extra_cflags"] and "-Wl,-rpath,/x/lib" in flags["extra_ldflags"]
@@ -346,6 +347,24 @@ def test_a_dispatch_mode_sees_torch_ops_not_cublaslt(fast):
         c = m.run(a, b, False)
     assert torch.equal(c.float(), a.float() @ b.float())
     assert fake.calls == n0 and any("mm" in f for f in seen)
+
+
+def test_calls_above_max_flops_are_torch_matmuls(fast):
+    m, fake = fast
+    a, b = _ints(8, 16), _ints(16, 8, seed=14)
+    _unserved(m, 8, 8, 16, False)
+    with pytest.raises(ValueError, match="max_flops must be positive"):
+        m.set_lt(True, 0.0)
+    try:
+        m.set_lt(True, 2.0 * 8 * 8 * 16 - 1)  # one FLOP under this call's
+        n0 = fake.calls
+        assert torch.equal(m.run(a, b, False).float(), a.float() @ b.float())
+        assert fake.calls == n0 and m.stats()["lt"]["max_flops"] == 2047.0
+        m.set_lt(True, 2.0 * 8 * 8 * 16)
+        m.run(a, b, False)
+        assert fake.calls == n0 + 1
+    finally:
+        m.set_lt(True, 2.0 ** 39)
 
 
 def test_set_lt_off_is_torch_matmul_again(fast):

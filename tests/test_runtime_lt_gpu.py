@@ -100,6 +100,9 @@ def test_calls_it_must_leave_to_torch(fast):
         gemmrl.matmul(a.float(), b.float())  # fp32
         gemmrl.matmul(a, b.t().contiguous().t())  # b not row-major
         gemmrl.matmul(a.view(-1)[4:].view(-1)[: 63 * 256].view(63, 256), b)  # 8-byte aligned a
+        big = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)  # 2^40 FLOPs: over max_flops
+        assert ops.explain(big, big).startswith("torch.matmul")
+        gemmrl.matmul(big, big)
     assert _calls(fast) == n
     ops.set_fallback("torch")
     try:

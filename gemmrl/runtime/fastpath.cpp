@@ -17,7 +17,7 @@
 // only the test-only host mode (CPU tensors, stream 0) reaches the table.
 //
 // A fallback on a CUDA tensor that cuBLASLt can take (fp16/bf16, contiguous, 16-byte aligned, no
-// autograd, no dispatch mode) is computed with cuBLASLt and a plan made once per (shape, layout,
+// autograd, no dispatch mode, at most 2^39 FLOPs) is computed with cuBLASLt and a plan made once per (shape, layout,
 // dtype, device, alignment): the heuristic's first algorithm for a 32 MiB workspace, as the
 // harness's cuBLASLt-heuristic baseline chooses it (GEMMRL_FASTPATH_LT: built where cuBLASLt's
 // headers and library are found). torch.matmul's cuBLAS call costs 7 to 12 us more host time per
@@ -126,6 +126,12 @@ bool overlaps(const at::Tensor& x, const at::Tensor& y);
 
 // ------------------------------------------------------------------ the cuBLASLt fallback
 bool g_lt_on = true;  // set_lt(); compiled in only with GEMMRL_FASTPATH_LT
+// Above this many FLOPs (2MNK) a call is torch.matmul's even where cuBLASLt could take it: its
+// kernel runs for 0.7 ms or more on a Hopper, so the host time saved is under 1% of the call,
+// while cuBLASLt's heuristic and torch's cuBLAS may choose different kernels (on the H100 subset,
+// 2026-11-25, three such shapes ran 1-2% slower through cuBLASLt, one of them beyond torch's own
+// repeat). set_lt(on, max_flops) changes it.
+double g_lt_max_flops = 549755813888.0;  // 2^39
 uint64_t g_lt_calls = 0, g_lt_plans = 0, g_lt_no_algo = 0, g_lt_failed = 0;
 
 #ifdef GEMMRL_FASTPATH_LT
@@ -214,6 +220,7 @@ PyObject* lt_fallback(const at::Tensor& a, const at::Tensor& b, bool tn, PyObjec
   if ((tn ? b.size(1) : b.size(0)) != K || K == 0 || N == 0) return nullptr;
   const int64_t M = a.numel() / K;
   if (M == 0 || M > INT_MAX || N > INT_MAX || K > INT_MAX) return nullptr;
+  if (2.0 * double(M) * double(N) * double(K) > g_lt_max_flops) return nullptr;  // torch's own call
   const c10::DeviceIndex dev = a.is_cuda() ? a.device().index() : -1;
 #ifdef GEMMRL_FASTPATH_CUDA
   if (a.is_cuda() && dev != c10::cuda::current_device()) return nullptr;
@@ -679,11 +686,13 @@ PyObject* stats(PyObject* /*self*/, PyObject* /*unused*/) {
   // the cuBLASLt fallback: compiled in, on, calls it served, plans made, of them without an
   // algorithm, calls cuBLASLt refused (their key then falls back to torch.matmul)
 #ifdef GEMMRL_FASTPATH_LT
-  PyObject* lt = Py_BuildValue("{s:O,s:O,s:K,s:K,s:K,s:K}", "compiled", Py_True, "on", g_lt_on ? Py_True : Py_False,
+  PyObject* lt = Py_BuildValue("{s:O,s:O,s:d,s:K,s:K,s:K,s:K}", "compiled", Py_True, "on", g_lt_on ? Py_True : Py_False,
+                               "max_flops", g_lt_max_flops,
                                "calls", (unsigned long long)g_lt_calls, "plans", (unsigned long long)g_lt_plans,
                                "no_algo", (unsigned long long)g_lt_no_algo, "failed", (unsigned long long)g_lt_failed);
 #else
-  PyObject* lt = Py_BuildValue("{s:O,s:O,s:K,s:K,s:K,s:K}", "compiled", Py_False, "on", Py_False, "calls", 0ull,
+  PyObject* lt = Py_BuildValue("{s:O,s:O,s:d,s:K,s:K,s:K,s:K}", "compiled", Py_False, "on", Py_False,
+                               "max_flops", g_lt_max_flops, "calls", 0ull,
                                "plans", 0ull, "no_algo", 0ull, "failed", 0ull);
 #endif
   if (!lt || PyDict_SetItemString(d, "lt", lt) < 0) {
@@ -695,11 +704,21 @@ PyObject* stats(PyObject* /*self*/, PyObject* /*unused*/) {
   return d;
 }
 
-// set_lt(on): fallbacks through cuBLASLt (where compiled in) or all through torch.matmul;
-// returns whether cuBLASLt is compiled in
-PyObject* set_lt(PyObject* /*self*/, PyObject* arg) {
-  int on = PyObject_IsTrue(arg);
+// set_lt(on[, max_flops]): fallbacks through cuBLASLt (where compiled in) up to max_flops
+// (2MNK), or all through torch.matmul; returns whether cuBLASLt is compiled in
+PyObject* set_lt(PyObject* /*self*/, PyObject* args) {
+  PyObject* on_obj = nullptr;
+  double max_flops = -1.0;
+  if (!PyArg_ParseTuple(args, "O|d:set_lt", &on_obj, &max_flops)) return nullptr;
+  int on = PyObject_IsTrue(on_obj);
   if (on < 0) return nullptr;
+  if (PyTuple_GET_SIZE(args) > 1) {
+    if (!(max_flops > 0.0)) {
+      PyErr_SetString(PyExc_ValueError, "set_lt: max_flops must be positive");
+      return nullptr;
+    }
+    g_lt_max_flops = max_flops;
+  }
   g_lt_on = on != 0;
 #ifdef GEMMRL_FASTPATH_LT
   Py_RETURN_TRUE;
@@ -752,9 +771,9 @@ PyMethodDef methods[] = {
     {"clear", clear, METH_NOARGS, "empty the table (and zero the counters)"},
     {"stats", stats, METH_NOARGS, "entries, served, hits, misses, fallbacks, refusals, ..."},
     {"set_limit", set_limit, METH_O, "the table size at which it is cleared"},
-    {"set_lt", set_lt, METH_O,
-     "set_lt(on): fallbacks through cuBLASLt with a cached plan, or through torch.matmul; "
-     "returns whether cuBLASLt is compiled in"},
+    {"set_lt", set_lt, METH_VARARGS,
+     "set_lt(on[, max_flops]): fallbacks through cuBLASLt with a cached plan up to max_flops (2MNK; "
+     "default 2^39), or through torch.matmul; returns whether cuBLASLt is compiled in"},
     {"set_host_mode", set_host_mode, METH_O, "test only: serve CPU tensors with stream 0"},
     {nullptr, nullptr, 0, nullptr}};
 

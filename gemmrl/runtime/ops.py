@@ -8,7 +8,7 @@
 
 A call runs a pack's kernel when one serves it, else it falls back: to cuBLASLt with a plan made
 once per shape where the C++ fast path has it and the call is fp16/bf16, contiguous, 16-byte
-aligned and needs no autograd (`set_fallback('torch')` or GEMMRL_FALLBACK=torch: never), else to
+aligned, at most 2^39 FLOPs and needs no autograd (`set_fallback('torch')` or GEMMRL_FALLBACK=torch: never), else to
 exactly torch.matmul (a @ b, or a @ b.t() for TN). Falls back for: no active pack; CPU (non-CUDA) tensors; a tensor on another
 device than the current one; a dtype other than the pack's; a and b of different dtypes or
 devices; b not 2-D or a 1-D; a or b not row-major contiguous (a >2-D contiguous is viewed as
@@ -297,8 +297,9 @@ def _fast_miss(d: Dispatcher, fast, a, b, layout: str, key: tuple, out=None):
             fast.register_fallback(M, N, K, tn, dtype, dev, stream)
         elif call.fn_ptr:
             fast.register(M, N, K, tn, dtype, dev, stream, call.fn_ptr, call.ws, call.ldb)
-    if call is None:
-        return _fallback(a, b, layout, out)
+    if call is None:  # registered as a fallback just now: the C++ table computes it (cuBLASLt)
+        r = fast.run(a, b, tn, out)
+        return r if isinstance(r, torch.Tensor) else _fallback(a, b, layout, out)
     if not call.fn_ptr:  # a call only Python can make
         return _py_mm(a, b, layout, d, out)
     r = fast.run(a, b, tn, out)  # now a hit
@@ -354,7 +355,9 @@ def _lt_takes(a, b, layout: str) -> bool:
             and b.device == a.device and a.is_contiguous() and b.is_contiguous() and not _needs_grad(a, b)):
         return False
     K, (N, Kb) = a.shape[-1], ((b.shape[0], b.shape[1]) if layout == "TN" else (b.shape[1], b.shape[0]))
-    return Kb == K and K > 0 and N > 0 and a.numel() > 0 and (a.data_ptr() | b.data_ptr()) % 16 == 0
+    if not (Kb == K and K > 0 and N > 0 and a.numel() > 0 and (a.data_ptr() | b.data_ptr()) % 16 == 0):
+        return False
+    return 2.0 * (a.numel() // K) * N * K <= lt["max_flops"]
 
 
 def explain(a, b, b_layout: str = "NN") -> str:
