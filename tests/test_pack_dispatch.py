@@ -20,7 +20,8 @@ from gemmrl.store.db import Store
 
 DEV = "NVIDIA H100 80GB HBM3"
 PROV = {"device": DEV, "gpu": "h100", "cuda": "12.8", "driver": "570.86.15", "torch": "2.13.0",
-        "gemmrl": gemmrl.__version__, "capability": "9.0", "sm_count": 132}
+        "gemmrl": gemmrl.__version__, "capability": "9.0", "sm_count": 132,
+        "cublas": "cublas=13.1.0 cublasLt=130100 headers=13.1.0.3 cudart=13000 lt_cudart=13000"}
 
 P1 = Problem(256, 4096, 4096)     # cutlass TN, fast
 P2 = Problem(1024, 4096, 4096)    # the same cutlass spec: one shared source
@@ -139,6 +140,37 @@ def test_a_stored_choice_not_yet_verified_gives_way_to_the_verified_kernel(store
                for s in m["skipped"])
 
 
+def _algo(tag):
+    return bytes([tag]) * 64
+
+
+def test_export_carries_the_autotuned_cublaslt_algorithms_of_unserved_layouts(store, tmp_path):
+    """lt_algos: the autotuned baseline's stored choice (fp32 accumulation, whatever the pack's)
+    for every (shape, layout) of this GPU no entry serves; none where the cuBLAS version is unknown."""
+    s = store
+    s.put_tuning(DEV, P1, "cuBLASLt-auto-tuning-tn", _algo(1), "algo=1", 9.0)  # P1 TN has an entry
+    s.put_tuning(DEV, P1, "cuBLASLt-auto-tuning-nn", _algo(2), "algo=2", 9.5)
+    s.put_tuning(DEV, P4, "cuBLASLt-auto-tuning-tn", _algo(3), "algo=3", 10.0)
+    s.put_tuning(DEV, Problem(64, 1024, 4096, acc="fp16"), "cuBLASLt-auto-tuning-nn", _algo(4), "fp16 acc", 8.0)
+    s.put_tuning("NVIDIA H200", P4, "cuBLASLt-auto-tuning-nn", _algo(5), "another GPU", 7.0)
+    s.put_tuning(DEV, P5, "cuBLASLt-auto-tuning-nn", b"short", "not an algorithm", 7.0)
+    m = _manifest(export_pack(s, DEV, tmp_path / "p-fp32", "fp16", "fp32"))
+    assert m["lt_version"] == 130100
+    got = {(d["M"], d["N"], d["K"], d["layout"]): d for d in m["lt_algos"]}
+    assert set(got) == {(P1.M, P1.N, P1.K, "NN"), (P4.M, P4.N, P4.K, "TN")}  # not the fp16-acc choice
+    assert got[(P1.M, P1.N, P1.K, "NN")]["algo"] == _algo(2).hex() and got[(P1.M, P1.N, P1.K, "NN")]["us"] == 9.5
+    pack = load_pack(tmp_path / "p-fp32")
+    assert pack.lt_version == 130100
+    assert pack.lt_algos == {(P1.M, P1.N, P1.K, "NN"): _algo(2), (P4.M, P4.N, P4.K, "TN"): _algo(3)}
+    bare = Store(tmp_path / "bare.sqlite")  # a run without a cuBLAS string: no lt_algos at all
+    run = bare.start_run("gemmrl bench", DEV, {k: v for k, v in PROV.items() if k != "cublas"}, {})
+    _win(bare, run, P1, "gemmrl-cutlass_sm90+raw", CUT_TN, "cutlass_sm90", ours=10.0, baselines={"torch.matmul": 12.0})
+    bare.put_tuning(DEV, P1, "cuBLASLt-auto-tuning-nn", _algo(2), "algo=2", 9.5)
+    m = _manifest(export_pack(bare, DEV, tmp_path / "p-bare", "fp16", "fp32"))
+    assert "lt_algos" not in m and load_pack(tmp_path / "p-bare").lt_algos == {}
+    bare.close()
+
+
 def test_load_pack_round_trips(pack_dir):
     pack = load_pack(pack_dir)
     assert len(pack.entries) == 4 and pack.stamp["device"] == DEV
@@ -184,6 +216,16 @@ def test_load_pack_names_what_is_wrong(pack_dir):
     (lambda m: m["library"].append("64x64x64:NT"), "library 8: must look like 4096x4096x4096:NN"),
     (lambda m: m["library"].append([64, 64, 64, "NN"]), "library 8: must look like"),
     (lambda m: m["library"].append("256x4096x4096:TN"), "library 8: 256x4096x4096:TN also has an entry"),
+    (lambda m: m.update(lt_algos={}), "lt_algos: must be a list"),
+    (lambda m: m.update(lt_algos=[{"M": 64, "N": 64, "K": 64, "layout": "NN", "algo": "00" * 63}]),
+     "lt_algos 0: needs positive M, N, K"),
+    (lambda m: m.update(lt_algos=[{"M": 64, "N": 64, "K": 64, "layout": "NT", "algo": "00" * 64}]),
+     "lt_algos 0: needs positive M, N, K"),
+    (lambda m: m.update(lt_algos=[{"M": 256, "N": 4096, "K": 4096, "layout": "TN", "algo": "00" * 64}]),
+     "lt_algos 0: .* has a kernel entry"),
+    (lambda m: m.update(lt_algos=[{"M": 64, "N": 64, "K": 64, "layout": "NN", "algo": "00" * 64}] * 2),
+     "lt_algos 1: .* is listed twice"),
+    (lambda m: m.update(lt_version="13.1"), "lt_version: must be a positive integer"),
 ])
 def test_load_pack_rejects_bad_manifests(pack_dir, edit, message):
     _edit(pack_dir, edit)

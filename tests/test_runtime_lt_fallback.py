@@ -37,6 +37,7 @@ void* g_last_ws = nullptr;
 void* g_last_stream = nullptr;
 uint32_t g_last_align = 0;
 uint64_t g_last_pref_ws = 0;
+unsigned long long g_last_algo = 0;
 int g_last_m = 0, g_last_n = 0, g_last_k = 0, g_last_ta = 0, g_last_lda = 0, g_last_ldb = 0, g_last_ldc = 0;
 
 float ld_elem(const void* p, int type, int64_t i) {
@@ -107,8 +108,10 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t desc, const
     void* ws, size_t ws_size, cudaStream_t stream) {
   const Desc* d = (const Desc*)desc;
   const Layout *a = (const Layout*)la, *b = (const Layout*)lb, *c = (const Layout*)lc, *o = (const Layout*)ld;
-  if (!algo || algo->data[0] != 0xA160 || d->compute != CUBLAS_COMPUTE_32F || d->scale != CUDA_R_32F)
+  if (!algo || (algo->data[0] != 0xA160 && algo->data[0] != 0xB0B) || d->compute != CUBLAS_COMPUTE_32F ||
+      d->scale != CUDA_R_32F)
     return CUBLAS_STATUS_INVALID_VALUE;
+  g_last_algo = algo->data[0];
   const uint64_t m = d->ta ? a->cols : a->rows, k = d->ta ? a->rows : a->cols;
   const uint64_t kb = d->tb ? b->cols : b->rows, n = d->tb ? b->rows : b->cols;
   if (k != kb || o->rows != m || o->cols != n || c->rows != m || c->cols != n || C != D) return CUBLAS_STATUS_INVALID_VALUE;
@@ -132,7 +135,19 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t desc, const
   g_last_lda = (int)a->ld; g_last_ldb = (int)b->ld; g_last_ldc = (int)o->ld;
   return CUBLAS_STATUS_SUCCESS;
 }
+cublasStatus_t cublasLtMatmulAlgoCheck(cublasLtHandle_t, cublasLtMatmulDesc_t, cublasLtMatrixLayout_t,
+    cublasLtMatrixLayout_t, cublasLtMatrixLayout_t, cublasLtMatrixLayout_t, const cublasLtMatmulAlgo_t* algo,
+    cublasLtMatmulHeuristicResult_t* r) {
+  std::memset(r, 0, sizeof(*r));
+  if (algo->data[0] != 0xB0B) return CUBLAS_STATUS_INVALID_VALUE;  // only the "pack's" algorithm
+  r->algo = *algo;
+  r->workspaceSize = 8192;
+  r->state = CUBLAS_STATUS_SUCCESS;
+  return CUBLAS_STATUS_SUCCESS;
+}
+size_t cublasLtGetVersion(void) { return 130100; }
 int fake_calls(void) { return g_calls; }
+unsigned long long fake_last_algo(void) { return g_last_algo; }
 int fake_heuristics(void) { return g_heuristics; }
 void* fake_last_ws(void) { return g_last_ws; }
 unsigned long long fake_last_ws_size(void) { return g_last_ws_size; }
@@ -152,6 +167,7 @@ class StandIn:
         lib.fake_last_ws.restype = ctypes.c_void_p
         lib.fake_last_ws_size.restype = lib.fake_last_pref_ws.restype = ctypes.c_ulonglong
         lib.fake_last_align.restype = ctypes.c_uint
+        lib.fake_last_algo.restype = ctypes.c_ulonglong
 
     calls = property(lambda self: self.lib.fake_calls())
     heuristics = property(lambda self: self.lib.fake_heuristics())
@@ -159,6 +175,7 @@ class StandIn:
     last_ws_size = property(lambda self: self.lib.fake_last_ws_size())
     last_pref_ws = property(lambda self: self.lib.fake_last_pref_ws())
     last_align = property(lambda self: self.lib.fake_last_align())
+    last_algo = property(lambda self: self.lib.fake_last_algo())
 
     def last(self):
         out = (ctypes.c_int * 7)()
@@ -215,7 +232,8 @@ def test_lt_is_compiled_in_and_the_default_module_says_whether_it_is(lt):
     m, _ = lt
     s = m.stats()["lt"]
     assert s["compiled"] is True and s["on"] is True
-    assert set(s) == {"compiled", "on", "max_flops", "calls", "plans", "no_algo", "failed"}
+    assert set(s) == {"compiled", "on", "max_flops", "installed", "calls", "plans", "no_algo", "failed"}
+    assert m.lt_version() == 130100
     assert s["max_flops"] == 2.0 ** 39
     assert fastpath.build_flags(False, None)["extra_ldflags"] == []
     flags = fastpath.build_flags(False, CublasPaths("/x/include", "/x/lib", "t"))
@@ -365,6 +383,47 @@ def test_calls_above_max_flops_are_torch_matmuls(fast):
         assert fake.calls == n0 + 1
     finally:
         m.set_lt(True, 2.0 ** 39)
+
+
+def _at(t, offset):
+    """A copy of `t` whose data starts `offset` bytes past a 256-byte boundary."""
+    n = t.numel() * t.element_size()
+    buf = torch.empty(n + 512, dtype=torch.uint8)
+    start = (-buf.data_ptr()) % 256 + offset
+    v = buf[start:start + n].view(t.dtype).view(t.shape)
+    v.copy_(t)
+    assert v.data_ptr() % 256 == offset
+    return v
+
+
+def _algo(tag):
+    return tag.to_bytes(8, "little") + bytes(56)
+
+
+def test_an_installed_algorithm_serves_its_shape_at_any_size_until_clear(fast):
+    m, fake = fast
+    a, b = _ints(8, 16), _ints(8, 16, seed=15)  # TN
+    _unserved(m, 8, 8, 16, True)
+    with pytest.raises(ValueError, match="64 bytes"):
+        m.lt_install(8, 8, 16, True, "fp16", -1, b"short")
+    assert m.lt_install(8, 8, 16, True, "fp16", -1, _algo(0xBAD)) is False  # AlgoCheck refuses it
+    assert m.lt_install(8, 8, 16, True, "fp16", -1, _algo(0xB0B)) is True
+    assert m.stats()["lt"]["installed"] == 1
+    h0, n0 = fake.heuristics, fake.calls
+    a2, b2, out = _at(a, 0), _at(b, 0), _at(torch.empty(8, 8, dtype=torch.float16), 0)
+    try:
+        m.set_lt(True, 1.0)  # every call is over max_flops: only the installed plan is used
+        assert m.run(a2, b2, True, out) is out
+        assert fake.calls == n0 + 1 and fake.last_algo == 0xB0B and fake.last_ws_size == 8192
+        assert torch.equal(out.float(), a.float() @ b.float().t())
+        a3 = _at(a, 16)  # 16-byte aligned: not the installed plan's data
+        assert torch.equal(m.run(a3, b2, True, out).float(), a.float() @ b.float().t())
+        assert fake.calls == n0 + 1, "over max_flops and no installed plan for this alignment: torch"
+        assert fake.heuristics == h0, "an installed plan needs no heuristic"
+    finally:
+        m.set_lt(True, 2.0 ** 39)
+    m.clear()
+    assert m.stats()["lt"]["installed"] == 0
 
 
 def test_set_lt_off_is_torch_matmul_again(fast):

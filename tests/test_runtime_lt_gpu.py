@@ -111,3 +111,73 @@ def test_calls_it_must_leave_to_torch(fast):
         assert torch.equal(c, torch.matmul(a, b)) and _calls(fast) == n
     finally:
         ops.set_fallback("cublaslt")
+
+
+def _aligned(*shape, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    t = torch.randn(*shape, device="cuda", dtype=torch.float16, generator=g)
+    assert t.data_ptr() % 256 == 0  # the caching allocator's blocks
+    return t
+
+
+def test_an_installed_algorithm_serves_its_shape_even_above_max_flops(fast):
+    """What a pack's lt_algos do: the baselines' cuBLASLt gives its suggestions for a shape; the
+    last one (not the heuristic's first) is installed and serves every 256-byte aligned call."""
+    from gemmrl.baselines.impls import cublas_lib
+
+    lib = cublas_lib()
+    M = N = K = 8192  # 2^40 FLOPs: over max_flops, torch.matmul's without an installed plan
+    algos = lib.heuristic("TN", "fp16", "fp32", M, N, K, requested=8)
+    assert algos
+    dev = torch.cuda.current_device()
+    assert fast.lt_install(M, N, K, True, "fp16", dev, b"\0" * 64) is False, "cuBLASLt checks it"
+    assert fast.lt_install(M, N, K, True, "fp16", dev, algos[-1]) is True
+    try:
+        assert fast.stats()["lt"]["installed"] == 1
+        a, w = _aligned(M, K), _aligned(N, K, seed=1) / K ** 0.5
+        n = _calls(fast)
+        with torch.inference_mode():
+            c = gemmrl.matmul(a, w, b_layout="TN")
+            t = torch.matmul(a, w.t())
+        assert _calls(fast) == n + 1
+        ref = a.float() @ w.float().t()
+        assert _err(c, ref) <= 2 * _err(t, ref) + 1e-4
+    finally:
+        fast.clear()
+    assert fast.stats()["lt"]["installed"] == 0
+
+
+def test_a_shipped_pack_installs_its_algorithms_on_its_gpu(fast):
+    from pathlib import Path
+
+    from gemmrl.bench.env import gpu_slug
+    from gemmrl.runtime.pack import load_pack
+
+    packs = Path(__file__).resolve().parents[1] / "packs"
+    mine = [p for p in sorted(packs.glob(f"{gpu_slug(torch.cuda.get_device_name())}-fp16-F32*"))
+            if (p / "manifest.json").is_file()]
+    if not mine:
+        pytest.skip(f"no shipped pack for {torch.cuda.get_device_name()}")
+    pack = load_pack(mine[0])
+    if not pack.lt_algos:
+        pytest.skip(f"{mine[0]} has no lt_algos")
+    try:
+        ops.use_pack(pack)
+        st = ops.lt_status()
+        if fast.lt_version() != pack.lt_version:
+            assert st["installed"] == 0 and "heuristic plans" in st["note"]
+            return
+        assert st["installed"] == len(pack.lt_algos) and st["refused"] == 0, st
+        (M, N, K, layout), _ = next(iter(pack.lt_algos.items()))
+        a = _aligned(M, K)
+        b = _aligned(*((N, K) if layout == "TN" else (K, N)), seed=2)
+        with torch.inference_mode():
+            assert ops.explain(a, b, layout).startswith("cuBLASLt (the pack autotuned algorithm)")
+            n = _calls(fast)
+            c = gemmrl.matmul(a, b, b_layout=layout)
+            assert _calls(fast) == n + 1
+        ref = a.float() @ (b.float().t() if layout == "TN" else b.float())
+        assert _err(c, ref) < 1e-2
+    finally:
+        ops.use_pack(None)
+    assert fast.stats()["lt"]["installed"] == 0

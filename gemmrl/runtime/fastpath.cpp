@@ -52,6 +52,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <unordered_map>
 #include <unordered_set>
@@ -148,6 +149,8 @@ struct LtPlan {
   cublasLtMatmulAlgo_t algo{};
   size_t ws = 0;
   bool ok = false;  // false: cuBLASLt offers no algorithm, or one failed: torch.matmul serves the key
+  bool pinned = false;  // an algorithm given by the pack (lt_install), not the heuristic's: used at
+                        // any size, dropped by clear()
   ~LtPlan() {
     if (lc) cublasLtMatrixLayoutDestroy(lc);
     if (lb) cublasLtMatrixLayoutDestroy(lb);
@@ -162,8 +165,8 @@ std::unordered_map<Key, std::unique_ptr<LtPlan>, KeyHash> g_lt_plan;
 std::unordered_map<Key, at::Tensor, KeyHash> g_lt_ws;
 cublasLtHandle_t g_lt_handle[130] = {};  // per device; [0] is host mode's (device -1)
 
-bool lt_make(LtPlan* p, int64_t M, int64_t N, int64_t K, bool tn, at::ScalarType st, cublasLtHandle_t h,
-             uint32_t align) {
+// the descriptor and layouts of a plan
+bool lt_describe(LtPlan* p, int64_t M, int64_t N, int64_t K, bool tn, at::ScalarType st) {
   const cudaDataType dt = st == at::kHalf ? CUDA_R_16F : CUDA_R_16BF;
   if (cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS) return false;
   const cublasOperation_t ta = tn ? CUBLAS_OP_T : CUBLAS_OP_N, tb = CUBLAS_OP_N;
@@ -178,6 +181,13 @@ bool lt_make(LtPlan* p, int64_t M, int64_t N, int64_t K, bool tn, at::ScalarType
       cublasLtMatrixLayoutCreate(&p->lc, dt, uint64_t(N), uint64_t(M), N) != CUBLAS_STATUS_SUCCESS) {
     return false;
   }
+  return true;
+}
+
+// a plan with the heuristic's first algorithm for data aligned to `align` bytes
+bool lt_make(LtPlan* p, int64_t M, int64_t N, int64_t K, bool tn, at::ScalarType st, cublasLtHandle_t h,
+             uint32_t align) {
+  if (!lt_describe(p, M, N, K, tn, st)) return false;
   cublasLtMatmulPreference_t pref = nullptr;
   if (cublasLtMatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS) return false;
   const uint64_t ws = kLtWorkspace;
@@ -207,6 +217,12 @@ uint32_t alignment(uintptr_t x) {
 
 // The fallback through cuBLASLt, or nullptr (no Python error set) where it declines: torch.matmul
 // then serves the call. Declines before anything is enqueued or allocated but the plan.
+cublasLtHandle_t lt_handle(int slot) {
+  if (slot < 0 || slot >= 130) return nullptr;
+  if (!g_lt_handle[slot] && cublasLtCreate(&g_lt_handle[slot]) != CUBLAS_STATUS_SUCCESS) g_lt_handle[slot] = nullptr;
+  return g_lt_handle[slot];
+}
+
 PyObject* lt_fallback(const at::Tensor& a, const at::Tensor& b, bool tn, PyObject* pout) {
   if (!a.is_cuda() && !g_host_mode) return nullptr;
   const at::ScalarType st = a.scalar_type();
@@ -220,7 +236,6 @@ PyObject* lt_fallback(const at::Tensor& a, const at::Tensor& b, bool tn, PyObjec
   if ((tn ? b.size(1) : b.size(0)) != K || K == 0 || N == 0) return nullptr;
   const int64_t M = a.numel() / K;
   if (M == 0 || M > INT_MAX || N > INT_MAX || K > INT_MAX) return nullptr;
-  if (2.0 * double(M) * double(N) * double(K) > g_lt_max_flops) return nullptr;  // torch's own call
   const c10::DeviceIndex dev = a.is_cuda() ? a.device().index() : -1;
 #ifdef GEMMRL_FASTPATH_CUDA
   if (a.is_cuda() && dev != c10::cuda::current_device()) return nullptr;
@@ -239,15 +254,14 @@ PyObject* lt_fallback(const at::Tensor& a, const at::Tensor& b, bool tn, PyObjec
   }
   const uint32_t align = alignment(addr);
   if (align < 16) return nullptr;
-  const int slot = dev + 1;
-  if (slot < 0 || slot >= 130) return nullptr;
-  if (!g_lt_handle[slot] && cublasLtCreate(&g_lt_handle[slot]) != CUBLAS_STATUS_SUCCESS) {
-    g_lt_handle[slot] = nullptr;
-    return nullptr;
-  }
-  const cublasLtHandle_t h = g_lt_handle[slot];
+  const cublasLtHandle_t h = lt_handle(dev + 1);
+  if (!h) return nullptr;
   const Key pk{M, N, K, align, static_cast<int8_t>(st), static_cast<int8_t>(dev), tn};
   auto it = g_lt_plan.find(pk);
+  if ((it == g_lt_plan.end() || !it->second->pinned) &&
+      2.0 * double(M) * double(N) * double(K) > g_lt_max_flops) {
+    return nullptr;  // torch's own call, unless the pack gave an algorithm for the shape
+  }
   if (it == g_lt_plan.end()) {
     if (g_lt_plan.size() >= g_limit) g_lt_plan.clear();
     auto p = std::make_unique<LtPlan>();
@@ -581,6 +595,69 @@ void put(const Key& k, Entry e) {
   g_table[k] = std::move(e);
 }
 
+// lt_install(M, N, K, tn, dtype, device, algo): the pack's cuBLASLt algorithm for this shape
+// (a cublasLtMatmulAlgo_t, 64 bytes as the baselines stored it), for data aligned to 256 bytes on
+// `device` (-1: host mode). Checked with cublasLtMatmulAlgoCheck; True when installed.
+PyObject* lt_install(PyObject* /*self*/, PyObject* args) {
+  Key k;
+  const char* blob = nullptr;
+  Py_ssize_t n = 0;
+  long long M, N, K;
+  int tn, device;
+  const char* dtype;
+  PyObject* algo_obj = nullptr;
+  if (!PyArg_ParseTuple(args, "LLLpsiO:lt_install", &M, &N, &K, &tn, &dtype, &device, &algo_obj)) return nullptr;
+  if (!PyBytes_Check(algo_obj)) {
+    PyErr_SetString(PyExc_TypeError, "lt_install: the algorithm must be bytes");
+    return nullptr;
+  }
+  char* raw = nullptr;
+  if (PyBytes_AsStringAndSize(algo_obj, &raw, &n) < 0) return nullptr;
+  blob = raw;
+  if (M <= 0 || N <= 0 || K <= 0 || M > INT_MAX || N > INT_MAX || K > INT_MAX || device < -1 || device > 127) {
+    PyErr_SetString(PyExc_ValueError, "lt_install: M, N, K in 1..INT_MAX and device in -1..127");
+    return nullptr;
+  }
+  if (!parse_dtype(dtype, &k.dtype)) return nullptr;
+#ifdef GEMMRL_FASTPATH_LT
+  if (n != static_cast<Py_ssize_t>(sizeof(cublasLtMatmulAlgo_t))) {
+    PyErr_Format(PyExc_ValueError, "lt_install: the algorithm is %d bytes, got %zd",
+                 static_cast<int>(sizeof(cublasLtMatmulAlgo_t)), n);
+    return nullptr;
+  }
+  const cublasLtHandle_t h = lt_handle(device + 1);
+  if (!h) Py_RETURN_FALSE;
+  auto p = std::make_unique<LtPlan>();
+  const at::ScalarType st = static_cast<at::ScalarType>(k.dtype);
+  if (!lt_describe(p.get(), M, N, K, tn != 0, st)) Py_RETURN_FALSE;
+  std::memcpy(&p->algo, blob, sizeof(cublasLtMatmulAlgo_t));
+  cublasLtMatmulHeuristicResult_t r{};
+  if (cublasLtMatmulAlgoCheck(h, p->op, p->la, p->lb, p->lc, p->lc, &p->algo, &r) != CUBLAS_STATUS_SUCCESS ||
+      r.state != CUBLAS_STATUS_SUCCESS || r.workspaceSize > kLtWorkspace) {
+    Py_RETURN_FALSE;
+  }
+  p->ws = r.workspaceSize;
+  p->ok = p->pinned = true;
+  const Key pk{M, N, K, 256, k.dtype, static_cast<int8_t>(device), tn != 0};
+  if (g_lt_plan.size() >= g_limit) g_lt_plan.clear();
+  g_lt_plan[pk] = std::move(p);
+  Py_RETURN_TRUE;
+#else
+  (void)blob;
+  (void)n;
+  Py_RETURN_FALSE;
+#endif
+}
+
+// the cuBLASLt version linked (cublasLtGetVersion, e.g. 130100), or None without cuBLASLt
+PyObject* lt_version(PyObject* /*self*/, PyObject* /*unused*/) {
+#ifdef GEMMRL_FASTPATH_LT
+  return PyLong_FromSize_t(cublasLtGetVersion());
+#else
+  Py_RETURN_NONE;
+#endif
+}
+
 PyObject* register_call(PyObject* /*self*/, PyObject* args) {
   Key k;
   PyObject* ws = nullptr;
@@ -662,7 +739,12 @@ PyObject* clear(PyObject* /*self*/, PyObject* /*unused*/) {
   g_table.clear();
   g_unserved.clear();
   g_hits = g_misses = g_fallbacks = g_refusals = g_to_python = 0;
-  g_lt_calls = g_lt_plans = g_lt_no_algo = g_lt_failed = 0;  // the plans stay: they are no pack's
+  g_lt_calls = g_lt_plans = g_lt_no_algo = g_lt_failed = 0;
+#ifdef GEMMRL_FASTPATH_LT
+  for (auto it = g_lt_plan.begin(); it != g_lt_plan.end();) {  // the heuristic's plans are no pack's
+    it = it->second->pinned ? g_lt_plan.erase(it) : std::next(it);
+  }
+#endif
   Py_RETURN_NONE;
 }
 
@@ -686,13 +768,15 @@ PyObject* stats(PyObject* /*self*/, PyObject* /*unused*/) {
   // the cuBLASLt fallback: compiled in, on, calls it served, plans made, of them without an
   // algorithm, calls cuBLASLt refused (their key then falls back to torch.matmul)
 #ifdef GEMMRL_FASTPATH_LT
-  PyObject* lt = Py_BuildValue("{s:O,s:O,s:d,s:K,s:K,s:K,s:K}", "compiled", Py_True, "on", g_lt_on ? Py_True : Py_False,
-                               "max_flops", g_lt_max_flops,
+  size_t pinned = 0;
+  for (const auto& kv : g_lt_plan) pinned += kv.second->pinned;
+  PyObject* lt = Py_BuildValue("{s:O,s:O,s:d,s:n,s:K,s:K,s:K,s:K}", "compiled", Py_True, "on", g_lt_on ? Py_True : Py_False,
+                               "max_flops", g_lt_max_flops, "installed", (Py_ssize_t)pinned,
                                "calls", (unsigned long long)g_lt_calls, "plans", (unsigned long long)g_lt_plans,
                                "no_algo", (unsigned long long)g_lt_no_algo, "failed", (unsigned long long)g_lt_failed);
 #else
-  PyObject* lt = Py_BuildValue("{s:O,s:O,s:d,s:K,s:K,s:K,s:K}", "compiled", Py_False, "on", Py_False,
-                               "max_flops", g_lt_max_flops, "calls", 0ull,
+  PyObject* lt = Py_BuildValue("{s:O,s:O,s:d,s:n,s:K,s:K,s:K,s:K}", "compiled", Py_False, "on", Py_False,
+                               "max_flops", g_lt_max_flops, "installed", (Py_ssize_t)0, "calls", 0ull,
                                "plans", 0ull, "no_algo", 0ull, "failed", 0ull);
 #endif
   if (!lt || PyDict_SetItemString(d, "lt", lt) < 0) {
@@ -771,6 +855,10 @@ PyMethodDef methods[] = {
     {"clear", clear, METH_NOARGS, "empty the table (and zero the counters)"},
     {"stats", stats, METH_NOARGS, "entries, served, hits, misses, fallbacks, refusals, ..."},
     {"set_limit", set_limit, METH_O, "the table size at which it is cleared"},
+    {"lt_install", lt_install, METH_VARARGS,
+     "lt_install(M, N, K, tn, dtype, device, algo: bytes): the pack's cuBLASLt algorithm for a shape "
+     "(256-byte aligned data); True when cuBLASLt accepts it"},
+    {"lt_version", lt_version, METH_NOARGS, "the cuBLASLt version linked, or None"},
     {"set_lt", set_lt, METH_VARARGS,
      "set_lt(on[, max_flops]): fallbacks through cuBLASLt with a cached plan up to max_flops (2MNK; "
      "default 2^39), or through torch.matmul; returns whether cuBLASLt is compiled in"},

@@ -96,6 +96,42 @@ def _wire(fast) -> None:
     fast.set_python(matmul, _c_miss)
     fast.set_active(_ACTIVE is not None)
     fast.set_lt((_fallback_kind() if _FALLBACK is _UNSET else _FALLBACK) == "cublaslt")
+    _install_lt(fast, _ACTIVE)
+
+
+_LT = {"installed": frozenset(), "refused": 0, "note": "no pack"}  # the active pack's cuBLASLt algorithms
+
+
+def _install_lt(fast, d: Dispatcher | None) -> None:
+    """Give the C++ fallback the active pack's autotuned cuBLASLt algorithms (for the current
+    device), where it links the cuBLASLt version they were chosen with; the rest of the shapes
+    get the heuristic's first choice."""
+    global _LT
+    pack = d.pack if d is not None else None
+    if pack is None or not pack.lt_algos:
+        _LT = {"installed": frozenset(), "refused": 0, "note": "no pack" if pack is None else "the pack has none"}
+        return
+    have = fast.lt_version() if hasattr(fast, "lt_version") else None
+    if have is None or not torch.cuda.is_available():
+        _LT = {"installed": frozenset(), "refused": 0, "note": "cuBLASLt is not compiled into the fast path"}
+        return
+    if have != pack.lt_version:
+        _LT = {"installed": frozenset(), "refused": 0,
+               "note": f"chosen with cuBLASLt {pack.lt_version}, this process links {have}: heuristic plans"}
+        return
+    dev, ok, refused = torch.cuda.current_device(), set(), 0
+    for (M, N, K, layout), algo in pack.lt_algos.items():
+        if fast.lt_install(M, N, K, layout == "TN", pack.dtype, dev, algo):
+            ok.add((M, N, K, layout))
+        else:
+            refused += 1
+    _LT = {"installed": frozenset(ok), "refused": refused, "note": f"device {dev}"}
+
+
+def lt_status() -> dict:
+    """The active pack's autotuned cuBLASLt algorithms in the fallback: how many were installed
+    (for the current device), refused by cuBLASLt, and why none were where none were."""
+    return {"installed": len(_LT["installed"]), "refused": _LT["refused"], "note": _LT["note"]}
 
 
 def set_fallback(kind: str) -> bool:
@@ -357,7 +393,10 @@ def _lt_takes(a, b, layout: str) -> bool:
     K, (N, Kb) = a.shape[-1], ((b.shape[0], b.shape[1]) if layout == "TN" else (b.shape[1], b.shape[0]))
     if not (Kb == K and K > 0 and N > 0 and a.numel() > 0 and (a.data_ptr() | b.data_ptr()) % 16 == 0):
         return False
-    return 2.0 * (a.numel() // K) * N * K <= lt["max_flops"]
+    M = a.numel() // K
+    if (M, N, K, layout) in _LT["installed"] and (a.data_ptr() | b.data_ptr()) % 256 == 0:
+        return True
+    return 2.0 * M * N * K <= lt["max_flops"]
 
 
 def explain(a, b, b_layout: str = "NN") -> str:
@@ -365,7 +404,12 @@ def explain(a, b, b_layout: str = "NN") -> str:
     d = _ACTIVE
     plan = _plan(a, b, b_layout, d)
     if plan.__class__ is str:
-        return f"{'cuBLASLt' if _lt_takes(a, b, b_layout) else 'torch.matmul'}: {plan}"
+        if not _lt_takes(a, b, b_layout):
+            return f"torch.matmul: {plan}"
+        K = a.shape[-1]
+        N = b.shape[0] if b_layout == "TN" else b.shape[1]
+        tuned = (a.numel() // K, N, K, b_layout) in _LT["installed"]
+        return f"cuBLASLt{' (the pack autotuned algorithm)' if tuned else ''}: {plan}"
     M, N, K, dtype = plan
     e = d.lookup(M, N, K, b_layout, dtype)
     how = "exact" if e.problem.M == M and e.problem.N == N and e.problem.K == K else f"nearest {e.problem.shape}"

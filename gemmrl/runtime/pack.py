@@ -92,6 +92,11 @@ class Pack:
     # (M, N, K, layout) tuned on this GPU where no verified gemmrl kernel beat the libraries in
     # that layout: the op calls torch.matmul there, never a neighbouring shape's kernel
     library: frozenset = field(default_factory=frozenset)
+    # (M, N, K, layout) -> the cuBLASLt algorithm (64 bytes) the autotuned baseline chose on this
+    # GPU (fp32 accumulation, the fallback's): the fallback's plan for that shape where the
+    # runtime links the same cuBLASLt version (lt_version), instead of the heuristic's first choice
+    lt_algos: dict = field(default_factory=dict)
+    lt_version: int | None = None
 
     def source(self, entry: PackEntry) -> str:
         """The entry's kernel source, re-checked against its hash (files may change after load)."""
@@ -225,6 +230,36 @@ def _tuned_shapes(store, device: str, dtype: str, acc: str) -> set:
     return {(int(r[0]), int(r[1]), int(r[2])) for r in rows}
 
 
+LT_IMPL = "cuBLASLt-auto-tuning-{}"  # the autotuned baseline whose stored choices lt_algos are
+
+
+def _lt_version(cublas: str) -> int | None:
+    """cuBLASLt's version (cublasLtGetVersion) from a provenance's cuBLAS string, or None."""
+    m = re.search(r"cublasLt=(\d+)", cublas or "")
+    return int(m.group(1)) if m else None
+
+
+def _lt_choices(store, device: str, dtype: str, served: set) -> list[dict]:
+    """The autotuned cuBLASLt baseline's stored algorithm for every (shape, layout) of `device`
+    the pack's kernels do not serve: fp32 accumulation whatever the pack's, since a fallback
+    accumulates in fp32 as torch.matmul does."""
+    out = []
+    for layout in LAYOUTS:
+        rows = store.db.execute("SELECT M, N, K, choice, info, time_us FROM tuning WHERE device=? AND dtype=? "
+                                "AND acc='fp32' AND impl=? ORDER BY M, N, K",
+                                (device, dtype, LT_IMPL.format(layout.lower()))).fetchall()
+        for M, N, K, choice, info, us in rows:
+            if (M, N, K, layout) in served or len(bytes(choice)) != LT_ALGO_BYTES:
+                continue
+            out.append({"M": int(M), "N": int(N), "K": int(K), "layout": layout, "algo": bytes(choice).hex(),
+                        "us": None if us is None else round(float(us), 3), "info": info})
+    out.sort(key=lambda d: (d["M"], d["N"], d["K"], d["layout"]))
+    return out
+
+
+LT_ALGO_BYTES = 64  # sizeof(cublasLtMatmulAlgo_t)
+
+
 def verified_choice(ver: dict | None):
     """The kernel a verification record names as chosen ({family, name, spec}), or None."""
     return None if ver is None else (ver["details"].get("impl") or {}).get("chosen")
@@ -308,9 +343,14 @@ def export_pack(store, device: str, out_dir, dtype: str = "fp16", acc: str = "fp
         served = {(e["M"], e["N"], e["K"], e["layout"]) for e in entries}
         library = [f"{M}x{N}x{K}:{layout}" for M, N, K in sorted(_tuned_shapes(store, device, dtype, acc))
                    for layout in LAYOUTS if (M, N, K, layout) not in served]
-        manifest = {"format": FORMAT, "version": FORMAT_VERSION, "stamp": _stamp(store, device, run_ids),
+        stamp = _stamp(store, device, run_ids)
+        manifest = {"format": FORMAT, "version": FORMAT_VERSION, "stamp": stamp,
                     "dtype": dtype, "acc": acc, "arch": arch, "min_speedup": min_speedup,
                     "entries": entries, "library": library, "skipped": skipped}
+        lt_version = _lt_version(stamp.get("cublas", ""))
+        if lt_version is not None:
+            manifest["lt_version"] = lt_version
+            manifest["lt_algos"] = _lt_choices(store, device, dtype, served)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
         if out_dir.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-old-", dir=out_dir.parent))
@@ -435,10 +475,39 @@ def load_pack(path) -> Pack:
             seen[ent.key] = i
             entries.append(ent)
     library = _library(m.get("library", []), seen, errors) if not errors else frozenset()
+    lt_algos = _lt_algos(m.get("lt_algos", []), seen, errors) if not errors else {}
+    lt_version = m.get("lt_version")
+    if lt_version is not None and (not isinstance(lt_version, int) or isinstance(lt_version, bool) or lt_version <= 0):
+        errors.append(f"lt_version: must be a positive integer (cublasLtGetVersion), got {lt_version!r}")
     if errors:
         shown = "\n  ".join(errors[:20]) + (f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else "")
         raise PackError(f"pack {path} is invalid:\n  {shown}")
-    return Pack(path, stamp, dtype, acc, arch, tuple(entries), m, library)
+    return Pack(path, stamp, dtype, acc, arch, tuple(entries), m, library, lt_algos, lt_version)
+
+
+def _lt_algos(raw, entry_keys: dict, errors: list) -> dict:
+    """The manifest's `lt_algos` (absent in older packs) checked: positive sizes, a known layout,
+    a 64-byte algorithm in hex, no shape that also has an entry, no duplicates."""
+    if not isinstance(raw, list):
+        errors.append(f"lt_algos: must be a list, got {type(raw).__name__}")
+        return {}
+    out, served = {}, {k[:4] for k in entry_keys}
+    for i, d in enumerate(raw):
+        try:
+            key = (d["M"], d["N"], d["K"], d["layout"])
+            ok = all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in key[:3]) and key[3] in LAYOUTS
+            algo = bytes.fromhex(d["algo"]) if isinstance(d["algo"], str) else b""
+        except (TypeError, KeyError, ValueError):
+            ok, algo, key = False, b"", None
+        if not ok or len(algo) != LT_ALGO_BYTES:
+            errors.append(f"lt_algos {i}: needs positive M, N, K, a layout ({' or '.join(LAYOUTS)}) and "
+                          f"algo, {LT_ALGO_BYTES} bytes in hex")
+            continue
+        if key in served or key in out:
+            errors.append(f"lt_algos {i}: {key} {'has a kernel entry' if key in served else 'is listed twice'}")
+            continue
+        out[key] = algo
+    return out
 
 
 def _library(raw, entry_keys: dict, errors: list) -> frozenset:

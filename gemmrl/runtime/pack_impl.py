@@ -61,4 +61,9 @@ class PackMatmul(Impl):
         if self._dispatcher is not None:
             e = self._dispatcher.describe()
             d.update(entries=e["entries"], failures=e["failures"])
+            from gemmrl.runtime import ops
+
+            fast = ops._FAST if ops._FAST is not ops._UNSET else None
+            d["fallback"] = {"lt_algos": ops.lt_status(),
+                             "fast_path": None if fast is None else fast.stats().get("lt")}
         return d
