@@ -223,6 +223,17 @@ def _ints(*shape, seed=0, dtype=torch.float16):
     return torch.randint(-2, 3, shape, generator=g).to(dtype)
 
 
+def _at(t, offset):
+    """A copy of `t` whose data starts `offset` bytes past a 256-byte boundary."""
+    n = t.numel() * t.element_size()
+    buf = torch.empty(n + 512, dtype=torch.uint8)
+    start = (-buf.data_ptr()) % 256 + offset
+    v = buf[start:start + n].view(t.dtype).view(t.shape)
+    v.copy_(t)
+    assert v.data_ptr() % 256 == offset
+    return v
+
+
 def _unserved(m, M, N, K, tn, dtype="fp16"):
     """The shape has no kernel: the table's fallback, which is where cuBLASLt comes in."""
     m.register_unserved(M, N, K, tn, dtype)
@@ -260,20 +271,24 @@ def test_nn_and_tn_map_onto_cublaslt_column_major_exactly(fast, tn):
 
 def test_one_plan_per_shape_one_workspace_per_stream(fast):
     m, fake = fast
-    a, b = _ints(16, 32), _ints(32, 8, seed=2)
+    # 64-byte aligned data throughout (a plan is per alignment too; the CPU allocator's varies)
+    a, b = _at(_ints(16, 32), 64), _at(_ints(32, 8, seed=2), 64)
+    out = _at(torch.empty(16, 8, dtype=torch.float16), 64)
     _unserved(m, 16, 8, 32, False)
     h0 = fake.heuristics
-    m.run(a, b, False)
+    m.run(a, b, False, out)
     ws = fake.last_ws
-    for _ in range(3):
-        m.run(_ints(16, 32, seed=5), b, False)
+    for i in range(3):
+        a_i = _at(_ints(16, 32, seed=5 + i), 64)
+        assert torch.equal(m.run(a_i, b, False, out).float(), a_i.float() @ b.float())
     assert fake.heuristics == h0 + 1, "the heuristic runs once per shape"
     assert fake.last_ws == ws, "the stream's workspace is reused"
-    a2, b2 = _ints(4, 32), _ints(32, 8, seed=3)
+    a2, b2 = _at(_ints(4, 32), 64), _at(_ints(32, 8, seed=3), 64)
     _unserved(m, 4, 8, 32, False)
-    assert torch.equal(m.run(a2, b2, False).float(), a2.float() @ b2.float())
+    out2 = _at(torch.empty(4, 8, dtype=torch.float16), 64)
+    assert torch.equal(m.run(a2, b2, False, out2).float(), a2.float() @ b2.float())
     s = m.stats()["lt"]
-    assert s["plans"] == 2 and s["calls"] == 5 and fake.last_ws == ws
+    assert s["plans"] == 2 and s["calls"] == 5 and fake.last_ws == ws and fake.heuristics == h0 + 2
 
 
 def test_batched_a_out_and_bf16(fast):
@@ -323,16 +338,18 @@ def test_what_cublaslt_declines_torch_matmul_computes(fast):
     m, fake = fast
     n0 = fake.calls
     # M == 7: the stand-in offers no algorithm (once: the plan remembers)
-    a, b = _ints(7, 16), _ints(16, 8, seed=8)
+    a, b = _at(_ints(7, 16), 0), _at(_ints(16, 8, seed=8), 0)
+    out = _at(torch.empty(7, 8, dtype=torch.float16), 0)  # one alignment: one plan
     _unserved(m, 7, 8, 16, False)
     for _ in range(2):
-        assert torch.equal(m.run(a, b, False).float(), a.float() @ b.float())
+        assert torch.equal(m.run(a, b, False, out).float(), a.float() @ b.float())
     assert m.stats()["lt"]["no_algo"] == 1 and m.stats()["lt"]["plans"] == 1
     # K == 9: cuBLASLt refuses the call; never tried again for that shape
-    a, b = _ints(8, 9), _ints(9, 8, seed=9)
+    a, b = _at(_ints(8, 9), 0), _at(_ints(9, 8, seed=9), 0)
+    out = _at(torch.empty(8, 8, dtype=torch.float16), 0)
     _unserved(m, 8, 8, 9, False)
     for _ in range(2):
-        assert torch.equal(m.run(a, b, False).float(), a.float() @ b.float())
+        assert torch.equal(m.run(a, b, False, out).float(), a.float() @ b.float())
     assert m.stats()["lt"]["failed"] == 1
     # 8-byte aligned data, non-contiguous b, autograd, an fp32 call: cuBLASLt never sees them
     big = _ints(9 * 16 + 4)
@@ -383,17 +400,6 @@ def test_calls_above_max_flops_are_torch_matmuls(fast):
         assert fake.calls == n0 + 1
     finally:
         m.set_lt(True, 2.0 ** 39)
-
-
-def _at(t, offset):
-    """A copy of `t` whose data starts `offset` bytes past a 256-byte boundary."""
-    n = t.numel() * t.element_size()
-    buf = torch.empty(n + 512, dtype=torch.uint8)
-    start = (-buf.data_ptr()) % 256 + offset
-    v = buf[start:start + n].view(t.dtype).view(t.shape)
-    v.copy_(t)
-    assert v.data_ptr() % 256 == offset
-    return v
 
 
 def _algo(tag):
