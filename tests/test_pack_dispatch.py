@@ -148,6 +148,19 @@ def test_export_carries_the_autotuned_cublaslt_algorithms_of_unserved_layouts(st
     """lt_algos: the autotuned baseline's stored choice (fp32 accumulation, whatever the pack's)
     for every (shape, layout) of this GPU no entry serves; none where the cuBLAS version is unknown."""
     s = store
+    run = s.start_run("gemmrl bench", DEV, PROV, {})
+    # kernel-mode sessions: the autotuned choice against the heuristic's first (ratio per session)
+    timed = {(P1, "nn"): [(9.5, 10.0), (9.6, 10.0)],      # 0.95, 0.96: ships
+             (P4, "tn"): [(10.0, 11.0)],                  # 0.91: ships
+             (P2, "nn"): [(9.0, 10.0), (10.5, 10.0)],     # slower in one session: stays heuristic
+             (P6, "tn"): [(9.95, 10.0)]}                   # 0.995: not 1% faster: stays heuristic
+    for (p, lay), pairs in timed.items():
+        for i, (auto, heur) in enumerate(pairs):
+            s.record_session(run, f"s{i}", DEV, p, "kernel", "v3",
+                             {f"cuBLASLt-auto-tuning-{lay}": {"median_us": auto, "n": 10},
+                              f"cuBLASLt-heuristic-{lay}": {"median_us": heur, "n": 10}})
+    s.put_tuning(DEV, P2, "cuBLASLt-auto-tuning-nn", _algo(6), "algo=6", 9.0)
+    s.put_tuning(DEV, P6, "cuBLASLt-auto-tuning-tn", _algo(7), "algo=7", 9.0)
     s.put_tuning(DEV, P1, "cuBLASLt-auto-tuning-tn", _algo(1), "algo=1", 9.0)  # P1 TN has an entry
     s.put_tuning(DEV, P1, "cuBLASLt-auto-tuning-nn", _algo(2), "algo=2", 9.5)
     s.put_tuning(DEV, P4, "cuBLASLt-auto-tuning-tn", _algo(3), "algo=3", 10.0)
@@ -158,7 +171,8 @@ def test_export_carries_the_autotuned_cublaslt_algorithms_of_unserved_layouts(st
     assert m["lt_version"] == 130100
     got = {(d["M"], d["N"], d["K"], d["layout"]): d for d in m["lt_algos"]}
     assert set(got) == {(P1.M, P1.N, P1.K, "NN"), (P4.M, P4.N, P4.K, "TN")}  # not the fp16-acc choice
-    assert got[(P1.M, P1.N, P1.K, "NN")]["algo"] == _algo(2).hex() and got[(P1.M, P1.N, P1.K, "NN")]["us"] == 9.5
+    g1 = got[(P1.M, P1.N, P1.K, "NN")]
+    assert g1["algo"] == _algo(2).hex() and g1["us"] == 9.5 and g1["vs_heuristic"] == 0.96 and g1["sessions"] == 2
     pack = load_pack(tmp_path / "p-fp32")
     assert pack.lt_version == 130100
     assert pack.lt_algos == {(P1.M, P1.N, P1.K, "NN"): _algo(2), (P4.M, P4.N, P4.K, "TN"): _algo(3)}
