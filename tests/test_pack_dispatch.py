@@ -153,7 +153,8 @@ def test_export_carries_the_autotuned_cublaslt_algorithms_of_unserved_layouts(st
     timed = {(P1, "nn"): [(9.5, 10.0), (9.6, 10.0)],      # 0.95, 0.96: ships
              (P4, "tn"): [(10.0, 11.0)],                  # 0.91: ships
              (P2, "nn"): [(9.0, 10.0), (10.5, 10.0)],     # slower in one session: stays heuristic
-             (P6, "tn"): [(9.95, 10.0)]}                   # 0.995: not 1% faster: stays heuristic
+             (P6, "tn"): [(9.95, 10.0)],                  # 0.995: not 1% faster: stays heuristic
+             (P3, "nn"): [(9.95, 10.0), (9.7, 10.0), (9.8, 10.0)]}  # median 0.98, never slower: ships
     for (p, lay), pairs in timed.items():
         for i, (auto, heur) in enumerate(pairs):
             s.record_session(run, f"s{i}", DEV, p, "kernel", "v3",
@@ -161,6 +162,7 @@ def test_export_carries_the_autotuned_cublaslt_algorithms_of_unserved_layouts(st
                               f"cuBLASLt-heuristic-{lay}": {"median_us": heur, "n": 10}})
     s.put_tuning(DEV, P2, "cuBLASLt-auto-tuning-nn", _algo(6), "algo=6", 9.0)
     s.put_tuning(DEV, P6, "cuBLASLt-auto-tuning-tn", _algo(7), "algo=7", 9.0)
+    s.put_tuning(DEV, P3, "cuBLASLt-auto-tuning-nn", _algo(8), "algo=8", 9.0)
     s.put_tuning(DEV, P1, "cuBLASLt-auto-tuning-tn", _algo(1), "algo=1", 9.0)  # P1 TN has an entry
     s.put_tuning(DEV, P1, "cuBLASLt-auto-tuning-nn", _algo(2), "algo=2", 9.5)
     s.put_tuning(DEV, P4, "cuBLASLt-auto-tuning-tn", _algo(3), "algo=3", 10.0)
@@ -170,12 +172,14 @@ def test_export_carries_the_autotuned_cublaslt_algorithms_of_unserved_layouts(st
     m = _manifest(export_pack(s, DEV, tmp_path / "p-fp32", "fp16", "fp32"))
     assert m["lt_version"] == 130100
     got = {(d["M"], d["N"], d["K"], d["layout"]): d for d in m["lt_algos"]}
-    assert set(got) == {(P1.M, P1.N, P1.K, "NN"), (P4.M, P4.N, P4.K, "TN")}  # not the fp16-acc choice
+    assert set(got) == {(P1.M, P1.N, P1.K, "NN"), (P4.M, P4.N, P4.K, "TN"), (P3.M, P3.N, P3.K, "NN")}
+    assert got[(P3.M, P3.N, P3.K, "NN")]["vs_heuristic"] == 0.98 and got[(P3.M, P3.N, P3.K, "NN")]["vs_heuristic_max"] == 0.995
     g1 = got[(P1.M, P1.N, P1.K, "NN")]
-    assert g1["algo"] == _algo(2).hex() and g1["us"] == 9.5 and g1["vs_heuristic"] == 0.96 and g1["sessions"] == 2
+    assert g1["algo"] == _algo(2).hex() and g1["us"] == 9.5 and g1["vs_heuristic"] == 0.955 and g1["sessions"] == 2
     pack = load_pack(tmp_path / "p-fp32")
     assert pack.lt_version == 130100
-    assert pack.lt_algos == {(P1.M, P1.N, P1.K, "NN"): _algo(2), (P4.M, P4.N, P4.K, "TN"): _algo(3)}
+    assert pack.lt_algos == {(P1.M, P1.N, P1.K, "NN"): _algo(2), (P4.M, P4.N, P4.K, "TN"): _algo(3),
+                             (P3.M, P3.N, P3.K, "NN"): _algo(8)}
     bare = Store(tmp_path / "bare.sqlite")  # a run without a cuBLAS string: no lt_algos at all
     run = bare.start_run("gemmrl bench", DEV, {k: v for k, v in PROV.items() if k != "cublas"}, {})
     _win(bare, run, P1, "gemmrl-cutlass_sm90+raw", CUT_TN, "cutlass_sm90", ours=10.0, baselines={"torch.matmul": 12.0})

@@ -224,3 +224,38 @@ def test_transfer_report_reads_a_store(tmp_path):
                         "--source", "GPU S", "--target", "GPU T", "--run", str(rid + 1)],
                        capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode == 1 and "no fp32 trials" in r.stderr  # another run's trials only: none
+
+
+def test_product_report_splits_served_and_fallback_calls_per_session(tmp_path):
+    import json
+
+    from gemmrl.core.problem import Problem
+    from gemmrl.store.db import Store
+
+    st = Store(tmp_path / "s.sqlite")
+    run = st.start_run("gemmrl bench", "GPU X", {"driver": "1", "cuda": "13.0", "torch": "2", "commit": "abc"}, {})
+    served, fallback = Problem(64, 64, 64), Problem(128, 64, 64)
+    for p, ours in ((served, 8.0), (fallback, 11.0)):  # torch 10: served 1.25x, fallback 0.909x
+        for mode in ("kernel", "offline"):
+            st.record_session(run, f"{p.mnk}-{mode}", "GPU X", p, mode, "v3", {
+                "gemmrl.matmul-nn": {"median_us": ours, "n": 5}, "torch.matmul": {"median_us": 10.0, "n": 5},
+                "torch.matmul@repeat": {"median_us": 10.1, "n": 5}})
+    st.close()
+    (tmp_path / "pack").mkdir()
+    (tmp_path / "pack" / "manifest.json").write_text(json.dumps({"entries": [{"M": 64, "N": 64, "K": 64, "layout": "NN"}]}))
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "product-report.py"), "--run", str(run), "--pack",
+                        str(tmp_path / "pack"), "--db", str(tmp_path / "s.sqlite"), "--json", str(out)],
+                       capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())["modes"]
+    assert set(res) == {"kernel", "offline"}
+    k = res["kernel"]
+    assert k["NN served"]["shapes"] == 1 and abs(k["NN served"]["geomean"] - 1.25) < 1e-9
+    assert abs(k["NN fallback"]["geomean"] - 10 / 11) < 1e-9 and k["NN fallback"]["slower_than_0.99"] == 1
+    assert k["NN fallback"]["min_shape"] == "128x64x64" and k["NN fallback"]["median_diff_us"] == 1.0
+    assert "| kernel | NN served | torch.matmul | 1 | 1.250 |" in r.stdout
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "product-report.py"), "--run", "99", "--pack",
+                          str(tmp_path / "pack"), "--db", str(tmp_path / "s.sqlite")],
+                         capture_output=True, text=True, env=ENV, timeout=300)
+    assert bad.returncode == 2 and "run 99 is not in" in bad.stderr

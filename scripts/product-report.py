@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""The product against torch.matmul in one bench run: gemmrl.matmul-nn against torch.matmul and
+gemmrl.matmul-tn against torch.matmul-tn (`bench --impl pack:DIR`), split by whether the pack
+serves the (shape, layout) with a kernel of its own or it falls back, per mode. Ratios are taken
+within each session (the harness's rule); the repeat of torch.matmul in the same sessions gives
+the noise. No GPU needed:
+
+    python3 scripts/product-report.py --run 124 --pack packs/h100-fp16-F32F16F16F32 [--json OUT]
+
+Pass the pack as it was when the run measured it (for an older run: `git show COMMIT:PATH`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sqlite3
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+PAIRS = (("NN", "gemmrl.matmul-nn", "torch.matmul"), ("TN", "gemmrl.matmul-tn", "torch.matmul-tn"))
+MODES = ("kernel", "offline", "server")
+
+
+def served_keys(manifest: dict) -> set:
+    return {(e["M"], e["N"], e["K"], e["layout"]) for e in manifest.get("entries", [])}
+
+
+def sessions(db: sqlite3.Connection, run: int) -> dict:
+    """(mode, session, M, N, K) -> {impl: time}: medians, means in server mode (the reports' rule)."""
+    out: dict = defaultdict(dict)
+    q = "SELECT mode, session, M, N, K, impl, median_us, mean_us FROM measurements WHERE run_id=? AND status='ok'"
+    for mode, session, M, N, K, impl, med, mean in db.execute(q, (run,)):
+        t = mean if mode == "server" else med
+        if t and t > 0:
+            out[(mode, session, M, N, K)][impl] = t
+    return out
+
+
+def summarize(times: dict, served: set) -> dict:
+    """{mode: {layout: {'served'|'fallback': stats}, 'noise': stats of torch.matmul / its repeat}}."""
+    res: dict = {}
+    for mode in MODES:
+        per: dict = {}
+        for layout, ours, torch_impl in PAIRS:
+            for kind in ("served", "fallback"):
+                ratios, diffs, worst = [], [], None
+                for (md, _, M, N, K), t in times.items():
+                    if md != mode or ours not in t or torch_impl not in t:
+                        continue
+                    if ((M, N, K, layout) in served) != (kind == "served"):
+                        continue
+                    r = t[torch_impl] / t[ours]
+                    ratios.append(r)
+                    diffs.append(t[ours] - t[torch_impl])
+                    if worst is None or r < worst[0]:
+                        worst = (r, f"{M}x{N}x{K}")
+                if ratios:
+                    per[f"{layout} {kind}"] = {
+                        "versus": torch_impl, "shapes": len(ratios),
+                        "geomean": math.exp(sum(map(math.log, ratios)) / len(ratios)),
+                        "min": worst[0], "min_shape": worst[1], "slower_than_0.99": sum(r < 0.99 for r in ratios),
+                        "median_diff_us": statistics.median(diffs)}
+        rep = [t["torch.matmul"] / t["torch.matmul@repeat"] for (md, *_), t in times.items()
+               if md == mode and "torch.matmul" in t and "torch.matmul@repeat" in t]
+        if per:
+            if rep:
+                per["noise"] = {"torch.matmul / its repeat, median |1 - r|": statistics.median(abs(1 - r) for r in rep),
+                                "max |1 - r|": max(abs(1 - r) for r in rep)}
+            res[mode] = per
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run", type=int, required=True, help="the store's run id (a bench with --impl pack:DIR)")
+    ap.add_argument("--pack", required=True, help="the pack directory (or its manifest.json) that run used")
+    ap.add_argument("--db", default="results/gemmrl.sqlite")
+    ap.add_argument("--json", help="also write the summary here")
+    a = ap.parse_args(argv)
+    mf = Path(a.pack)
+    mf = mf / "manifest.json" if mf.is_dir() else mf
+    if not mf.is_file():
+        ap.error(f"{a.pack}: no manifest.json")
+    if not Path(a.db).is_file():
+        ap.error(f"{a.db}: no store")
+    db = sqlite3.connect(a.db)
+    row = db.execute("SELECT device, provenance FROM runs WHERE id=?", (a.run,)).fetchone()
+    if row is None:
+        ap.error(f"run {a.run} is not in {a.db}")
+    res = summarize(sessions(db, a.run), served_keys(json.loads(mf.read_text())))
+    if not res:
+        print(f"run {a.run} timed no gemmrl.matmul beside torch.matmul", file=sys.stderr)
+        return 1
+    prov = json.loads(row[1] or "{}")
+    print(f"run {a.run} on {row[0]} (driver {prov.get('driver')}, CUDA {prov.get('cuda')}, torch {prov.get('torch')}, "
+          f"commit {prov.get('commit')}, {prov.get('date')}); pack {mf.parent}")
+    print("| mode | call | against | shapes | geomean | min (shape) | below 0.99 | median diff us |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for mode, per in res.items():
+        for k, s in per.items():
+            if k != "noise":
+                print(f"| {mode} | {k} | {s['versus']} | {s['shapes']} | {s['geomean']:.3f} | {s['min']:.3f} "
+                      f"({s['min_shape']}) | {s['slower_than_0.99']} | {s['median_diff_us']:+.2f} |")
+        if "noise" in per:
+            n = per["noise"]
+            print(f"| {mode} | noise | torch.matmul@repeat | | median {list(n.values())[0]:.4f} | max {n['max |1 - r|']:.4f} | | |")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"run": a.run, "device": row[0], "provenance": prov, "pack": str(mf.parent),
+                                            "modes": res}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
