@@ -117,13 +117,7 @@ PyObject* key_tuple(const Key& k, int extra, bool with_extra) {
                        (unsigned long long)k.stream);
 }
 
-// The fallback, torch.matmul(a, b) (b.t() for TN, as ops._fallback), computed here: the same ATen
-// function torch.matmul's Python binding calls (at::matmul / at::matmul_out into `out`, with its
-// checks, errors and out= rules), without the Python argument parser and the round trip through
-// Python, so that a shape with no kernel costs no more host time than torch.matmul itself (the
-// offline timing of 2026-11-22 measured 5 to 11 us more when Python did it). The GIL is released
-// around the call, as torch's bindings do.
-bool overlaps(const at::Tensor& x, const at::Tensor& y);
+bool overlaps(const at::Tensor& x, const at::Tensor& y);  // below, beside run_plain
 
 // ------------------------------------------------------------------ the cuBLASLt fallback
 bool g_lt_on = true;  // set_lt(); compiled in only with GEMMRL_FASTPATH_LT
@@ -215,14 +209,15 @@ uint32_t alignment(uintptr_t x) {
   return al;
 }
 
-// The fallback through cuBLASLt, or nullptr (no Python error set) where it declines: torch.matmul
-// then serves the call. Declines before anything is enqueued or allocated but the plan.
+// the cuBLASLt handle of a device (slot: device + 1), made on first use
 cublasLtHandle_t lt_handle(int slot) {
   if (slot < 0 || slot >= 130) return nullptr;
   if (!g_lt_handle[slot] && cublasLtCreate(&g_lt_handle[slot]) != CUBLAS_STATUS_SUCCESS) g_lt_handle[slot] = nullptr;
   return g_lt_handle[slot];
 }
 
+// The fallback through cuBLASLt, or nullptr (no Python error set) where it declines: torch.matmul
+// then serves the call. Declines before anything is enqueued or allocated but the plan.
 PyObject* lt_fallback(const at::Tensor& a, const at::Tensor& b, bool tn, PyObject* pout) {
   if (!a.is_cuda() && !g_host_mode) return nullptr;
   const at::ScalarType st = a.scalar_type();
@@ -306,6 +301,13 @@ PyObject* lt_fallback(const at::Tensor& a, const at::Tensor& b, bool tn, PyObjec
 }
 #endif  // GEMMRL_FASTPATH_LT
 
+// The fallback, torch.matmul(a, b) (b.t() for TN, as ops._fallback), computed here: the same ATen
+// function torch.matmul's Python binding calls (at::matmul / at::matmul_out into `out`, with its
+// checks, errors and out= rules), without the Python argument parser and the round trip through
+// Python, so that a shape with no kernel costs no more host time than torch.matmul itself (the
+// offline timing of 2026-11-22 measured 5 to 11 us more when Python did it). The GIL is released
+// around the call, as torch's bindings do. Where cuBLASLt takes the call (lt_fallback), it
+// computes it instead.
 PyObject* fallback(const at::Tensor& a, const at::Tensor& b, bool tn, PyObject* pout) {
   ++g_fallbacks;
 #ifdef GEMMRL_FASTPATH_LT
@@ -599,9 +601,6 @@ void put(const Key& k, Entry e) {
 // (a cublasLtMatmulAlgo_t, 64 bytes as the baselines stored it), for data aligned to 256 bytes on
 // `device` (-1: host mode). Checked with cublasLtMatmulAlgoCheck; True when installed.
 PyObject* lt_install(PyObject* /*self*/, PyObject* args) {
-  Key k;
-  const char* blob = nullptr;
-  Py_ssize_t n = 0;
   long long M, N, K;
   int tn, device;
   const char* dtype;
@@ -611,14 +610,15 @@ PyObject* lt_install(PyObject* /*self*/, PyObject* args) {
     PyErr_SetString(PyExc_TypeError, "lt_install: the algorithm must be bytes");
     return nullptr;
   }
-  char* raw = nullptr;
-  if (PyBytes_AsStringAndSize(algo_obj, &raw, &n) < 0) return nullptr;
-  blob = raw;
+  char* blob = nullptr;
+  Py_ssize_t n = 0;
+  if (PyBytes_AsStringAndSize(algo_obj, &blob, &n) < 0) return nullptr;
   if (M <= 0 || N <= 0 || K <= 0 || M > INT_MAX || N > INT_MAX || K > INT_MAX || device < -1 || device > 127) {
     PyErr_SetString(PyExc_ValueError, "lt_install: M, N, K in 1..INT_MAX and device in -1..127");
     return nullptr;
   }
-  if (!parse_dtype(dtype, &k.dtype)) return nullptr;
+  int8_t dt = 0;
+  if (!parse_dtype(dtype, &dt)) return nullptr;
 #ifdef GEMMRL_FASTPATH_LT
   if (n != static_cast<Py_ssize_t>(sizeof(cublasLtMatmulAlgo_t))) {
     PyErr_Format(PyExc_ValueError, "lt_install: the algorithm is %d bytes, got %zd",
@@ -628,8 +628,7 @@ PyObject* lt_install(PyObject* /*self*/, PyObject* args) {
   const cublasLtHandle_t h = lt_handle(device + 1);
   if (!h) Py_RETURN_FALSE;
   auto p = std::make_unique<LtPlan>();
-  const at::ScalarType st = static_cast<at::ScalarType>(k.dtype);
-  if (!lt_describe(p.get(), M, N, K, tn != 0, st)) Py_RETURN_FALSE;
+  if (!lt_describe(p.get(), M, N, K, tn != 0, static_cast<at::ScalarType>(dt))) Py_RETURN_FALSE;
   std::memcpy(&p->algo, blob, sizeof(cublasLtMatmulAlgo_t));
   cublasLtMatmulHeuristicResult_t r{};
   if (cublasLtMatmulAlgoCheck(h, p->op, p->la, p->lb, p->lc, p->lc, &p->algo, &r) != CUBLAS_STATUS_SUCCESS ||
@@ -638,7 +637,7 @@ PyObject* lt_install(PyObject* /*self*/, PyObject* args) {
   }
   p->ws = r.workspaceSize;
   p->ok = p->pinned = true;
-  const Key pk{M, N, K, 256, k.dtype, static_cast<int8_t>(device), tn != 0};
+  const Key pk{M, N, K, 256, dt, static_cast<int8_t>(device), tn != 0};
   if (g_lt_plan.size() >= g_limit) g_lt_plan.clear();
   g_lt_plan[pk] = std::move(p);
   Py_RETURN_TRUE;

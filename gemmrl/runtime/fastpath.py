@@ -91,15 +91,14 @@ def build_flags(cuda: bool, lt=None) -> dict:
     from gemmrl.baselines.cublas import _link_flag
 
     flags = {"extra_cflags": ["-O2"], "extra_ldflags": [], "extra_include_paths": []}
+    inc = cuda_include_dir() if (cuda or lt is not None) else None
     if lt is not None:
-        inc = cuda_include_dir()
         if inc is None:
             raise RuntimeError("cuBLASLt was found but no cuda_runtime_api.h (set CUDA_HOME)")
         flags["extra_cflags"].append("-DGEMMRL_FASTPATH_LT")
         flags["extra_include_paths"] += [str(lt.include), inc]
         flags["extra_ldflags"] += [f"-L{lt.lib}", _link_flag(Path(lt.lib), "cublasLt"), f"-Wl,-rpath,{lt.lib}"]
     if cuda:
-        inc = cuda_include_dir()
         if inc is None:
             raise RuntimeError("torch has CUDA but no cuda_runtime_api.h was found (set CUDA_HOME)")
         flags["extra_cflags"].append("-DGEMMRL_FASTPATH_CUDA")

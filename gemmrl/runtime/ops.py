@@ -90,12 +90,16 @@ def _fallback_kind() -> str:
 _FALLBACK = _UNSET  # set_fallback's choice; unset: GEMMRL_FALLBACK's
 
 
+def _fallback_choice() -> str:
+    return _fallback_kind() if _FALLBACK is _UNSET else _FALLBACK
+
+
 def _wire(fast) -> None:
     """Tell the C++ module's matmul() what Python serves (the full call, and a key it missed),
     whether a pack is active and what a fallback runs."""
     fast.set_python(matmul, _c_miss)
     fast.set_active(_ACTIVE is not None)
-    fast.set_lt((_fallback_kind() if _FALLBACK is _UNSET else _FALLBACK) == "cublaslt")
+    fast.set_lt(_fallback_choice() == "cublaslt")
     _install_lt(fast, _ACTIVE)
 
 
@@ -111,7 +115,7 @@ def _install_lt(fast, d: Dispatcher | None) -> None:
     if pack is None or not pack.lt_algos:
         _LT = {"installed": frozenset(), "refused": 0, "note": "no pack" if pack is None else "the pack has none"}
         return
-    have = fast.lt_version() if hasattr(fast, "lt_version") else None
+    have = fast.lt_version()
     if have is None or not torch.cuda.is_available():
         _LT = {"installed": frozenset(), "refused": 0, "note": "cuBLASLt is not compiled into the fast path"}
         return
@@ -378,25 +382,26 @@ def _py_mm(a, b, layout: str, d: Dispatcher, out=None):
     return c
 
 
-def _lt_takes(a, b, layout: str) -> bool:
-    """Whether the C++ fast path's cuBLASLt fallback would take this call (its own checks, less
-    the plan: cuBLASLt may still offer no algorithm, and then it is torch.matmul)."""
+def _lt_fallback_name(a, b, layout: str) -> str | None:
+    """What the C++ fast path's cuBLASLt fallback would run for this call ('cuBLASLt', or with
+    the pack's algorithm), by its own checks less the plan (cuBLASLt may still offer no
+    algorithm, and then it is torch.matmul); None where it would not take the call."""
     f = _FAST if _FAST is not _UNSET else None
-    if f is None or _FALLBACK == "torch" or (_FALLBACK is _UNSET and _fallback_kind() == "torch"):
-        return False
+    if f is None or _fallback_choice() == "torch":
+        return None
     lt = f.stats().get("lt", {})
     if not (lt.get("compiled") and lt.get("on")):
-        return False
+        return None
     if not (a.is_cuda and a.dtype in _DTYPES and b.dtype is a.dtype and a.dim() >= 2 and b.dim() == 2
             and b.device == a.device and a.is_contiguous() and b.is_contiguous() and not _needs_grad(a, b)):
-        return False
+        return None
     K, (N, Kb) = a.shape[-1], ((b.shape[0], b.shape[1]) if layout == "TN" else (b.shape[1], b.shape[0]))
     if not (Kb == K and K > 0 and N > 0 and a.numel() > 0 and (a.data_ptr() | b.data_ptr()) % 16 == 0):
-        return False
+        return None
     M = a.numel() // K
     if (M, N, K, layout) in _LT["installed"] and (a.data_ptr() | b.data_ptr()) % 256 == 0:
-        return True
-    return 2.0 * M * N * K <= lt["max_flops"]
+        return "cuBLASLt (the pack autotuned algorithm)"
+    return "cuBLASLt" if 2.0 * M * N * K <= lt["max_flops"] else None
 
 
 def explain(a, b, b_layout: str = "NN") -> str:
@@ -404,12 +409,7 @@ def explain(a, b, b_layout: str = "NN") -> str:
     d = _ACTIVE
     plan = _plan(a, b, b_layout, d)
     if plan.__class__ is str:
-        if not _lt_takes(a, b, b_layout):
-            return f"torch.matmul: {plan}"
-        K = a.shape[-1]
-        N = b.shape[0] if b_layout == "TN" else b.shape[1]
-        tuned = (a.numel() // K, N, K, b_layout) in _LT["installed"]
-        return f"cuBLASLt{' (the pack autotuned algorithm)' if tuned else ''}: {plan}"
+        return f"{_lt_fallback_name(a, b, b_layout) or 'torch.matmul'}: {plan}"
     M, N, K, dtype = plan
     e = d.lookup(M, N, K, b_layout, dtype)
     how = "exact" if e.problem.M == M and e.problem.N == N and e.problem.K == K else f"nearest {e.problem.shape}"
