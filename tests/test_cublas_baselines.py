@@ -229,3 +229,53 @@ def test_source_compiles_with_nvcc_without_warnings(tmp_path):
         syms = subprocess.run(["nm", "-g", "--defined-only", str(obj)], capture_output=True, text=True).stdout
         defined = set(re.findall(r"\bT (gbl_\w+)$", syms, re.M))
         assert defined == set(cb._SIGNATURES), syms
+
+
+class _FakeLt:
+    """Stands in for the cuBLASLt library: three suggested algorithms, plans that record nothing."""
+
+    def __init__(self):
+        self.heuristic_calls = 0
+
+    def heuristic(self, layout, dtype, acc, M, N, K, requested=100):
+        self.heuristic_calls += 1
+        return [bytes([i]) * 64 for i in (1, 2, 3)]
+
+    def plan(self, *args):
+        return 7
+
+    def run(self, *args):
+        pass
+
+    def describe(self, algo):
+        return f"algo={algo[0]}"
+
+
+def test_autotuned_choice_is_picked_with_the_judges_protocol_and_old_choices_are_made_again(tmp_path, monkeypatch):
+    """cuBLASLt autotuned picks with the judge's kernel-mode protocol (2 ms replays), keeps a
+    choice made that way, and makes again a stored choice picked in the old 0.5 ms bursts."""
+    from gemmrl.baselines import impls
+    from gemmrl.bench import timing
+    from gemmrl.core.problem import Problem
+    from gemmrl.store.db import Store
+
+    fake, picked = _FakeLt(), []
+    monkeypatch.setattr(impls, "_LIB", fake)
+
+    def pick(problem, calls, settings=timing.QUICK):
+        picked.append(settings)
+        return 2, {k: {"status": "ok", "median_us": 10.0 + k} for k in calls}
+    monkeypatch.setattr(timing, "pick_fastest", pick)
+    store, p = Store(tmp_path / "s.sqlite"), Problem(512, 1024, 8192)
+    dev = "NVIDIA H100 80GB HBM3"
+    store.put_tuning(dev, p, "cuBLASLt-auto-tuning-nn", bytes([1]) * 64, "algo=1 (best of 3/3)", 9.0)
+    lt = impls.LtAutotuned("NN", store, dev)
+    assert lt.choose(p) == bytes([3]) * 64  # the old choice is not kept
+    assert picked == [timing.BASELINE_PICK] and picked[0].target_replay_us == timing.KernelSettings().target_replay_us
+    got = store.get_tuning(dev, p, "cuBLASLt-auto-tuning-nn")
+    assert bytes(got["choice"]) == bytes([3]) * 64 and got["time_us"] == 12.0
+    assert got["info"] == f"algo=3 (best of 3/3, {timing.BASELINE_PICK_TAG})" == lt.describe()["choice"]
+    again = impls.LtAutotuned("NN", store, dev)
+    assert again.choose(p) == bytes([3]) * 64 and len(picked) == 1 and fake.heuristic_calls == 1
+    assert again.describe()["choice"] == got["info"]
+    store.close()

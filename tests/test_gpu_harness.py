@@ -223,3 +223,41 @@ def test_cuda_l2_kernel_loads_verifies_and_times():
     # their kernels launch on the legacy default stream: not capturable, timed eagerly, said so
     if not res["cuda-l2"]["details"]["graph"]:
         assert "outside the caller's stream" in res["cuda-l2"]["details"]["capture_error"]
+
+
+def test_an_old_autotuned_choice_is_made_again_and_verified_with_its_new_algorithm(tmp_path):
+    """A stored cuBLASLt-autotuned choice picked in the old 0.5 ms bursts (no tag in its info) is
+    picked again with the judge's protocol when a bench times it, the new algorithm is verified
+    (not the old verification reused), and a second run keeps the new choice."""
+    import torch
+
+    from gemmrl.baselines import impls
+    from gemmrl.bench import runner, timing
+    from gemmrl.core.problem import Problem
+    from gemmrl.store.db import Store
+
+    dev = torch.cuda.get_device_name()
+    p = Problem(512, 1024, 2048)
+    store = Store(tmp_path / "s.sqlite")
+    run = store.start_run("test", dev, {"device": dev}, {})
+    lib = impls.cublas_lib()
+    algos = lib.heuristic("NN", "fp16", "fp32", p.M, p.N, p.K, requested=100)
+    old = algos[-1]
+    store.put_tuning(dev, p, "cuBLASLt-auto-tuning-nn", old, "old (best of 1/1)", 1.0)
+    store.record_verification(run, dev, p, "cuBLASLt-auto-tuning-nn", True, "ok",
+                              {"impl": {"name": "cuBLASLt-auto-tuning-nn", "choice": "old (best of 1/1)"}})
+    cfg = runner.RunConfig(modes=("kernel",), kernel=timing.QUICK, repeat_impl=None)
+    lt = impls.LtAutotuned("NN", store, dev)
+    counts = runner.run([p], [impls.LtHeuristic("NN"), lt], store, cfg, device=dev, run_id=run, log=lambda m: None)
+    assert counts["sessions"] == 1 and counts["rejected"] == 0
+    got = store.get_tuning(dev, p, "cuBLASLt-auto-tuning-nn")
+    assert timing.BASELINE_PICK_TAG in got["info"] and f"/{len(algos)}," in got["info"]
+    ver = store.verification(dev, p, "cuBLASLt-auto-tuning-nn")
+    assert ver["passed"] and ver["details"]["impl"]["choice"] == got["info"] and ver["run_id"] == run
+    n_ver = len(store.verifications(dev))
+    again = impls.LtAutotuned("NN", store, dev)
+    runner.run([p], [again], store, runner.RunConfig(modes=("kernel",), kernel=timing.QUICK, repeat_impl=None,
+                                                       retime=True, do_verify=False),
+               device=dev, run_id=run, log=lambda m: None)
+    assert again.choice_info == got["info"] and len(store.verifications(dev)) == n_ver
+    store.close()

@@ -155,17 +155,24 @@ def test_export_carries_the_autotuned_cublaslt_algorithms_of_unserved_layouts(st
              (P2, "nn"): [(9.0, 10.0), (10.5, 10.0)],     # slower in one session: stays heuristic
              (P6, "tn"): [(9.95, 10.0)],                  # 0.995: not 1% faster: stays heuristic
              (P3, "nn"): [(9.95, 10.0), (9.7, 10.0), (9.8, 10.0)]}  # median 0.98, never slower: ships
-    for (p, lay), pairs in timed.items():
-        for i, (auto, heur) in enumerate(pairs):
-            s.record_session(run, f"s{i}", DEV, p, "kernel", "v3",
-                             {f"cuBLASLt-auto-tuning-{lay}": {"median_us": auto, "n": 10},
-                              f"cuBLASLt-heuristic-{lay}": {"median_us": heur, "n": 10}})
+    def session(p, lay, auto, heur, name):
+        s.record_session(run, name, DEV, p, "kernel", "v3",
+                         {f"cuBLASLt-auto-tuning-{lay}": {"median_us": auto, "n": 10},
+                          f"cuBLASLt-heuristic-{lay}": {"median_us": heur, "n": 10}})
+
+    # P1 NN's earlier choice was slower than the heuristic's; it was chosen again since: only the
+    # sessions of the stored choice count
+    s.put_tuning(DEV, P1, "cuBLASLt-auto-tuning-nn", _algo(9), "algo=9", 11.0)
+    session(P1, "nn", 11.0, 10.0, "old")
     s.put_tuning(DEV, P2, "cuBLASLt-auto-tuning-nn", _algo(6), "algo=6", 9.0)
     s.put_tuning(DEV, P6, "cuBLASLt-auto-tuning-tn", _algo(7), "algo=7", 9.0)
     s.put_tuning(DEV, P3, "cuBLASLt-auto-tuning-nn", _algo(8), "algo=8", 9.0)
     s.put_tuning(DEV, P1, "cuBLASLt-auto-tuning-tn", _algo(1), "algo=1", 9.0)  # P1 TN has an entry
     s.put_tuning(DEV, P1, "cuBLASLt-auto-tuning-nn", _algo(2), "algo=2", 9.5)
     s.put_tuning(DEV, P4, "cuBLASLt-auto-tuning-tn", _algo(3), "algo=3", 10.0)
+    for (p, lay), pairs in timed.items():
+        for i, (auto, heur) in enumerate(pairs):
+            session(p, lay, auto, heur, f"s{i}")
     s.put_tuning(DEV, Problem(64, 1024, 4096, acc="fp16"), "cuBLASLt-auto-tuning-nn", _algo(4), "fp16 acc", 8.0)
     s.put_tuning("NVIDIA H200", P4, "cuBLASLt-auto-tuning-nn", _algo(5), "another GPU", 7.0)
     s.put_tuning(DEV, P5, "cuBLASLt-auto-tuning-nn", b"short", "not an algorithm", 7.0)

@@ -247,12 +247,20 @@ LT_MARGIN = 0.99
 
 def _lt_vs_heuristic(store, device: str, dtype: str) -> dict:
     """(M, N, K, layout) -> the kernel-time ratio of the autotuned cuBLASLt baseline (its stored
-    choice) to the heuristic's first choice in every session that timed both (fp32 accumulation)."""
-    q = ("SELECT run_id, session, M, N, K, impl, median_us FROM measurements WHERE device=? AND dtype=? "
-         "AND acc='fp32' AND mode='kernel' AND status='ok' AND median_us > 0 AND impl IN (?, ?, ?, ?)")
+    choice) to the heuristic's first choice in every session that timed both (fp32 accumulation)
+    since that choice was stored: sessions of an earlier choice of the same shape do not count."""
+    q = ("SELECT run_id, session, M, N, K, impl, median_us, created FROM measurements WHERE device=? "
+         "AND dtype=? AND acc='fp32' AND mode='kernel' AND status='ok' AND median_us > 0 "
+         "AND impl IN (?, ?, ?, ?)")
     impls = [LT_IMPL.format(x) for x in ("nn", "tn")] + [f"cuBLASLt-heuristic-{x}" for x in ("nn", "tn")]
+    chosen = {(int(M), int(N), int(K), impl): created for M, N, K, impl, created in store.db.execute(
+        "SELECT M, N, K, impl, created FROM tuning WHERE device=? AND dtype=? AND acc='fp32' AND impl IN (?, ?)",
+        (device, dtype, *impls[:2]))}
     sess: dict = {}
-    for run, session, M, N, K, impl, us in store.db.execute(q, (device, dtype, *impls)):
+    for run, session, M, N, K, impl, us, created in store.db.execute(q, (device, dtype, *impls)):
+        since = chosen.get((int(M), int(N), int(K), impl))
+        if since is not None and created < since:
+            continue  # timed an earlier choice
         sess.setdefault((run, session, M, N, K), {})[impl] = us
     out: dict = {}
     for (_, _, M, N, K), t in sess.items():
