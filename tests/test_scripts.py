@@ -17,7 +17,8 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTH
 
 @pytest.mark.parametrize("script, words", [
     ("server-noise.py", "--rounds"), ("fallback-gap.py", "pack"), ("product-gap.py", "pack"),
-    ("protocol-gap.py", "--repeats"), ("launch-gap.py", "--calls"), ("cuda-l2-prebuild.py", "--shapes")])
+    ("protocol-gap.py", "--repeats"), ("launch-gap.py", "--calls"), ("cuda-l2-prebuild.py", "--shapes"),
+    ("autotune-check.py", "--layouts")])
 def test_gpu_scripts_load_and_show_their_arguments(script, words):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--help"], capture_output=True,
                        text=True, env=ENV, timeout=300)
@@ -259,3 +260,36 @@ def test_product_report_splits_served_and_fallback_calls_per_session(tmp_path):
                           str(tmp_path / "pack"), "--db", str(tmp_path / "s.sqlite")],
                          capture_output=True, text=True, env=ENV, timeout=300)
     assert bad.returncode == 2 and "run 99 is not in" in bad.stderr
+
+
+def test_autotune_check_summarizes_choices_against_the_heuristic_in_the_independent_session(tmp_path):
+    """The summary is read from the CSV the GPU run writes: each choice's time over the heuristic's
+    first suggestion (geomean, worst, how many beyond 2%), and how often the picks differ."""
+    path = tmp_path / "check.csv"
+    rows = [  # M, N, K, layout, n, old, quick, judge, heuristic, old, quick, judge
+        (512, 1024, 8192, "NN", 5, 2, 2, 0, 100.0, 114.0, 114.0, 100.5),
+        (64, 64, 64, "TN", 3, 0, 0, 0, 2.0, 2.0, 2.0, 2.0),
+        (4096, 4096, 4096, "NN", 8, 1, 3, 1, 200.0, 190.0, 206.0, 190.0),
+        (128, 128, 128, "NN", 4, "", 1, 1, 3.0, "", 3.0, 3.0),  # no stored choice before
+    ]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["M", "N", "K", "layout", "n_algos", "old_index", "quick_index", "judge_index",
+                    "heuristic_us", "old_us", "quick_us", "judge_us", "old_info", "judge_info"])
+        for r in rows:
+            w.writerow([*r, "", ""])
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "autotune-check.py"), "--report", str(path)],
+                       capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr
+    import json
+    s = json.loads(r.stdout)
+    assert s["pairs"] == 4
+    assert s["old"]["n"] == 3 and s["old"]["slower_than_1.02"] == 1 and s["old"]["faster_than_0.98"] == 1
+    assert s["old"]["worst"] == {"ratio": 1.14, "shape": "512x1024x8192", "layout": "NN"}
+    assert s["quick"]["slower_than_1.02"] == 2 and s["quick"]["worst"]["ratio"] == 1.14
+    assert s["judge"]["slower_than_1.02"] == 0 and s["judge"]["worst"]["ratio"] == 1.005
+    assert abs(s["judge"]["geomean_vs_heuristic"] - (1.005 * 0.95) ** 0.25) < 1e-4
+    assert s["quick_and_judge_differ"] == 2 and s["old_and_judge_differ"] == 2
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "autotune-check.py"), "--layouts", "NT",
+                          "--out", str(tmp_path / "x.csv")], capture_output=True, text=True, env=ENV, timeout=300)
+    assert bad.returncode == 2 and "--layouts" in bad.stderr
