@@ -7,14 +7,17 @@ the heuristic's first suggestion, one of the candidates they had beaten. For eac
 layout this
 
   1. picks in the old quick protocol (QUICK) among the heuristic's suggestions;
-  2. picks again with the judge's protocol (`LtAutotuned.choose`, which stores the new choice in
-     the store under a run of this script, so later benches use it);
-  3. times, in one further judge-protocol session independent of both picks, the heuristic's
-     first suggestion, the choice stored before this run, the quick pick and the new pick.
+  2. picks again with the judge's protocol (`LtAutotuned.choose`: the heuristic's first suggestion
+     unless another is at least 1% faster; it stores the new choice in the store under a run of
+     this script, so later benches use it), keeping every candidate's time of that session;
+  3. times every candidate again (and the choice stored before this run) in one further
+     judge-protocol session, independent of both picks.
 
 Step 3 is what the judge would report for each choice; a pick judged in its own picking session
-would carry the winner's curse. Writes one CSV row per (shape, layout), with provenance in a
-JSON beside it, and prints the summary:
+would carry the winner's curse. From the two sessions' times any picking rule can be scored
+afterwards: the summary scores the stored choice before this run, the quick pick, and the
+fastest of step 2 kept only where at least 0%, 1% or 2% faster than the heuristic's first. Writes
+one CSV row per (shape, layout), with provenance in a JSON beside it, and prints the summary:
 
     python3 scripts/autotune-check.py --db results/gemmrl.sqlite --shapes subset --out OUT/autotune-check.csv
     python3 scripts/autotune-check.py --report results/h100/autotune-check.csv   # the summary again
@@ -33,29 +36,60 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 FIELDS = ["M", "N", "K", "layout", "n_algos", "old_index", "quick_index", "judge_index",
-          "heuristic_us", "old_us", "quick_us", "judge_us", "old_info", "judge_info"]
+          "heuristic_us", "old_us", "quick_us", "judge_us", "pick_us", "again_us", "old_info", "judge_info"]
 CHOICES = ("old", "quick", "judge")
+MARGINS = (0.0, 0.01, 0.02)
+
+
+def _times(text) -> dict[int, float]:
+    """'0:12.5 1:11.9' (candidate index: median us) -> {0: 12.5, 1: 11.9}."""
+    out = {}
+    for part in str(text or "").split():
+        k, _, v = part.partition(":")
+        out[int(k)] = float(v)
+    return out
+
+
+def _ratios(rows: list[dict], who: str) -> list[tuple[float, dict]]:
+    """(time of `who` over the heuristic's first, row) in the independent session. `who` is one of
+    CHOICES, or 'margin:X': the fastest of the picking session kept only where at least X faster
+    than the first, scored by the independent session's time of that candidate."""
+    from gemmrl.bench.timing import pick_with_margin
+
+    out = []
+    for x in rows:
+        if who.startswith("margin:"):
+            pick, again = _times(x.get("pick_us")), _times(x.get("again_us"))
+            if not pick or 0 not in again:
+                continue
+            k = pick_with_margin(pick, 0, float(who.split(":")[1]))
+            if k in again:
+                out.append((again[k] / again[0], x))
+        elif x.get(f"{who}_us") not in (None, "") and x.get("heuristic_us") not in (None, ""):
+            out.append((float(x[f"{who}_us"]) / float(x["heuristic_us"]), x))
+    return out
 
 
 def summarize(rows: list[dict], slower: float = 1.02) -> dict:
-    """Per choice (the stored one before, the quick pick, the judge's pick): its time over the
-    heuristic's first suggestion's in the independent session (geomean, median, worst) and how
-    many (shape, layout)s it was more than `slower` times the heuristic's; and how often the
-    quick and the judge's pick differ."""
+    """Per choice (the stored one before, the quick pick, the judge's pick, and the margin rules
+    scored from the two sessions): its time over the heuristic's first suggestion's in the
+    independent session (geomean, median, worst) and how many (shape, layout)s it was more than
+    `slower` times the heuristic's; and how often the quick and the judge's pick differ."""
     out: dict = {"pairs": len(rows)}
-    for who in CHOICES:
-        r = [float(x[f"{who}_us"]) / float(x["heuristic_us"]) for x in rows
-             if x.get(f"{who}_us") not in (None, "") and x.get("heuristic_us") not in (None, "")]
-        if not r:
+    for who in (*CHOICES, *(f"margin:{m}" for m in MARGINS)):
+        got = _ratios(rows, who)
+        if not got:
             continue
-        worst = max(range(len(r)), key=r.__getitem__)
-        timed = [x for x in rows if x.get(f"{who}_us") not in (None, "") and x.get("heuristic_us") not in (None, "")]
-        w = timed[worst]
+        r = [v for v, _ in got]
+        wv, w = max(got, key=lambda t: t[0])
         out[who] = {"n": len(r), "geomean_vs_heuristic": round(math.exp(statistics.fmean(map(math.log, r))), 4),
                     "median_vs_heuristic": round(statistics.median(r), 4),
-                    "worst": {"ratio": round(r[worst], 4), "shape": f"{w['M']}x{w['N']}x{w['K']}", "layout": w["layout"]},
+                    "worst": {"ratio": round(wv, 4), "shape": f"{w['M']}x{w['N']}x{w['K']}", "layout": w["layout"]},
                     f"slower_than_{slower}": sum(v > slower for v in r),
-                    "faster_than_0.98": sum(v < 0.98 for v in r)}
+                    "faster_than_0.98": sum(v < 0.98 for v in r),
+                    "not_the_first": sum(v != 1.0 for v in r) if who.startswith("margin:") else None}
+        if out[who]["not_the_first"] is None:
+            del out[who]["not_the_first"]
     both = [x for x in rows if x.get("quick_index") not in (None, "") and x.get("judge_index") not in (None, "")]
     out["quick_and_judge_differ"] = sum(int(x["quick_index"]) != int(x["judge_index"]) for x in both)
     out["old_and_judge_differ"] = sum(str(x.get("old_index", "")) != str(x["judge_index"]) for x in both)
@@ -144,16 +178,21 @@ def main(argv=None) -> int:
                 except (RuntimeError, impls.UnsupportedProblem) as e:
                     print(f"{p.shape} {lay}: {e}", flush=True)
                     continue
-                row.update(quick_index=quick, judge_index=algos.index(judge), judge_info=lt.choice_info)
-                session = {"heuristic": calls[0], "quick": calls[quick], "judge": calls[algos.index(judge)]}
-                if old is not None:
-                    session["old"] = calls[algos.index(old)] if old in algos else call_of(old)
+                row.update(quick_index=quick, judge_index=algos.index(judge), judge_info=lt.choice_info,
+                           pick_us=" ".join(f"{k}:{v:.3f}" for k, v in sorted(lt.pick_times.items())))
+                session = dict(calls)
+                if old is not None and old not in algos:
+                    session["old"] = call_of(old)
                 res = timing.time_kernel(p, session, l2_bytes=l2, settings=timing.BASELINE_PICK, seed=i)
                 del session, calls
                 for plan in plans:
                     lib.destroy(plan)
-                for who, r in res.items():
-                    row[f"{who}_us"] = round(r["median_us"], 3) if r.get("status") == "ok" else ""
+                again = {k: r["median_us"] for k, r in res.items() if r.get("status") == "ok"}
+                row["again_us"] = " ".join(f"{k}:{v:.3f}" for k, v in again.items() if k != "old")
+                for who, k in (("heuristic", 0), ("quick", quick), ("judge", algos.index(judge)),
+                               ("old", "old" if old is not None and old not in algos else
+                                algos.index(old) if old is not None else None)):
+                    row[f"{who}_us"] = round(again[k], 3) if k in again else ""
                 w.writerow(row)
                 f.flush()
                 rows.append(row)

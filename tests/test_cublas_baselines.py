@@ -252,8 +252,9 @@ class _FakeLt:
 
 
 def test_autotuned_choice_is_picked_with_the_judges_protocol_and_old_choices_are_made_again(tmp_path, monkeypatch):
-    """cuBLASLt autotuned picks with the judge's kernel-mode protocol (2 ms replays), keeps a
-    choice made that way, and makes again a stored choice picked in the old 0.5 ms bursts."""
+    """cuBLASLt autotuned picks with the judge's kernel-mode protocol (2 ms replays), keeps the
+    heuristic's first suggestion unless another is at least 1% faster, keeps a choice made by
+    this rule, and makes again a stored choice made by an earlier rule."""
     from gemmrl.baselines import impls
     from gemmrl.bench import timing
     from gemmrl.core.problem import Problem
@@ -261,21 +262,43 @@ def test_autotuned_choice_is_picked_with_the_judges_protocol_and_old_choices_are
 
     fake, picked = _FakeLt(), []
     monkeypatch.setattr(impls, "_LIB", fake)
+    times = {0: 10.0, 1: 9.5, 2: 9.0}
 
     def pick(problem, calls, settings=timing.QUICK):
         picked.append(settings)
-        return 2, {k: {"status": "ok", "median_us": 10.0 + k} for k in calls}
+        return 1, {k: {"status": "ok", "median_us": times[k]} for k in calls}
     monkeypatch.setattr(timing, "pick_fastest", pick)
     store, p = Store(tmp_path / "s.sqlite"), Problem(512, 1024, 8192)
     dev = "NVIDIA H100 80GB HBM3"
-    store.put_tuning(dev, p, "cuBLASLt-auto-tuning-nn", bytes([1]) * 64, "algo=1 (best of 3/3)", 9.0)
-    lt = impls.LtAutotuned("NN", store, dev)
-    assert lt.choose(p) == bytes([3]) * 64  # the old choice is not kept
-    assert picked == [timing.BASELINE_PICK] and picked[0].target_replay_us == timing.KernelSettings().target_replay_us
+    for old_info in ("algo=1 (best of 3/3)", "algo=1 (best of 3/3, picked in 2 ms replays)"):
+        store.put_tuning(dev, p, "cuBLASLt-auto-tuning-nn", bytes([1]) * 64, old_info, 9.0)
+        lt = impls.LtAutotuned("NN", store, dev)
+        assert lt.choose(p) == bytes([3]) * 64  # the old choice is not kept; index 2 is fastest
+    assert picked == [timing.BASELINE_PICK] * 2
+    assert picked[0].target_replay_us == timing.KernelSettings().target_replay_us
+    assert lt.pick_times == times
     got = store.get_tuning(dev, p, "cuBLASLt-auto-tuning-nn")
-    assert bytes(got["choice"]) == bytes([3]) * 64 and got["time_us"] == 12.0
+    assert bytes(got["choice"]) == bytes([3]) * 64 and got["time_us"] == 9.0
     assert got["info"] == f"algo=3 (best of 3/3, {timing.BASELINE_PICK_TAG})" == lt.describe()["choice"]
     again = impls.LtAutotuned("NN", store, dev)
-    assert again.choose(p) == bytes([3]) * 64 and len(picked) == 1 and fake.heuristic_calls == 1
-    assert again.describe()["choice"] == got["info"]
+    assert again.choose(p) == bytes([3]) * 64 and len(picked) == 2 and fake.heuristic_calls == 2
+    assert again.describe()["choice"] == got["info"] and again.pick_times == {}
+    # within 1% of the heuristic's first: the first is kept
+    times.update({1: 9.95, 2: 9.92})
+    fresh = impls.LtAutotuned("TN", store, dev)
+    assert fresh.choose(p) == bytes([1]) * 64
+    assert store.get_tuning(dev, p, "cuBLASLt-auto-tuning-tn")["info"].startswith("algo=1 (best of 3/3")
     store.close()
+
+
+def test_pick_with_margin():
+    from gemmrl.bench.timing import pick_with_margin
+
+    assert pick_with_margin({0: 10.0, 1: 9.0}, 0, 0.01) == 1
+    assert pick_with_margin({0: 10.0, 1: 9.91}, 0, 0.01) == 0
+    assert pick_with_margin({0: 10.0, 1: 9.89}, 0, 0.01) == 1
+    assert pick_with_margin({0: 10.0, 1: 9.91}, 0, 0.0) == 1
+    assert pick_with_margin({1: 9.0, 2: 8.0}, 0, 0.01) == 2  # the first did not run: the fastest
+    assert pick_with_margin({0: 8.0, 1: 9.0}, 0, 0.01) == 0
+    with pytest.raises(ValueError):
+        pick_with_margin({}, 0)

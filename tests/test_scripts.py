@@ -264,24 +264,27 @@ def test_product_report_splits_served_and_fallback_calls_per_session(tmp_path):
 
 def test_autotune_check_summarizes_choices_against_the_heuristic_in_the_independent_session(tmp_path):
     """The summary is read from the CSV the GPU run writes: each choice's time over the heuristic's
-    first suggestion (geomean, worst, how many beyond 2%), and how often the picks differ."""
+    first suggestion in the independent session (geomean, worst, how many beyond 2%), picking
+    rules with a margin scored from the two sessions' per-candidate times, and how often the
+    picks differ."""
+    import json
+
     path = tmp_path / "check.csv"
-    rows = [  # M, N, K, layout, n, old, quick, judge, heuristic, old, quick, judge
-        (512, 1024, 8192, "NN", 5, 2, 2, 0, 100.0, 114.0, 114.0, 100.5),
-        (64, 64, 64, "TN", 3, 0, 0, 0, 2.0, 2.0, 2.0, 2.0),
-        (4096, 4096, 4096, "NN", 8, 1, 3, 1, 200.0, 190.0, 206.0, 190.0),
-        (128, 128, 128, "NN", 4, "", 1, 1, 3.0, "", 3.0, 3.0),  # no stored choice before
+    rows = [  # M, N, K, layout, n, old, quick, judge, heuristic, old, quick, judge, pick_us, again_us
+        (512, 1024, 8192, "NN", 5, 2, 2, 0, 100.0, 114.0, 114.0, 100.5, "0:100 1:99.5 2:98.5", "0:100 1:101 2:114"),
+        (64, 64, 64, "TN", 3, 0, 0, 0, 2.0, 2.0, 2.0, 2.0, "0:2 1:3", "0:2 1:3"),
+        (4096, 4096, 4096, "NN", 8, 1, 3, 1, 200.0, 190.0, 206.0, 190.0, "0:200 1:190 3:195", "0:200 1:190 3:206"),
+        (128, 128, 128, "NN", 4, "", 1, 1, 3.0, "", 3.0, 3.0, "", ""),  # no stored choice, no per-candidate times
     ]
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["M", "N", "K", "layout", "n_algos", "old_index", "quick_index", "judge_index",
-                    "heuristic_us", "old_us", "quick_us", "judge_us", "old_info", "judge_info"])
+                    "heuristic_us", "old_us", "quick_us", "judge_us", "pick_us", "again_us", "old_info", "judge_info"])
         for r in rows:
             w.writerow([*r, "", ""])
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "autotune-check.py"), "--report", str(path)],
                        capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode == 0, r.stderr
-    import json
     s = json.loads(r.stdout)
     assert s["pairs"] == 4
     assert s["old"]["n"] == 3 and s["old"]["slower_than_1.02"] == 1 and s["old"]["faster_than_0.98"] == 1
@@ -290,6 +293,12 @@ def test_autotune_check_summarizes_choices_against_the_heuristic_in_the_independ
     assert s["judge"]["slower_than_1.02"] == 0 and s["judge"]["worst"]["ratio"] == 1.005
     assert abs(s["judge"]["geomean_vs_heuristic"] - (1.005 * 0.95) ** 0.25) < 1e-4
     assert s["quick_and_judge_differ"] == 2 and s["old_and_judge_differ"] == 2
+    # no margin: 512x1024x8192 takes candidate 2 (98 < 100), 1.14 in the second session
+    assert s["margin:0.0"]["n"] == 3 and s["margin:0.0"]["worst"]["ratio"] == 1.14
+    assert s["margin:0.0"]["not_the_first"] == 2
+    # 2%: 2 is 1.5% faster: the first stays; 4096^3 takes 1 (5% faster), 0.95
+    assert s["margin:0.02"]["worst"]["ratio"] == 1.0 and s["margin:0.02"]["not_the_first"] == 1
+    assert s["margin:0.02"]["faster_than_0.98"] == 1
     bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "autotune-check.py"), "--layouts", "NT",
                           "--out", str(tmp_path / "x.csv")], capture_output=True, text=True, env=ENV, timeout=300)
     assert bad.returncode == 2 and "--layouts" in bad.stderr
