@@ -452,3 +452,56 @@ def test_set_fallback_and_the_environment(monkeypatch):
     assert ops._fallback_kind() == "torch"
     monkeypatch.delenv("GEMMRL_FALLBACK")
     assert ops._fallback_kind() == "cublaslt"
+
+
+def test_a_packs_algorithms_go_to_every_gpu_of_its_model(monkeypatch):
+    """use_pack installs the pack's cuBLASLt algorithms on the current device and every other
+    visible GPU of the model the pack was made on (each while that device is current), not on a
+    GPU of another model; lt_status counts the current device's and lists each device's."""
+    import contextlib
+    import types
+
+    names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA H200", 2: "NVIDIA  H100 80GB HBM3"}
+    current, calls = {"dev": 0}, []
+
+    @contextlib.contextmanager
+    def device(d):
+        before, current["dev"] = current["dev"], d
+        try:
+            yield
+        finally:
+            current["dev"] = before
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: names[current["dev"] if d is None else d])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current["dev"])
+    monkeypatch.setattr(torch.cuda, "device", device)
+
+    class Fast:
+        def lt_version(self):
+            return 130100
+
+        def lt_install(self, M, N, K, tn, dtype, dev, algo):
+            calls.append((M, tn, dev, current["dev"]))
+            return algo != b"\1" * 64 or dev != 2  # device 2 refuses one
+
+    algos = {(64, 128, 256, "NN"): b"\0" * 64, (512, 128, 256, "TN"): b"\1" * 64}
+    pack = types.SimpleNamespace(lt_algos=algos, lt_version=130100, dtype="fp16",
+                                 stamp={"device": "NVIDIA H100 80GB HBM3"})
+    try:
+        ops._install_lt(Fast(), types.SimpleNamespace(pack=pack))
+        assert sorted(calls) == [(64, False, 0, 0), (64, False, 2, 2), (512, True, 0, 0), (512, True, 2, 2)]
+        st = ops.lt_status()
+        assert st == {"installed": 2, "devices": {0: 2, 2: 1}, "refused": 1, "note": "device 0, 2"}
+        current["dev"] = 2  # a process working on device 2 sees that device's count
+        assert ops.lt_status()["installed"] == 1
+        calls.clear()
+        ops._install_lt(Fast(), types.SimpleNamespace(pack=pack))  # device 2 current: it goes first
+        assert [c[2] for c in calls] == [2, 2, 0, 0] and all(c[2] == c[3] for c in calls)
+        current["dev"] = 1  # a forced pack on another model: the current device, and the pack's model
+        calls.clear()
+        ops._install_lt(Fast(), types.SimpleNamespace(pack=pack))
+        assert sorted({c[2] for c in calls}) == [0, 1, 2] and ops.lt_status()["installed"] == 2
+    finally:
+        ops._install_lt(None, None)
+    assert ops.lt_status()["installed"] == 0 and ops.lt_status()["note"] == "no pack"

@@ -181,3 +181,45 @@ def test_a_shipped_pack_installs_its_algorithms_on_its_gpu(fast):
     finally:
         ops.use_pack(None)
     assert fast.stats()["lt"]["installed"] == 0
+
+
+def test_a_packs_algorithms_serve_every_gpu_of_its_model(fast):
+    """On a machine with several GPUs of the pack's model, the pack's cuBLASLt algorithms are
+    installed on each, and a call on the second GPU runs its shape's installed algorithm there
+    with a right result."""
+    from pathlib import Path
+
+    from gemmrl.bench.env import gpu_slug
+    from gemmrl.runtime.pack import load_pack
+
+    name = torch.cuda.get_device_name(0)
+    same = [d for d in range(torch.cuda.device_count()) if torch.cuda.get_device_name(d) == name]
+    if len(same) < 2:
+        pytest.skip("needs two GPUs of one model")
+    packs = Path(__file__).resolve().parents[1] / "packs"
+    mine = [p for p in sorted(packs.glob(f"{gpu_slug(name)}-fp16-F32*")) if (p / "manifest.json").is_file()]
+    if not mine or not load_pack(mine[0]).lt_algos:
+        pytest.skip(f"no shipped pack with lt_algos for {name}")
+    pack = load_pack(mine[0])
+    if fast.lt_version() != pack.lt_version:
+        pytest.skip("another cuBLASLt version than the pack's")
+    try:
+        with torch.cuda.device(same[0]):
+            ops.use_pack(pack)
+            st = ops.lt_status()
+        assert set(same) <= set(st["devices"]) and st["refused"] == 0, st
+        assert all(st["devices"][d] == len(pack.lt_algos) for d in same), st
+        (M, N, K, layout), _ = next(iter(pack.lt_algos.items()))
+        with torch.cuda.device(same[1]):
+            a = _aligned(M, K)
+            b = _aligned(*((N, K) if layout == "TN" else (K, N)), seed=2)
+            assert a.device.index == same[1]
+            with torch.inference_mode():
+                assert ops.explain(a, b, layout).startswith("cuBLASLt (the pack autotuned algorithm)")
+                n = _calls(fast)
+                c = gemmrl.matmul(a, b, b_layout=layout)
+                assert _calls(fast) == n + 1 and c.device == a.device
+            ref = a.float() @ (b.float().t() if layout == "TN" else b.float())
+            assert _err(c, ref) < 1e-2
+    finally:
+        ops.use_pack(None)

@@ -103,39 +103,60 @@ def _wire(fast) -> None:
     _install_lt(fast, _ACTIVE)
 
 
-_LT = {"installed": frozenset(), "refused": 0, "note": "no pack"}  # the active pack's cuBLASLt algorithms
+# the active pack's cuBLASLt algorithms: device index -> the (M, N, K, layout)s installed there
+_LT: dict = {"installed": {}, "refused": 0, "note": "no pack"}
+
+
+def _lt_devices(pack) -> list[int]:
+    """The devices the pack's cuBLASLt algorithms go to: the current one (whatever its model: a
+    forced pack's algorithms are still checked by cuBLASLt) and every other visible GPU of the
+    model the pack was made on."""
+    from gemmrl.runtime.pack import _norm_device
+
+    cur, made_on = torch.cuda.current_device(), _norm_device(str(pack.stamp.get("device", "")))
+    return [cur] + [d for d in range(torch.cuda.device_count())
+                    if d != cur and _norm_device(torch.cuda.get_device_name(d)) == made_on]
 
 
 def _install_lt(fast, d: Dispatcher | None) -> None:
-    """Give the C++ fallback the active pack's autotuned cuBLASLt algorithms (for the current
-    device), where it links the cuBLASLt version they were chosen with; the rest of the shapes
-    get the heuristic's first choice."""
+    """Give the C++ fallback the active pack's autotuned cuBLASLt algorithms, on the current
+    device and every other GPU of the pack's model, where it links the cuBLASLt version they were
+    chosen with; the rest of the shapes (and other GPUs) get the heuristic's first choice."""
     global _LT
     pack = d.pack if d is not None else None
     if pack is None or not pack.lt_algos:
-        _LT = {"installed": frozenset(), "refused": 0, "note": "no pack" if pack is None else "the pack has none"}
+        _LT = {"installed": {}, "refused": 0, "note": "no pack" if pack is None else "the pack has none"}
         return
     have = fast.lt_version()
     if have is None or not torch.cuda.is_available():
-        _LT = {"installed": frozenset(), "refused": 0, "note": "cuBLASLt is not compiled into the fast path"}
+        _LT = {"installed": {}, "refused": 0, "note": "cuBLASLt is not compiled into the fast path"}
         return
     if have != pack.lt_version:
-        _LT = {"installed": frozenset(), "refused": 0,
+        _LT = {"installed": {}, "refused": 0,
                "note": f"chosen with cuBLASLt {pack.lt_version}, this process links {have}: heuristic plans"}
         return
-    dev, ok, refused = torch.cuda.current_device(), set(), 0
-    for (M, N, K, layout), algo in pack.lt_algos.items():
-        if fast.lt_install(M, N, K, layout == "TN", pack.dtype, dev, algo):
-            ok.add((M, N, K, layout))
-        else:
-            refused += 1
-    _LT = {"installed": frozenset(ok), "refused": refused, "note": f"device {dev}"}
+    installed, refused = {}, 0
+    devices = _lt_devices(pack)
+    for dev in devices:
+        ok = set()
+        with torch.cuda.device(dev):  # the device's cuBLASLt handle is made on it
+            for (M, N, K, layout), algo in pack.lt_algos.items():
+                if fast.lt_install(M, N, K, layout == "TN", pack.dtype, dev, algo):
+                    ok.add((M, N, K, layout))
+                else:
+                    refused += 1
+        installed[dev] = frozenset(ok)
+    _LT = {"installed": installed, "refused": refused,
+           "note": "device " + ", ".join(str(x) for x in devices) if len(devices) > 1 else f"device {devices[0]}"}
 
 
 def lt_status() -> dict:
     """The active pack's autotuned cuBLASLt algorithms in the fallback: how many were installed
-    (for the current device), refused by cuBLASLt, and why none were where none were."""
-    return {"installed": len(_LT["installed"]), "refused": _LT["refused"], "note": _LT["note"]}
+    on the current device (and per device, `devices`), refused by cuBLASLt (all devices
+    together), and why none were where none were."""
+    per = {dev: len(s) for dev, s in _LT["installed"].items()}
+    cur = torch.cuda.current_device() if per and torch.cuda.is_available() else None
+    return {"installed": per.get(cur, 0), "devices": per, "refused": _LT["refused"], "note": _LT["note"]}
 
 
 def set_fallback(kind: str) -> bool:
@@ -399,7 +420,8 @@ def _lt_fallback_name(a, b, layout: str) -> str | None:
     if not (Kb == K and K > 0 and N > 0 and a.numel() > 0 and (a.data_ptr() | b.data_ptr()) % 16 == 0):
         return None
     M = a.numel() // K
-    if (M, N, K, layout) in _LT["installed"] and (a.data_ptr() | b.data_ptr()) % 256 == 0:
+    if ((M, N, K, layout) in _LT["installed"].get(a.device.index, ())
+            and (a.data_ptr() | b.data_ptr()) % 256 == 0):
         return "cuBLASLt (the pack autotuned algorithm)"
     return "cuBLASLt" if 2.0 * M * N * K <= lt["max_flops"] else None
 
