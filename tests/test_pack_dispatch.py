@@ -115,6 +115,31 @@ def test_min_speedup_and_atomic_replace(store, pack_dir):
         export_pack(store, DEV, pack_dir.parent / "bf16", "bf16", "fp32")
 
 
+def test_a_winner_timed_in_several_sessions_is_judged_by_their_median(store, tmp_path):
+    """With several kernel-mode sessions since a winner was chosen, the median of its
+    per-session speedups over each session's best baseline decides, not the latest session
+    alone; sessions from before the choice do not count."""
+    run = store.start_run("gemmrl bench", DEV, PROV, {})
+    steady, lucky = Problem(4096, 1024, 4096), Problem(8192, 1024, 4096)
+    spec = cutlass_sm90.heuristic_specs(steady, "TN")[0]
+    for p, before, ratios in ((steady, 0.80, (1.02, 1.01, 0.99)), (lucky, 1.50, (0.98, 0.99, 1.01))):
+        store.record_session(run, f"old{p.M}", DEV, p, "kernel", "kp1", {  # an earlier choice's session
+            "gemmrl-tuned": {"median_us": 10.0, "n": 50}, "cuBLAS-tn": {"median_us": 10.0 * before, "n": 50}})
+        store.put_tuning(DEV, p, "gemmrl-tuned", _choice(spec, "cutlass_sm90"), spec.name, 9.0)
+        store.record_verification(run, DEV, p, "gemmrl-tuned", True, "ok", {})
+        for i, r in enumerate(ratios):  # the last is the latest session
+            store.record_session(run, f"s{p.M}-{i}", DEV, p, "kernel", "kp1", {
+                "gemmrl-tuned": {"median_us": 10.0, "n": 50}, "cuBLAS-tn": {"median_us": 10.0 * r, "n": 50},
+                "torch.matmul": {"median_us": 12.0, "n": 50}})
+    m = _manifest(export_pack(store, DEV, tmp_path / "p", "fp16", "fp32"))
+    rows = {(e["M"], e["N"], e["K"]): e for e in m["entries"]}
+    e = rows[(4096, 1024, 4096)]  # latest 0.99, median 1.01: ships
+    assert (e["sessions"], e["speedup_median"], e["speedup"]) == (3, 1.01, 0.99)
+    assert (8192, 1024, 4096) not in rows  # latest 1.01, median 0.99: stays with the libraries
+    assert any("8192x1024x4096" in s and "median speedup 0.9900" in s and "3 sessions" in s for s in m["skipped"])
+    assert "sessions" not in rows[(256, 4096, 4096)]  # one session: judged by it, as before
+
+
 def test_a_stored_choice_not_yet_verified_gives_way_to_the_verified_kernel(store, tmp_path):
     """A tune cut between its search and its final timing leaves a stored choice that was never
     verified in full: the pack ships the kernel the newest verification passed and timed."""

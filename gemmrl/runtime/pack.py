@@ -12,7 +12,8 @@ place with os.replace, so a reader sees a whole pack or none.
 
 What goes in: for every problem whose stored gemmrl winner (tuning rows of impls 'gemmrl-*')
 passed verification on the device, and, when kernel-mode measurements exist, was at least
-`min_speedup` times faster than the best baseline measured beside it. When several gemmrl impls
+`min_speedup` times faster than the best baseline measured beside it (by the median over the
+sessions since it was chosen, where there are several). When several gemmrl impls
 won the same (problem, layout), the fastest measured one is kept.
 
 `load_pack` trusts nothing: every field, family, spec and file hash is checked, and all problems
@@ -168,12 +169,37 @@ def _best_baseline(records: dict, ours: dict) -> tuple[str | None, float | None]
     return name, float(pool[name]["median_us"])
 
 
+def _session_speedups(store, device: str, dtype: str, acc: str) -> dict:
+    """(M, N, K, impl) -> [(created, speedup)] for every kernel-mode session that timed a gemmrl
+    impl beside at least one baseline: the session's fastest baseline over the impl's time."""
+    from gemmrl.report.export import is_baseline
+
+    sess: dict = {}
+    for session, M, N, K, impl, us, created in store.db.execute(
+            "SELECT session, M, N, K, impl, median_us, created FROM measurements WHERE device=? AND dtype=? "
+            "AND acc=? AND mode='kernel' AND status='ok' AND median_us > 0", (device, dtype, acc)):
+        sess.setdefault((int(M), int(N), int(K), session), {})[impl] = (float(us), float(created))
+    out: dict = {}
+    for (M, N, K, _), t in sess.items():
+        base = [us for i, (us, _) in t.items() if is_baseline(i)]
+        if not base:
+            continue
+        for impl, (us, created) in t.items():
+            if impl.startswith(GEMMRL_IMPL_PREFIX):
+                out.setdefault((M, N, K, impl), []).append((created, min(base) / us))
+    return out
+
+
 def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tuple[list, set, list]:
-    """(candidates, run ids, skipped reasons): one dict per verified gemmrl winner."""
+    """(candidates, run ids, skipped reasons): one dict per verified gemmrl winner. A winner
+    timed in several kernel-mode sessions since it was chosen is judged by the median of its
+    per-session speedups over each session's best baseline (one session's near-tie no longer
+    decides alone); with one session, by that session."""
     rows = store.db.execute(
-        "SELECT M, N, K, impl, choice, time_us FROM tuning WHERE device=? AND dtype=? AND acc=? "
+        "SELECT M, N, K, impl, choice, time_us, created FROM tuning WHERE device=? AND dtype=? AND acc=? "
         "AND impl LIKE ? ORDER BY M, N, K, impl", (device, dtype, acc, GEMMRL_IMPL_PREFIX + "%")).fetchall()
     times = _latest_kernel_times(store, device, dtype, acc)
+    speedups = _session_speedups(store, device, dtype, acc)
     cands, runs, skipped = [], set(), []
     for row in rows:
         problem = Problem(row["M"], row["N"], row["K"], dtype, acc)
@@ -204,13 +230,23 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
         recs = times.get((problem.M, problem.N, problem.K), {})
         ours = recs.get(impl)
         kernel_us = baseline = baseline_us = None
+        sessions: dict = {}
         if ours is not None:
             if ours.get("status") != "ok" or not ours.get("median_us"):
                 skipped.append(f"{problem.shape} {impl}: kernel timing {ours.get('status')}")
                 continue
             kernel_us = float(ours["median_us"])
             baseline, baseline_us = _best_baseline(recs, ours)
-            if baseline_us is not None and baseline_us < min_speedup * kernel_us:
+            since = [x for c, x in speedups.get((problem.M, problem.N, problem.K, impl), [])
+                     if c >= float(row["created"])]
+            if len(since) >= 2:
+                median = statistics.median(since)
+                if median < min_speedup:
+                    skipped.append(f"{problem.shape} {impl}: median speedup {median:.4f} over the best baseline "
+                                   f"in {len(since)} sessions: under the {min_speedup}x asked for")
+                    continue
+                sessions = {"sessions": len(since), "speedup_median": round(median, 4)}
+            elif baseline_us is not None and baseline_us < min_speedup * kernel_us:
                 skipped.append(f"{problem.shape} {impl}: {kernel_us:.2f} us vs {baseline} "
                                f"{baseline_us:.2f} us: under the {min_speedup}x speedup asked for")
                 continue
@@ -218,7 +254,7 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
         runs.add(ver["run_id"])
         cands.append({"problem": problem, "impl": impl, "family": fam, "spec": spec,
                       "kernel_us": kernel_us, "baseline": baseline, "baseline_us": baseline_us,
-                      "tuned_us": kernel_us if tuned_us is None else tuned_us})
+                      "tuned_us": kernel_us if tuned_us is None else tuned_us, **sessions})
     return cands, runs, skipped
 
 
@@ -380,7 +416,8 @@ def export_pack(store, device: str, out_dir, dtype: str = "fp16", acc: str = "fp
                 "kernel_us": c["kernel_us"], "baseline": c["baseline"], "baseline_us": c["baseline_us"],
                 "speedup": (round(c["baseline_us"] / c["kernel_us"], 4)
                             if c["kernel_us"] and c["baseline_us"] else None),
-                "tuned_us": c["tuned_us"]})
+                "tuned_us": c["tuned_us"],
+                **{k: c[k] for k in ("sessions", "speedup_median") if k in c}})
         served = {(e["M"], e["N"], e["K"], e["layout"]) for e in entries}
         library = [f"{M}x{N}x{K}:{layout}" for M, N, K in sorted(_tuned_shapes(store, device, dtype, acc))
                    for layout in LAYOUTS if (M, N, K, layout) not in served]
