@@ -236,16 +236,21 @@ class _FakeLt:
 
     def __init__(self):
         self.heuristic_calls = 0
+        self.plans, self.destroyed = 0, []
 
     def heuristic(self, layout, dtype, acc, M, N, K, requested=100):
         self.heuristic_calls += 1
         return [bytes([i]) * 64 for i in (1, 2, 3)]
 
     def plan(self, *args):
-        return 7
+        self.plans += 1
+        return self.plans
 
     def run(self, *args):
         pass
+
+    def destroy(self, plan_id):
+        self.destroyed.append(plan_id)
 
     def describe(self, algo):
         return f"algo={algo[0]}"
@@ -277,6 +282,7 @@ def test_autotuned_choice_is_picked_with_the_judges_protocol_and_old_choices_are
     assert picked == [timing.BASELINE_PICK] * 2
     assert picked[0].target_replay_us == timing.KernelSettings().target_replay_us
     assert lt.pick_times == times
+    assert sorted(fake.destroyed) == list(range(1, fake.plans + 1)) == list(range(1, 7))  # no plan kept
     got = store.get_tuning(dev, p, "cuBLASLt-auto-tuning-nn")
     assert bytes(got["choice"]) == bytes([3]) * 64 and got["time_us"] == 9.0
     assert got["info"] == f"algo=3 (best of 3/3, {timing.BASELINE_PICK_TAG})" == lt.describe()["choice"]

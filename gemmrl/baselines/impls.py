@@ -2,7 +2,7 @@
 
 torch.matmul; cuBLAS-nn/-tn (cublasGemmEx); cuBLASLt-heuristic-nn/-tn (first suggestion);
 cuBLASLt-auto-tuning-nn/-tn (fastest of up to 100 suggestions, timed with the judge's own
-kernel-mode protocol);
+kernel-mode protocol; the heuristic's first stays unless another is at least 1% faster);
 cuBLASLt-exhaustive-nn/-tn (fastest of the enumerated algorithm configurations); torch.compile
 (max-autotune). Autotuned choices are kept in the store, so every timing mode and every later
 run uses the same algorithm.
@@ -185,12 +185,13 @@ class LtAutotuned(_LtPlanned):
         if not algos:
             raise UnsupportedProblem(f"{self.name}: cuBLASLt offers no algorithm for {problem.shape}")
         tn = self.layout == "TN"
-        calls = {}
+        calls, plans = {}, []
         for i, algo in enumerate(algos):
             try:
                 plan = lib.plan(self.layout, problem.dtype, problem.acc, problem.M, problem.N, problem.K, algo)
             except Exception:
                 continue
+            plans.append(plan)
 
             def call(a, b_nn, b_tn, c, plan=plan):
                 lib.run(plan, a.data_ptr(), (b_tn if tn else b_nn).data_ptr(), c.data_ptr(), _stream())
@@ -199,6 +200,9 @@ class LtAutotuned(_LtPlanned):
             _, res = pick_fastest(problem, calls, settings=BASELINE_PICK)
         except RuntimeError as e:
             raise UnsupportedProblem(f"{self.name}: {e}") from None
+        finally:
+            for plan in plans:  # prepare() makes the chosen algorithm's own plan
+                lib.destroy(plan)
         self.pick_times = {k: r["median_us"] for k, r in res.items() if r.get("status") == "ok"}
         best = pick_with_margin(self.pick_times, 0)  # 0: the heuristic's first suggestion
         n_ok = len(self.pick_times)
