@@ -147,7 +147,7 @@ def _install_lt(fast, d: Dispatcher | None) -> None:
                     refused += 1
         installed[dev] = frozenset(ok)
     _LT = {"installed": installed, "refused": refused,
-           "note": "device " + ", ".join(str(x) for x in devices) if len(devices) > 1 else f"device {devices[0]}"}
+           "note": "device " + ", ".join(str(x) for x in devices)}
 
 
 def lt_status() -> dict:

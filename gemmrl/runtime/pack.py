@@ -169,24 +169,45 @@ def _best_baseline(records: dict, ours: dict) -> tuple[str | None, float | None]
     return name, float(pool[name]["median_us"])
 
 
+def _kernel_sessions(store, device: str, dtype: str, acc: str, impls=None, since_choice=None) -> dict:
+    """(M, N, K, session) -> {impl: median us} of the kernel-mode measurements that finished ok
+    (only `impls`, if given). `since_choice`: impl names whose sessions count only from the
+    time that impl's stored choice (its tuning row) for the shape was made."""
+    q = ("SELECT session, M, N, K, impl, median_us, created FROM measurements WHERE device=? AND dtype=? "
+         "AND acc=? AND mode='kernel' AND status='ok' AND median_us > 0")
+    args: tuple = (device, dtype, acc)
+    if impls is not None:
+        q += f" AND impl IN ({', '.join('?' * len(impls))})"
+        args += tuple(impls)
+    chosen: dict = {}
+    if since_choice is not None:
+        rows = store.db.execute("SELECT M, N, K, impl, created FROM tuning WHERE device=? AND dtype=? AND acc=? "
+                                "AND impl LIKE ?", (device, dtype, acc, since_choice))
+        chosen = {(int(M), int(N), int(K), impl): created for M, N, K, impl, created in rows}
+    out: dict = {}
+    for session, M, N, K, impl, us, created in store.db.execute(q, args):
+        since = chosen.get((int(M), int(N), int(K), impl))
+        if since is not None and created < since:
+            continue  # timed an earlier choice
+        out.setdefault((int(M), int(N), int(K), session), {})[impl] = float(us)
+    return out
+
+
 def _session_speedups(store, device: str, dtype: str, acc: str) -> dict:
-    """(M, N, K, impl) -> [(created, speedup)] for every kernel-mode session that timed a gemmrl
-    impl beside at least one baseline: the session's fastest baseline over the impl's time."""
+    """(M, N, K, impl) -> [speedup] for every kernel-mode session since the gemmrl impl's stored
+    choice that timed it beside at least one baseline: the session's fastest baseline over the
+    impl's time."""
     from gemmrl.report.export import is_baseline
 
-    sess: dict = {}
-    for session, M, N, K, impl, us, created in store.db.execute(
-            "SELECT session, M, N, K, impl, median_us, created FROM measurements WHERE device=? AND dtype=? "
-            "AND acc=? AND mode='kernel' AND status='ok' AND median_us > 0", (device, dtype, acc)):
-        sess.setdefault((int(M), int(N), int(K), session), {})[impl] = (float(us), float(created))
     out: dict = {}
-    for (M, N, K, _), t in sess.items():
-        base = [us for i, (us, _) in t.items() if is_baseline(i)]
+    for (M, N, K, _), t in _kernel_sessions(store, device, dtype, acc,
+                                             since_choice=GEMMRL_IMPL_PREFIX + "%").items():
+        base = [us for i, us in t.items() if is_baseline(i)]
         if not base:
             continue
-        for impl, (us, created) in t.items():
+        for impl, us in t.items():
             if impl.startswith(GEMMRL_IMPL_PREFIX):
-                out.setdefault((M, N, K, impl), []).append((created, min(base) / us))
+                out.setdefault((M, N, K, impl), []).append(min(base) / us)
     return out
 
 
@@ -196,7 +217,7 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
     per-session speedups over each session's best baseline (one session's near-tie no longer
     decides alone); with one session, by that session."""
     rows = store.db.execute(
-        "SELECT M, N, K, impl, choice, time_us, created FROM tuning WHERE device=? AND dtype=? AND acc=? "
+        "SELECT M, N, K, impl, choice, time_us FROM tuning WHERE device=? AND dtype=? AND acc=? "
         "AND impl LIKE ? ORDER BY M, N, K, impl", (device, dtype, acc, GEMMRL_IMPL_PREFIX + "%")).fetchall()
     times = _latest_kernel_times(store, device, dtype, acc)
     speedups = _session_speedups(store, device, dtype, acc)
@@ -237,8 +258,7 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
                 continue
             kernel_us = float(ours["median_us"])
             baseline, baseline_us = _best_baseline(recs, ours)
-            since = [x for c, x in speedups.get((problem.M, problem.N, problem.K, impl), [])
-                     if c >= float(row["created"])]
+            since = speedups.get((problem.M, problem.N, problem.K, impl), [])
             if len(since) >= 2:
                 median = statistics.median(since)
                 if median < min_speedup:
@@ -285,21 +305,10 @@ def _lt_vs_heuristic(store, device: str, dtype: str) -> dict:
     """(M, N, K, layout) -> the kernel-time ratio of the autotuned cuBLASLt baseline (its stored
     choice) to the heuristic's first choice in every session that timed both (fp32 accumulation)
     since that choice was stored: sessions of an earlier choice of the same shape do not count."""
-    q = ("SELECT run_id, session, M, N, K, impl, median_us, created FROM measurements WHERE device=? "
-         "AND dtype=? AND acc='fp32' AND mode='kernel' AND status='ok' AND median_us > 0 "
-         "AND impl IN (?, ?, ?, ?)")
     impls = [LT_IMPL.format(x) for x in ("nn", "tn")] + [f"cuBLASLt-heuristic-{x}" for x in ("nn", "tn")]
-    chosen = {(int(M), int(N), int(K), impl): created for M, N, K, impl, created in store.db.execute(
-        "SELECT M, N, K, impl, created FROM tuning WHERE device=? AND dtype=? AND acc='fp32' AND impl IN (?, ?)",
-        (device, dtype, *impls[:2]))}
-    sess: dict = {}
-    for run, session, M, N, K, impl, us, created in store.db.execute(q, (device, dtype, *impls)):
-        since = chosen.get((int(M), int(N), int(K), impl))
-        if since is not None and created < since:
-            continue  # timed an earlier choice
-        sess.setdefault((run, session, M, N, K), {})[impl] = us
+    sess = _kernel_sessions(store, device, dtype, "fp32", impls, since_choice=LT_IMPL.format("%"))
     out: dict = {}
-    for (_, _, M, N, K), t in sess.items():
+    for (M, N, K, _), t in sess.items():
         for layout in LAYOUTS:
             a, h = t.get(LT_IMPL.format(layout.lower())), t.get(f"cuBLASLt-heuristic-{layout.lower()}")
             if a and h:
