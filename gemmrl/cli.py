@@ -105,6 +105,25 @@ def shapes(shape_spec, dtype, acc, below, column, plain):
         click.echo(p.shape if plain else f"{p.shape}\t{p.flops:.3e} FLOPs")
 
 
+# The judge's host-timing precision (offline and server modes): sample until the median (server
+# mode: each paired ratio) is known to within 0.5%, or for at most this many seconds per shape. On
+# an H200 two timings of one implementation then agreed within 2% on all 32 shapes of a test set
+# offline in three runs, and in server mode with 12 s (results/README.md, third to fifth sessions).
+HOST_CI = 0.005
+HOST_MAX_S = {"offline": 5.0, "server": 12.0}
+
+
+def host_precision(mode: str, quick: bool, host_ci: float | None, host_max_s: float | None) -> dict:
+    """HostSettings fields for `bench`'s offline or server timing: the precision target unless
+    --quick (v2: fixed rounds; server mode at most 100); the round cap allows 200 rounds a second
+    of the time cap, at least 2,000."""
+    if quick:
+        return {} if mode == "offline" else {"max_rounds": 100}
+    max_s = HOST_MAX_S[mode] if host_max_s is None else host_max_s
+    return {"target_ci": HOST_CI if host_ci is None else host_ci,
+            "max_rounds": max(2000, math.ceil(200 * max_s)), "max_s": max_s}
+
+
 @main.command()
 @click.option("--shapes", "shape_spec", default="subset", show_default=True,
               help="grid | subset | subset:N | FILE | MxNxK[,MxNxK...]")
@@ -121,10 +140,15 @@ def shapes(shape_spec, dtype, acc, below, column, plain):
 @click.option("--qps", default=1000.0, show_default=True, help="server mode: mean arrivals per second")
 @click.option("--host-ci", default=None, type=click.FloatRange(0.0005, 0.5),
               help="offline/server: sample until every median (server: the --server-stat) is known to "
-                   "within this relative CI half-width (e.g. 0.005), at most 2000 rounds or --host-max-s "
-                   "per shape (protocol v3; server mode v5 (paired) or v4 (mean))")
-@click.option("--host-max-s", default=5.0, show_default=True, type=click.FloatRange(0.1, 600),
-              help="with --host-ci: the most seconds of sampling per shape and mode")
+                   "within this relative CI half-width (default 0.005: two timings of one implementation "
+                   "then agree within 2%), at most --host-max-s per shape (protocol v3; server mode v5 "
+                   "(paired) or v4 (mean))")
+@click.option("--host-max-s", default=None, type=click.FloatRange(0.1, 600),
+              help="the most seconds of sampling per shape and mode under the precision target "
+                   "(default 5 offline, 12 in server mode)")
+@click.option("--quick", is_flag=True,
+              help="offline/server: no precision target, 30 / 40 rounds and 0.5 s per shape (protocol v2): "
+                   "several times cheaper, for sweeps; the noise is still measured and reported, not bounded")
 @click.option("--server-gaps", default=None, type=click.Choice(["each", "round"]),
               help="server mode: one idle gap per round that every implementation waits (round, the "
                    "default: the same gaps for all, a fairer comparison, less noise), or a gap drawn "
@@ -144,16 +168,16 @@ def shapes(shape_spec, dtype, acc, below, column, plain):
 @click.option("--gpus", default=1, show_default=True, type=click.IntRange(1, 64),
               help="measure on this many GPUs of this machine at once: one child bench per GPU on a share "
                    "of the shapes, all writing --db; the report once at the end")
-def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, host_ci, host_max_s, server_gaps,
-          server_stat, budget_s, no_verify, retime, no_report, isolate, gpus):
+def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, host_ci, host_max_s, quick,
+          server_gaps, server_stat, budget_s, no_verify, retime, no_report, isolate, gpus):
     """Verify and time implementations over a set of shapes; results go to the store."""
     problems = _problems(shape_spec, dtype, acc)
     modes = _modes(mode_opts)
     if qps <= 0:
         raise click.BadParameter("must be positive", param_hint="--qps")
-    if host_ci is None and host_max_s != 5.0:
-        raise click.BadParameter("only bounds sampling under --host-ci (give --host-ci too)",
-                                 param_hint="--host-max-s")
+    if quick and (host_ci is not None or host_max_s is not None):
+        raise click.BadParameter("has no precision target: give --quick or --host-ci/--host-max-s, "
+                                 "not both", param_hint="--quick")
     if server_gaps is not None and "server" not in modes:
         raise click.BadParameter("is a server-mode setting; --mode has no server", param_hint="--server-gaps")
     from gemmrl.bench import runner
@@ -180,13 +204,12 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, h
     prov = env.provenance(cublas_version)
     # at most 2,000 rounds, or more where --host-max-s allows (server mode: about 110 rounds a
     # second with 8 implementations at 1,000 QPS)
-    precision = {} if host_ci is None else {"target_ci": host_ci, "max_rounds": max(2000, math.ceil(200 * host_max_s)),
-                                            "max_s": host_max_s}
     cfg = runner.RunConfig(modes=modes, do_verify=not no_verify, retime=retime,
-                           offline=timing.HostSettings(mode="offline", **precision),
+                           offline=timing.HostSettings(mode="offline",
+                                                       **host_precision("offline", quick, host_ci, host_max_s)),
                            server=timing.HostSettings(mode="server", min_rounds=40,
-                                                      **{"max_rounds": 100, **precision}, qps=qps,
-                                                      gaps=server_gaps or "round", stat=server_stat),
+                                                      **host_precision("server", quick, host_ci, host_max_s),
+                                                      qps=qps, gaps=server_gaps or "round", stat=server_stat),
                            deadline=time.monotonic() + budget_s if budget_s else None)
     settings = {"modes": modes, "impls": [i.name for i in impls], "shapes": shape_spec,
                 **{m: timing.settings_dict(getattr(cfg, m)) for m in modes}, "verify": not no_verify}

@@ -50,7 +50,7 @@ case "$step" in
             --mode kernel --impl baselines --impl exhaustive --impl torch.compile --impl ours \
             --subject gemmrl-cutlass_sm90+raw --budget-s "$budget" 2>&1 | tee "$out/bench.log"; rc=${PIPESTATUS[0]} ;;
   hostmodes) timeout $((budget + 80)) python3 -m gemmrl.cli bench --db "$db" --out "$out/results" --shapes grid \
-            --mode offline,server --impl baselines --budget-s "$budget" 2>&1 | tee "$out/bench.log"; rc=${PIPESTATUS[0]} ;;
+            --mode offline,server --quick --impl baselines --budget-s "$budget" 2>&1 | tee "$out/bench.log"; rc=${PIPESTATUS[0]} ;;
   bench) unpack_cache
         cap=$(cap_at $((budget + 200)))
         echo "bench $BENCH_ARGS: budget ${budget}s, cut at ${cap}s" | tee "$out/bench.log"

@@ -38,8 +38,10 @@ def test_bench_refuses_a_machine_without_gpu(monkeypatch):
 def test_bench_checks_arguments_before_the_gpu():
     r = CliRunner().invoke(main, ["bench", "--shapes", "grid", "--mode", "fastest"])
     assert r.exit_code == 2 and "unknown mode" in r.output
-    r = CliRunner().invoke(main, ["bench", "--shapes", "64x64x64", "--mode", "server", "--host-max-s", "20"])
-    assert r.exit_code == 2 and "--host-max-s" in r.output and "--host-ci" in r.output
+    r = CliRunner().invoke(main, ["bench", "--shapes", "64x64x64", "--mode", "server", "--quick", "--host-max-s", "20"])
+    assert r.exit_code == 2 and "--quick" in r.output and "precision target" in r.output
+    r = CliRunner().invoke(main, ["bench", "--shapes", "64x64x64", "--quick", "--host-ci", "0.01"])
+    assert r.exit_code == 2 and "--quick" in r.output
     r = CliRunner().invoke(main, ["bench", "--shapes", "64x64x64", "--mode", "offline", "--server-gaps", "round"])
     assert r.exit_code == 2 and "--server-gaps" in r.output and "server" in r.output
     r = CliRunner().invoke(main, ["bench", "--shapes", "64x64x64", "--mode", "server", "--server-gaps", "pairs"])
@@ -382,3 +384,21 @@ def test_cuda_l2_imports_a_carried_prebuilt_module(tmp_path):
                     str(bdir / f"{name}.so")], check=True)
     mod = cuda_l2.build(src, tmp_path / "root")
     assert mod.run() == 42 and mod.__name__ == name
+
+
+def test_bench_times_host_modes_to_the_precision_target_unless_quick():
+    from gemmrl.bench.timing import HostSettings
+    from gemmrl.cli import HOST_CI, HOST_MAX_S, host_precision
+
+    off = HostSettings(mode="offline", **host_precision("offline", False, None, None))
+    srv = HostSettings(mode="server", **host_precision("server", False, None, None), gaps="round", stat="paired")
+    assert (off.target_ci, off.max_s, srv.target_ci, srv.max_s) == (HOST_CI, 5.0, HOST_CI, 12.0) == \
+        (0.005, HOST_MAX_S["offline"], 0.005, HOST_MAX_S["server"])
+    assert off.protocol() == "offline:v3:ci=0.005"
+    assert srv.protocol() == "server:v5:ci=0.005:qps=1000:gaps=round"
+    assert srv.max_rounds == 2400 and off.max_rounds == 2000  # 200 rounds a second of the cap
+    longer = host_precision("server", False, 0.01, 30.0)
+    assert longer == {"target_ci": 0.01, "max_rounds": 6000, "max_s": 30.0}
+    quick = HostSettings(mode="server", **host_precision("server", True, None, None), gaps="round")
+    assert quick.target_ci is None and quick.max_rounds == 100 and quick.protocol() == "server:v2:qps=1000:gaps=round"
+    assert HostSettings(mode="offline", **host_precision("offline", True, None, None)) == HostSettings(mode="offline")

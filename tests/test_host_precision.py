@@ -144,3 +144,27 @@ def test_paired_rule_is_v5_server_only_and_stops_on_the_ratios_ci():
     assert not v5.done(20, 1.0, samples, p)  # under min_rounds (30)
     with pytest.raises(ValueError, match="needs the rounds"):
         v5.done(60, 1.0, samples)
+
+
+def test_reached_says_whether_the_target_held_when_sampling_stopped():
+    from gemmrl.bench.stats import PairedRounds
+
+    tight = {"a": [10.0 + 0.001 * i for i in range(40)]}
+    loose = {"a": [10.0 + (i % 7) for i in range(40)]}
+    assert HostSettings().reached(tight) is None  # no target: nothing to say
+    v3 = HostSettings(target_ci=0.005)
+    assert v3.reached(tight) is True and v3.reached(loose) is False
+    rng = random.Random(3)
+    p = PairedRounds()
+    for _ in range(300):
+        base = rng.choice([10.0, 20.0])  # the rounds' shared state: divides out of the ratio
+        p.add_round({"a": base, "b": base * 1.1 * (1 + 0.001 * rng.random())})
+    srv = HostSettings(mode="server", target_ci=0.005, gaps="round", stat="paired")
+    samples = {"a": [1.0], "b": [1.0]}
+    p2 = PairedRounds()
+    for _ in range(12):
+        p2.add_round({"a": 10.0, "b": rng.uniform(5.0, 50.0)})
+    assert srv.reached(samples, p) is True
+    assert srv.reached(samples, p2) is False  # twelve scattered rounds: not known to 0.5%
+    with pytest.raises(ValueError, match="PairedRounds"):
+        srv.reached(samples)

@@ -314,6 +314,23 @@ def test_summary_noise_from_repeats():
     assert "roofline" not in s
 
 
+def test_summary_counts_host_sessions_that_stopped_before_their_precision_target():
+    def with_ci(r, reached):
+        return {**r, "details": {"target_ci": 0.005, "ci_reached": reached}}
+
+    records = [with_ci(rec(64, 64, 64, "gemmrl", "offline", 10.0), True),
+               with_ci(rec(64, 64, 64, "torch.matmul", "offline", 11.0), True),
+               with_ci(rec(128, 64, 64, "gemmrl", "offline", 10.0), True),
+               with_ci(rec(128, 64, 64, "torch.matmul", "offline", 11.0), False),
+               rec(256, 64, 64, "gemmrl", "offline", 10.0),  # --quick: no target, not counted
+               with_ci(rec(64, 64, 64, "gemmrl", "server", 30.0), False)]
+    s = summarize(records, "gemmrl")
+    assert s["precision"] == {
+        "offline": {"shapes_with_target": 2, "target_not_reached": 1, "not_reached": ["128_64_64"]},
+        "server": {"shapes_with_target": 1, "target_not_reached": 1, "not_reached": ["64_64_64"]}}
+    assert "precision" not in summarize(all_records(), "gemmrl")
+
+
 def test_summary_roofline_flags_times_beyond_the_floor():
     records = offline_records() + [rec(2048, 2048, 2048, "gemmrl", "offline", 1.0)]
     s = summarize(records, "gemmrl", PEAKS)

@@ -170,11 +170,12 @@ class PairedRounds:
                 out[a][b], out[b][a] = r, 1.0 / r
         return out
 
-    def precise_enough(self, names, target_rel: float, z: float = 1.96) -> bool:
+    def precise_enough(self, names, target_rel: float, z: float = 1.96, *, fresh: bool = False) -> bool:
         """Whether every pair's median ratio is known to within `target_rel` (order-statistic CI
-        of the median log-ratio); checked every CHECK_EVERY rounds, the last answer kept between."""
+        of the median log-ratio); checked every CHECK_EVERY rounds, the last answer kept between
+        (`fresh`: check now, on every round so far)."""
         n = len(self.rounds)
-        if n - self._checked_at < self.CHECK_EVERY and self._checked_at >= 0:
+        if not fresh and n - self._checked_at < self.CHECK_EVERY and self._checked_at >= 0:
             return self._precise
         self._checked_at = n
         names = list(names)

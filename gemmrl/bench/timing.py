@@ -115,6 +115,17 @@ class HostSettings:
             return paired.precise_enough(samples, self.target_ci)
         return precise_enough(samples, self.target_ci, stat=self.stat)
 
+    def reached(self, samples: dict, paired: PairedRounds | None = None) -> bool | None:
+        """Whether the precision target holds for these samples (None: no target was set), checked
+        afresh: what a record says about itself when sampling stopped, at the target or at a cap."""
+        if self.target_ci is None:
+            return None
+        if self.stat == "paired":
+            if paired is None:
+                raise ValueError("stat='paired' needs the rounds' PairedRounds")
+            return paired.precise_enough(samples, self.target_ci, fresh=True)
+        return precise_enough(samples, self.target_ci, stat=self.stat)
+
 
 def draw_gaps(rng: random.Random, order: list, settings: HostSettings) -> list[float]:
     """The idle gap (seconds) before each call of a round, in `order`: none offline; in server
@@ -164,7 +175,11 @@ def _fail(status: str, reason: str) -> dict:
 
 
 def time_kernel(problem: Problem, calls: dict, *, l2_bytes: int, settings: KernelSettings = KernelSettings(),
-                seed: int = 0) -> dict[str, dict]:
+                seed: int = 0, unchecked: frozenset = frozenset()) -> dict[str, dict]:
+    """Kernel-mode timing of `calls` (name -> fn(a, b_nn, b_tn, c)), interleaved. Each timed
+    call's output is re-checked against torch.matmul afterwards, except for the names in
+    `unchecked`: reference kernels that are not GEMMs (bench.floor's memory floor), whose records
+    say so."""
     gen = torch.Generator(device="cuda")
     gen.manual_seed(seed)
     n_sets = n_input_sets(problem, l2_bytes, settings)
@@ -258,11 +273,13 @@ def time_kernel(problem: Problem, calls: dict, *, l2_bytes: int, settings: Kerne
         c0.fill_(float("nan"))
         replay(name)
         torch.cuda.synchronize()
-        err = rel_error(c0, ref)
+        err = rel_error(c0, ref) if name not in unchecked else None
         info = results.get(name, {})
         details = {"sets": n_sets, "calls_per_replay": graphs[name][1], "graph": graphs[name][2],
                    "recheck_err": err, **({"capture_error": info["capture_error"]} if "capture_error" in info else {})}
-        if not err <= RECHECK_TOL:
+        if name in unchecked:
+            details["unchecked"] = True
+        elif not err <= RECHECK_TOL:
             results[name] = {"status": "wrong", "n": 0,
                              "details": {**details, "reason": f"timed output wrong: error {err:.2e}"}}
             continue
@@ -337,14 +354,18 @@ def time_host(problem: Problem, calls: dict, *, settings: HostSettings = HostSet
     out = {}
     ok_names = [n for n in calls if n not in failed]
     ratios = paired.ratios(ok_names) if settings.mode == "server" else {}
+    ok_samples = {n: samples[n] for n in ok_names if samples[n]}
+    # with a precision target: whether sampling stopped because it was met (True) or at a cap
+    # (False: max_rounds or max_s came first); the report counts the latter per mode
+    reached = settings.reached(ok_samples, paired) if ok_samples else None
     for name in calls:
         if name in failed:
             out[name] = failed[name]
         else:
-            details = {}
+            details = {} if reached is None else {"target_ci": settings.target_ci, "ci_reached": reached}
             if settings.mode == "server":
                 # t_other / t_self, each the median of the rounds' ratios (stats.PairedRounds)
-                details = {"qps": settings.qps, "gaps": settings.gaps, "paired": ratios.get(name, {})}
+                details = {**details, "qps": settings.qps, "gaps": settings.gaps, "paired": ratios.get(name, {})}
             out[name] = {**summarize_samples(samples[name]), "status": "ok", "details": details}
     return out
 

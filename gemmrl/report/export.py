@@ -104,7 +104,7 @@ def _problem(rec: dict, where: str) -> Problem:
 class _Rec:
     """A checked record: its Problem, impl, mode, times and device."""
 
-    __slots__ = ("problem", "impl", "mode", "median", "mean", "p90", "n", "device", "paired")
+    __slots__ = ("problem", "impl", "mode", "median", "mean", "p90", "n", "device", "paired", "ci_reached")
 
     def __init__(self, rec: dict, index: int):
         if not isinstance(rec, dict):
@@ -126,6 +126,9 @@ class _Rec:
         self.n = None if n is None else int(n)
         self.device = None if rec.get("device") is None else str(rec["device"])
         details = rec.get("details")
+        # host modes with a precision target: whether sampling met it (False: stopped at a cap)
+        reached = details.get("ci_reached") if isinstance(details, dict) else None
+        self.ci_reached = reached if isinstance(reached, bool) else None
         self.paired: dict[str, float] = {}  # server mode: other impl -> t_other / t_self, same rounds
         raw = details.get("paired") if isinstance(details, dict) and self.mode == SERVER_STAT_MODE else None
         if isinstance(raw, dict):
@@ -493,6 +496,24 @@ def _noise(recs: Sequence[_Rec]) -> dict:
     return out
 
 
+def _precision(recs: Sequence[_Rec]) -> dict:
+    """Per host mode: of the shapes timed with a precision target (records with `ci_reached`),
+    how many stopped at a cap before meeting it, and which (a shape counts as reached only if
+    every record of it says so)."""
+    by: dict[str, dict] = defaultdict(dict)  # mode -> shape -> reached
+    for r in recs:
+        if r.ci_reached is None:
+            continue
+        key = r.problem.mnk
+        by[r.mode][key] = by[r.mode].get(key, True) and r.ci_reached
+    out = {}
+    for mode in _sorted_modes(by):
+        missed = sorted(k for k, ok in by[mode].items() if not ok)
+        out[mode] = {"shapes_with_target": len(by[mode]), "target_not_reached": len(missed),
+                     "not_reached": missed}
+    return out
+
+
 def _roofline_summary(recs: Sequence[_Rec], peaks: dict) -> dict:
     """Per mode, per impl: median and max roofline fraction, and the shapes beyond the physical
     floor (fraction > 1: a timing or correctness problem, or peaks measured too low)."""
@@ -522,6 +543,8 @@ def summarize(records: Iterable[dict], subject: str | None, peaks: dict | None =
     {'subject', 'modes': {mode: {'shapes', 'columns': {column: {count, mean, geomean, median,
     min, max, share_slower, 'buckets': {label: {bucket, ...same stats}}}}}},
      'noise': {mode: {impl: {count, median, p90, max, share_within_2pct}}},
+     'precision': {mode: {shapes_with_target, target_not_reached, not_reached}}  (only where
+     host timing had a precision target),
      'roofline': {mode: {impl: {...}}}  (only with peaks)}.
     Modes are those where the subject has records; with subject None, 'modes' is empty."""
     records = list(records)
@@ -536,6 +559,8 @@ def summarize(records: Iterable[dict], subject: str | None, peaks: dict | None =
                 "columns": _column_summary(cols, rows, like),
             }
     out["noise"] = _noise(recs)
+    if precision := _precision(recs):
+        out["precision"] = precision
     if peaks is not None:
         _check_peaks(peaks)
         out["roofline"] = _roofline_summary(recs, peaks)
