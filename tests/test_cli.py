@@ -396,7 +396,7 @@ def test_bench_times_host_modes_to_the_precision_target_unless_quick():
         (0.005, HOST_MAX_S["offline"], 0.005, HOST_MAX_S["server"])
     assert off.protocol() == "offline:v3:ci=0.005"
     assert srv.protocol() == "server:v5:ci=0.005:qps=1000:gaps=round"
-    assert srv.max_rounds == 2400 and off.max_rounds == 2000  # 200 rounds a second of the cap
+    assert srv.max_rounds == 2400 and off.max_rounds == 20000  # the time cap binds, not the round cap
     longer = host_precision("server", False, 0.01, 30.0)
     assert longer == {"target_ci": 0.01, "max_rounds": 6000, "max_s": 30.0}
     quick = HostSettings(mode="server", **host_precision("server", True, None, None), gaps="round")

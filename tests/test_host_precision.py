@@ -43,6 +43,10 @@ def test_done_v2_rule_is_unchanged_and_v3_stops_on_precision_or_caps():
     assert v3.done(40, 0.6, tight)  # precise: stop, however short
     assert not v3.done(40, 0.6, loose)  # not precise and under max_s: go on (v2 would stop here)
     assert v3.done(40, 5.1, loose) and v3.done(2000, 0.0, loose)  # the caps
+    # past the first 10 rounds the precision is checked every 10th round only (it sorts every
+    # sample); the caps are checked at every round
+    assert not v3.done(41, 0.6, tight) and v3.done(50, 0.6, tight)
+    assert v3.done(41, 5.1, loose)
 
 
 def test_server_gaps_round_is_its_own_protocol_and_checked():

@@ -48,6 +48,7 @@ class KernelSettings:
 
 
 GAP_DRAWS = ("each", "round")
+PRECISION_EVERY = 10  # rounds between precision checks of the median / mean, past the first 10
 HOST_STATS = ("median", "mean", "paired")
 
 
@@ -113,6 +114,8 @@ class HostSettings:
             if paired is None:
                 raise ValueError("stat='paired' needs the rounds' PairedRounds")
             return paired.precise_enough(samples, self.target_ci)
+        if rounds > PRECISION_EVERY and rounds % PRECISION_EVERY:
+            return False  # the check sorts every sample: not between every two rounds of thousands
         return precise_enough(samples, self.target_ci, stat=self.stat)
 
     def reached(self, samples: dict, paired: PairedRounds | None = None) -> bool | None:
