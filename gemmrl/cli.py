@@ -747,6 +747,49 @@ def llm_cmd(shape_spec, dtype, acc, layout, turns, samples, token_budget, db, ex
 
 @main.command()
 @click.option("--db", default=DEFAULT_DB, show_default=True)
+@click.option("--run", "run_ids", multiple=True, required=True, type=click.IntRange(1, None),
+              help="a store run (repeatable): its sessions' repeat timings are compared")
+@click.option("--json", "json_path", default=None, help="also write the table, with each run's provenance, here")
+def noise(db, run_ids, json_path):
+    """How well each implementation timed twice in one session (torch.matmul and its @repeat)
+    agreed with itself, per run and mode: the issue's goal is within 2%. No GPU needed."""
+    from gemmrl.report.noise import repeat_agreement
+    from gemmrl.store.db import Store, unpack_if_missing
+
+    unpack_if_missing(db)
+    if not Path(db).exists():
+        raise click.ClickException(f"no store at {db}")
+    store = Store(db, readonly=True)
+    runs = {r["id"]: r for r in store.runs()}
+    missing = [r for r in run_ids if r not in runs]
+    if missing:
+        raise click.ClickException(f"no run {', '.join(map(str, missing))} in {db} (it has runs 1-{max(runs, default=0)})")
+    doc = {"runs": []}
+    click.echo("run  mode     impl           stat    shapes  within 2%  median    p90     max  worst            "
+               "target met")
+    for rid in run_ids:
+        table = repeat_agreement(store.run_measurements(rid))
+        run = runs[rid]
+        doc["runs"].append({"run": rid, "command": run["command"], "device": run["device"],
+                            "provenance": run["provenance"], "agreement": table})
+        if not table:
+            click.echo(f"{rid:<4d} (no implementation timed twice in this run)")
+        for mode, impls in table.items():
+            for impl, e in impls.items():
+                met = f"{e['target_reached']}/{e['with_target']}" if e["with_target"] else "-"
+                for stat, v in e["stats"].items():
+                    click.echo(f"{rid:<4d} {mode:8s} {impl:14s} {stat:7s} {v['shapes']:6d}  {v['within']:4d}/{v['shapes']:<4d}"
+                               f" {100 * v['median']:6.2f}% {100 * v['p90']:6.2f}% {100 * v['max']:6.2f}%  "
+                               f"{v['worst']:16s} {met}")
+    store.close()
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(doc, indent=1))
+        click.echo(f"wrote {json_path}", err=True)
+
+
+@main.command()
+@click.option("--db", default=DEFAULT_DB, show_default=True)
 @click.option("--device", default=None, help="device name in the store (default: the only one)")
 @click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "bf16"]))
 @click.option("--acc", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16"]))

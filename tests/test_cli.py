@@ -402,3 +402,19 @@ def test_bench_times_host_modes_to_the_precision_target_unless_quick():
     quick = HostSettings(mode="server", **host_precision("server", True, None, None), gaps="round")
     assert quick.target_ci is None and quick.max_rounds == 100 and quick.protocol() == "server:v2:qps=1000:gaps=round"
     assert HostSettings(mode="offline", **host_precision("offline", True, None, None)) == HostSettings(mode="offline")
+
+
+def test_noise_tables_a_runs_repeat_timings(tmp_path):
+    db = tmp_path / "s.sqlite"
+    _fill(Store(db))
+    out = tmp_path / "noise.json"
+    r = CliRunner().invoke(main, ["noise", "--db", str(db), "--run", "1", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    line = next(x for x in r.output.splitlines() if x.startswith("1 ") and " median " in x)
+    assert "kernel" in line and "torch.matmul" in line and "2/2" in line and "1.00%" in line
+    doc = json.loads(out.read_text())
+    (run,) = doc["runs"]
+    assert run["run"] == 1 and run["provenance"]["commit"] == "c0ffee"
+    assert run["agreement"]["kernel"]["torch.matmul"]["stats"]["median"]["max"] == pytest.approx(0.01)
+    r = CliRunner().invoke(main, ["noise", "--db", str(db), "--run", "7"])
+    assert r.exit_code == 1 and "no run 7" in r.output

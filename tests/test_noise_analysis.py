@@ -67,3 +67,36 @@ def test_the_paired_statistic_removes_a_state_the_rounds_share():
                   names=("a", "b"))
     (row,) = agreement_table(rows, [100], ["paired"])
     assert row["median"] == pytest.approx(0.05)
+
+
+def _m(M, impl, mode, median, mean=None, **details):
+    return {"M": M, "N": 64, "K": 64, "impl": impl, "mode": mode, "median_us": median,
+            "mean_us": median if mean is None else mean, "status": "ok", "details": details}
+
+
+def test_repeat_agreement_compares_each_impl_with_its_repeat_by_every_statistic():
+    from gemmrl.report.noise import repeat_agreement
+
+    recs = [_m(64, "torch.matmul", "offline", 10.0, ci_reached=True),
+            _m(64, "torch.matmul@repeat", "offline", 10.1, ci_reached=True),
+            _m(128, "torch.matmul", "offline", 20.0, 20.0, ci_reached=False),
+            _m(128, "torch.matmul@repeat", "offline", 21.0, 20.2, ci_reached=False),
+            _m(256, "torch.matmul", "offline", 5.0),  # no repeat: not compared
+            {**_m(512, "torch.matmul@repeat", "offline", 5.0), "status": "wrong"},
+            _m(512, "torch.matmul", "offline", 5.0),  # its repeat failed: not compared
+            _m(64, "torch.matmul", "server", 50.0, 60.0, paired={"torch.matmul@repeat": 1.012}),
+            _m(64, "torch.matmul@repeat", "server", 55.0, 61.0, paired={"torch.matmul": 1 / 1.012})]
+    t = repeat_agreement(recs)
+    off = t["offline"]["torch.matmul"]
+    assert set(t["offline"]) == {"torch.matmul"}  # the @repeat is the twin, not an implementation
+    med = off["stats"]["median"]
+    assert med["shapes"] == 2 and med["within"] == 1 and med["share_within"] == 0.5
+    assert med["max"] == pytest.approx(0.05) and med["worst"] == "128x64x64"
+    assert off["stats"]["mean"]["within"] == 2  # 1% and 1%
+    assert "paired" not in off["stats"]
+    assert (off["with_target"], off["target_reached"]) == (2, 1)
+    srv = t["server"]["torch.matmul"]["stats"]
+    assert srv["paired"]["max"] == pytest.approx(0.012)  # the ratio the reports compare: within 2%
+    assert srv["median"]["max"] == pytest.approx(0.10)  # the medians 10% apart
+    assert t["server"]["torch.matmul"]["with_target"] == 0
+    assert repeat_agreement([]) == {}

@@ -86,3 +86,55 @@ def agreement_table(rows: list[dict], sizes: Iterable[int], stats: Iterable[str]
                               "max": d[-1]})
     table.sort(key=lambda r: (r["gaps"], r["rounds"], STATISTICS.index(r["stat"])))
     return table
+
+
+REPEAT = "@repeat"
+REPEAT_STATS = ("median", "mean", "paired")
+
+
+def repeat_agreement(records: Iterable[dict], tolerance: float = 0.02) -> dict:
+    """How well an implementation timed twice in one session agreed with itself, from stored
+    measurement records (dicts with M, N, K, impl, mode, median_us, mean_us, status, details):
+    for every mode and every '<impl>' with an '<impl>@repeat' beside it, over the shapes where
+    both are ok, |t_repeat / t - 1| by the median, the mean and (server mode) the paired ratio
+    the reports compare (details.paired); the share within `tolerance`, median, p90, max and the
+    worst shape. Where the timing had a precision target, how many shapes met it before the cap
+    (details.ci_reached). Pure: tested on the CPU."""
+    by: dict[tuple, dict] = defaultdict(dict)  # (mode, shape) -> impl -> record
+    for r in records:
+        if r.get("status", "ok") != "ok":
+            continue
+        by[(r["mode"], f"{r['M']}x{r['N']}x{r['K']}")][r["impl"]] = r
+    out: dict[str, dict] = {}
+    for (mode, shape), recs in sorted(by.items()):
+        for impl, r in recs.items():
+            twin = recs.get(impl + REPEAT)
+            if impl.endswith(REPEAT) or twin is None:
+                continue
+            entry = out.setdefault(mode, {}).setdefault(impl, {"devs": defaultdict(list), "with_target": 0,
+                                                                "target_reached": 0})
+            for stat in REPEAT_STATS:
+                if stat == "paired":
+                    ratio = (r.get("details") or {}).get("paired", {}).get(impl + REPEAT)
+                    dev = None if not ratio else abs(ratio - 1.0)
+                else:
+                    a, b = r.get(f"{stat}_us"), twin.get(f"{stat}_us")
+                    dev = abs(b / a - 1.0) if a and b else None
+                if dev is not None:
+                    entry["devs"][stat].append((dev, shape))
+            reached = (r.get("details") or {}).get("ci_reached")
+            if isinstance(reached, bool):
+                entry["with_target"] += 1
+                entry["target_reached"] += reached
+    for mode in out:
+        for impl, entry in out[mode].items():
+            stats = {}
+            for stat, devs in entry.pop("devs").items():
+                d = sorted(devs)
+                vals = [x for x, _ in d]
+                stats[stat] = {"shapes": len(d), "within": sum(x <= tolerance for x in vals),
+                               "share_within": sum(x <= tolerance for x in vals) / len(d),
+                               "median": statistics.median(vals), "p90": vals[int(0.9 * (len(vals) - 1))],
+                               "max": vals[-1], "worst": d[-1][1]}
+            entry["stats"] = stats
+    return out

@@ -379,6 +379,11 @@ class Store:
         rows = self.db.execute(q + " ORDER BY m.M, m.N, m.K, m.impl, m.mode", args).fetchall()
         return [dict(r, n=r["samples"], details=json.loads(r["details"])) for r in rows]
 
+    def run_measurements(self, run_id: int) -> list[dict]:
+        """Every measurement one run recorded (what `gemmrl noise --run N` reads)."""
+        rows = self.db.execute("SELECT * FROM measurements WHERE run_id=? ORDER BY id", (run_id,)).fetchall()
+        return [dict(r, n=r["samples"], details=json.loads(r["details"])) for r in rows]
+
     def report_measurements(self, subject: str, device: str | None = None, dtype: str | None = None,
                             acc: str | None = None) -> list[dict]:
         """The ok measurements a report on `subject` compares, ratios from one session: for each
