@@ -247,10 +247,35 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, h
                    f"quarantined {counts.get('quarantined', 0)}", err=True)
     finally:
         store.finish_run(run_id, status)
+    for line in run_noise_lines(store.run_measurements(run_id)):
+        click.echo(line, err=True)
     if not no_report:
         paths = write_report(store, device, out, subject, dtype, acc)
         click.echo(f"wrote {len(paths)} files under {Path(paths[0]).parent if paths else out}", err=True)
     store.close()
+
+
+def run_noise_lines(records: list[dict]) -> list[str]:
+    """What a bench run says about its own noise at the end, per mode: how many shapes' repeat
+    timing agreed within 2% (by the statistic the reports compare: the median, or in server mode
+    the paired ratio) and the worst, and how many host sessions stopped at the time cap before
+    their precision target."""
+    from gemmrl.report.noise import repeat_agreement
+
+    lines = []
+    for mode, impls in repeat_agreement(records).items():
+        for impl, e in impls.items():
+            stat = "paired" if "paired" in e["stats"] else "median"
+            v = e["stats"].get(stat)
+            if v is None:
+                continue
+            line = (f"noise, {mode}: {impl} timed twice agreed within 2% on {v['within']} of {v['shapes']} "
+                    f"shapes ({stat}; median {100 * v['median']:.2f}%, worst {100 * v['max']:.2f}% at {v['worst']})")
+            if e["with_target"]:
+                line += (f"; {e['with_target'] - e['target_reached']} of {e['with_target']} stopped at the time "
+                         f"cap before the 0.5% target")
+            lines.append(line)
+    return lines
 
 
 def _gpu_model(gpus: int) -> str:
