@@ -247,8 +247,11 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, h
                    f"quarantined {counts.get('quarantined', 0)}", err=True)
     finally:
         store.finish_run(run_id, status)
-    for line in run_noise_lines(store.run_measurements(run_id)):
-        click.echo(line, err=True)
+    try:
+        for line in run_noise_lines(store.run_measurements(run_id)):
+            click.echo(line, err=True)
+    except Exception as e:  # informational: never cost the run its report
+        click.echo(f"(could not summarize this run's noise: {type(e).__name__}: {e})", err=True)
     if not no_report:
         paths = write_report(store, device, out, subject, dtype, acc)
         click.echo(f"wrote {len(paths)} files under {Path(paths[0]).parent if paths else out}", err=True)
