@@ -167,6 +167,32 @@ def test_timing_modes_agree_and_catch_wrong_outputs():
     assert 30 <= h["mm"]["n"] < 4000
 
 
+def test_graphs_are_sized_to_the_target_replay_for_every_implementation():
+    """Each replay carries a fixed cost of a few microseconds, divided by its calls: a graph sized
+    from one cold call held too few (replays of 44-1000 us instead of 2 ms), differently for each
+    implementation and for one implementation timed twice. Sized from a burst, one length for the
+    whole session, every replay of a small GEMM comes near the target."""
+    import torch
+
+    from gemmrl.bench import timing
+    from gemmrl.core.problem import Problem
+
+    p = Problem(128, 4096, 512)  # about 5 us a call: the fixed cost mattered most here
+
+    def mm(a, b_nn, b_tn, c):
+        torch.matmul(a, b_nn, out=c)
+
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    s = timing.KernelSettings()
+    k = timing.time_kernel(p, {"mm": mm, "mm2": mm, "mm3": mm}, l2_bytes=l2, settings=s)
+    for name in ("mm", "mm2", "mm3"):
+        d = k[name]["details"]
+        assert 0.5 * s.target_replay_us <= d["replay_us"] <= 3 * s.target_replay_us, (name, d)
+    calls = {k[n]["details"]["calls_per_replay"] for n in ("mm", "mm2", "mm3")}
+    assert len(calls) == 1, calls  # one graph length for the whole session
+    assert max(k[n]["median_us"] for n in k) <= 1.02 * min(k[n]["median_us"] for n in k)
+
+
 def test_a_call_that_fails_inside_its_capture_leaves_the_others_timed_right():
     """An implementation that synchronizes the device inside each call (CUDA-L2's 12288x1024x2048
     kernel does) cannot be captured; torch.cuda.graph then leaves its capture stream current, and

@@ -172,3 +172,26 @@ def test_reached_says_whether_the_target_held_when_sampling_stopped():
     assert srv.reached(samples, p2) is False  # twelve scattered rounds: not known to 0.5%
     with pytest.raises(ValueError, match="PairedRounds"):
         srv.reached(samples)
+
+
+def test_kernel_graphs_are_sized_from_a_burst_and_hold_whole_passes_over_the_sets():
+    from gemmrl.bench.timing import ESTIMATE_BURST_CALLS, calls_per_replay, estimate_burst
+
+    assert estimate_burst(250.0) == ESTIMATE_BURST_CALLS > 1  # a cold single call: time a burst
+    assert estimate_burst(5000.0) == 1  # a long call is its own estimate
+    # 8.5 us a call, 4 sets, 2 ms: 59 passes; an estimate 30x too high gave 2 passes (8 calls)
+    assert calls_per_replay(8.5, 4, 2000.0) == 236 and calls_per_replay(250.0, 4, 2000.0) == 8
+    assert calls_per_replay(5000.0, 3, 2000.0) == 3  # at least one pass over the sets
+    assert calls_per_replay(1.0, 1024, 500.0) == 1024
+    with pytest.raises(ValueError):
+        calls_per_replay(0.0, 4, 2000.0)
+
+
+def test_one_graph_length_for_a_session_sized_for_its_fastest_call():
+    from gemmrl.bench.timing import MAX_REPLAY_MULTIPLE, session_calls
+
+    sizes = session_calls({"lt": 8.0, "ours": 3.5, "torch": 9.0, "slow": 400.0}, 4, 2000.0)
+    assert sizes["lt"] == sizes["ours"] == sizes["torch"] == 572  # 2 ms at the fastest's 3.5 us
+    # 400 us a call: at most MAX_REPLAY_MULTIPLE times the target, in whole passes over the sets
+    assert MAX_REPLAY_MULTIPLE == 4.0 and sizes["slow"] == 20  # 5 passes of 4 sets: 8 ms
+    assert session_calls({}, 4, 2000.0) == {}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 import time
 from dataclasses import asdict, dataclass
 
@@ -145,6 +146,50 @@ def settings_dict(s) -> dict:
     return asdict(s)
 
 
+# How many calls a kernel-mode graph holds. Each replay has a fixed cost of about 4 us on an H100
+# (the graph's launch and drain: two timings of one implementation whose graphs held 56 and 8
+# calls differed by 0.42 us a call, 84 and 12 calls by 0.27 us, 19 and 1 by 14%), which the per-call time
+# carries divided by the calls. The calls were sized from ONE call timed after a sync, which also
+# times the launch and the clock's ramp, often several times the call itself: replays came out at
+# a median 0.8-1.0 ms instead of 2 ms, as short as 44 us, so the fixed cost weighed 0.4% of a
+# call's time at the median and up to 9%, differently for each implementation and for the same
+# implementation timed twice (most of kernel mode's repeat disagreements beyond 2%). A burst of
+# calls amortizes the launch and the ramp, and every implementation of a session gets the same
+# number of calls (session_calls).
+ESTIMATE_BURST_CALLS = 32
+ESTIMATE_BURST_BELOW_US = 1000.0  # a single call this long is its own estimate (and needs few calls)
+
+
+def estimate_burst(single_call_us: float) -> int:
+    """How many calls to time back to back for the per-call estimate that sizes the graph."""
+    return ESTIMATE_BURST_CALLS if single_call_us < ESTIMATE_BURST_BELOW_US else 1
+
+
+def calls_per_replay(est_us: float, n_sets: int, target_replay_us: float) -> int:
+    """Calls in one graph replay: whole passes over the `n_sets` input sets, enough that a replay
+    takes about `target_replay_us` at `est_us` a call."""
+    if not (est_us > 0 and n_sets >= 1 and target_replay_us > 0):
+        raise ValueError("need a positive estimate, at least one input set and a positive target")
+    return n_sets * max(1, math.ceil(target_replay_us / (est_us * n_sets)))
+
+
+MAX_REPLAY_MULTIPLE = 4.0  # a slow implementation's replay may run this many times the target
+
+
+def session_calls(ests_us: dict[str, float], n_sets: int, target_replay_us: float) -> dict[str, int]:
+    """Calls per replay for each implementation of one kernel-mode session: the same number for
+    all, sized for the fastest estimate, so every implementation's per-call time carries the same
+    share of a replay's fixed cost whatever its launch path costs on the host (an eager burst of a
+    tiny kernel is bound by the host's launch rate, which differs between implementations); a
+    much slower implementation gets fewer, so that its replay stays within MAX_REPLAY_MULTIPLE
+    times the target (it then carries even less of the fixed cost per call)."""
+    if not ests_us:
+        return {}
+    common = calls_per_replay(min(ests_us.values()), n_sets, target_replay_us)
+    return {name: min(common, calls_per_replay(est, n_sets, MAX_REPLAY_MULTIPLE * target_replay_us))
+            for name, est in ests_us.items()}
+
+
 def n_input_sets(problem: Problem, l2_bytes: int, s: KernelSettings) -> int:
     """Enough input sets that one pass over them is `l2_multiple` times the L2 cache."""
     per_set = problem.min_bytes + 2 * problem.K * problem.N  # A, B (both layouts), C
@@ -190,7 +235,8 @@ def time_kernel(problem: Problem, calls: dict, *, l2_bytes: int, settings: Kerne
     results: dict[str, dict] = {}
     graphs: dict[str, tuple] = {}
     stream = torch.cuda.current_stream()
-    for name, fn in calls.items():
+    ests: dict[str, float] = {}
+    for name, fn in calls.items():  # warm each call and estimate its time
         try:
             for s in sets[: min(2, n_sets)]:
                 fn(*s)  # warm: handles, plans, lazy module loads stay out of the graph
@@ -201,8 +247,23 @@ def time_kernel(problem: Problem, calls: dict, *, l2_bytes: int, settings: Kerne
             t1.record()
             torch.cuda.synchronize()
             est_us = max(t0.elapsed_time(t1) * 1e3, 1.0)
-            reps = max(1, math.ceil(settings.target_replay_us / (est_us * n_sets)))
-            n_calls = n_sets * reps
+            burst = estimate_burst(est_us)
+            if burst > 1:  # the estimate from a burst of calls: see estimate_burst
+                t0.record()
+                for i in range(burst):
+                    fn(*sets[i % n_sets])
+                t1.record()
+                torch.cuda.synchronize()
+                est_us = max(t0.elapsed_time(t1) * 1e3 / burst, 1.0)
+            ests[name] = est_us
+        except Exception as e:
+            torch.cuda.set_stream(stream)
+            torch.cuda.synchronize()
+            results[name] = _fail("error", f"{type(e).__name__}: {e}"[:500])
+    sizes = session_calls(ests, n_sets, settings.target_replay_us)
+    for name, n_calls in sizes.items():
+        fn = calls[name]
+        try:
             g = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(g):
@@ -279,6 +340,7 @@ def time_kernel(problem: Problem, calls: dict, *, l2_bytes: int, settings: Kerne
         err = rel_error(c0, ref) if name not in unchecked else None
         info = results.get(name, {})
         details = {"sets": n_sets, "calls_per_replay": graphs[name][1], "graph": graphs[name][2],
+                   "replay_us": graphs[name][1] * statistics.median(samples[name]) if samples[name] else None,
                    "recheck_err": err, **({"capture_error": info["capture_error"]} if "capture_error" in info else {})}
         if name in unchecked:
             details["unchecked"] = True
