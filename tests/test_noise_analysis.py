@@ -100,3 +100,20 @@ def test_repeat_agreement_compares_each_impl_with_its_repeat_by_every_statistic(
     assert srv["median"]["max"] == pytest.approx(0.10)  # the medians 10% apart
     assert t["server"]["torch.matmul"]["with_target"] == 0
     assert repeat_agreement([]) == {}
+
+
+def test_replay_fixed_cost_is_recovered_from_repeats_with_unlike_graph_lengths():
+    from gemmrl.report.noise import replay_fixed_cost
+
+    rng = random.Random(5)
+    x = 4.0
+    pairs = []
+    for _ in range(200):
+        t = rng.uniform(3.0, 50.0)  # the call's own time
+        n1, n2 = rng.choice([8, 12, 20, 56, 84, 236]), rng.choice([8, 12, 20, 56, 84, 236])
+        pairs.append((t * (1 + rng.gauss(0, 0.002)) + x / n1, t * (1 + rng.gauss(0, 0.002)) + x / n2, n1, n2))
+    r = replay_fixed_cost(pairs)
+    assert r["fixed_cost_us"] == pytest.approx(x, rel=0.05)
+    assert r["beyond_tolerance"] > 0 and r["beyond_tolerance_without_it"] == 0
+    same = replay_fixed_cost([(5.0, 5.05, 56, 56), (5.0, 5.2, 20, 20)])  # one length: nothing to fit
+    assert same["fitted_on"] == 0 and "fixed_cost_us" not in same and same["beyond_tolerance"] == 1

@@ -4,6 +4,7 @@ trace for real."""
 
 import csv
 import gzip
+import json
 import os
 import subprocess
 import sys
@@ -302,3 +303,33 @@ def test_autotune_check_summarizes_choices_against_the_heuristic_in_the_independ
     bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "autotune-check.py"), "--layouts", "NT",
                           "--out", str(tmp_path / "x.csv")], capture_output=True, text=True, env=ENV, timeout=300)
     assert bad.returncode == 2 and "--layouts" in bad.stderr
+
+
+def test_replay_cost_reads_repeat_pairs_from_a_store(tmp_path):
+    import subprocess
+    import sys
+
+    from gemmrl.core.problem import Problem
+    from gemmrl.store.db import Store
+
+    db = tmp_path / "s.sqlite"
+    st = Store(db)
+    run = st.start_run("gemmrl bench", "GPU X", {"commit": "c0ffee"}, {})
+    for i, (n1, n2) in enumerate([(8, 56), (56, 8), (12, 84), (20, 20)]):
+        t = 5.0 + i
+
+        def rec(n, extra):
+            return {"median_us": t + extra, "mean_us": t + extra, "min_us": t, "p10_us": t, "p90_us": t,
+                    "std_us": 0.0, "n": 40, "status": "ok", "details": {"calls_per_replay": n}}
+
+        st.record_session(run, f"s{i}", "GPU X", Problem(128, 64 * (i + 1), 512), "kernel", "kernel:v1",
+                          {"torch.matmul": rec(n1, 4.0 / n1), "torch.matmul@repeat": rec(n2, 4.0 / n2)})
+    st.finish_run(run)
+    st.close()
+    out = tmp_path / "rc.json"
+    r = subprocess.run([sys.executable, "scripts/replay-cost.py", "--db", str(db), "--json", str(out)],
+                       capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr
+    assert "GPU X: 4 repeat pairs, fitted on 3: fixed cost 4.00 us a replay" in r.stdout
+    res = json.loads(out.read_text())["GPU X"]
+    assert res["beyond_tolerance"] == 3 and res["beyond_tolerance_without_it"] == 0

@@ -138,3 +138,24 @@ def repeat_agreement(records: Iterable[dict], tolerance: float = 0.02) -> dict:
                                "max": vals[-1], "worst": d[-1][1]}
             entry["stats"] = stats
     return out
+
+
+def replay_fixed_cost(pairs: Iterable[tuple[float, float, int, int]], min_spread: float = 0.02,
+                      tolerance: float = 0.02) -> dict:
+    """Kernel mode's per-replay fixed cost, from one implementation timed twice in a session whose
+    two graphs held different numbers of calls: pairs (t1_us, t2_us, calls1, calls2) of per-call
+    times. Each replay's fixed cost X lands on the per-call time as X / calls, so
+    t2 - t1 = X (1/calls2 - 1/calls1); X is fitted by least squares through the origin over the
+    pairs whose 1/calls differ by more than `min_spread`. Also how many pairs disagree beyond
+    `tolerance` as timed, and after X / calls is taken off each. Pure: tested on the CPU."""
+    pairs = [(t1, t2, n1, n2) for t1, t2, n1, n2 in pairs if t1 > 0 and t2 > 0 and n1 >= 1 and n2 >= 1]
+    spread = [(1.0 / n2 - 1.0 / n1, t2 - t1) for t1, t2, n1, n2 in pairs if abs(1.0 / n2 - 1.0 / n1) > min_spread]
+    out = {"pairs": len(pairs), "fitted_on": len(spread),
+           "beyond_tolerance": sum(abs(t2 / t1 - 1.0) > tolerance for t1, t2, _, _ in pairs)}
+    if not spread:
+        return out
+    x = sum(dx * dy for dx, dy in spread) / sum(dx * dx for dx, _ in spread)
+    out["fixed_cost_us"] = x
+    out["beyond_tolerance_without_it"] = sum(
+        abs((t2 - x / n2) / (t1 - x / n1) - 1.0) > tolerance for t1, t2, n1, n2 in pairs if t1 > x / n1 and t2 > x / n2)
+    return out
