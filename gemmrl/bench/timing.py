@@ -260,6 +260,8 @@ def time_kernel(problem: Problem, calls: dict, *, l2_bytes: int, settings: Kerne
             torch.cuda.set_stream(stream)
             torch.cuda.synchronize()
             results[name] = _fail("error", f"{type(e).__name__}: {e}"[:500])
+    if torch.cuda.current_stream() != stream:  # a call switched streams and left it so
+        torch.cuda.set_stream(stream)
     sizes = session_calls(ests, n_sets, settings.target_replay_us)
     for name, n_calls in sizes.items():
         fn = calls[name]
