@@ -207,8 +207,6 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, h
     except Exception as e:  # the report says so; torch.matmul still runs
         cublas_version = f"unavailable: {e}"[:200]
     prov = env.provenance(cublas_version)
-    # at most 2,000 rounds, or more where --host-max-s allows (server mode: about 110 rounds a
-    # second with 8 implementations at 1,000 QPS)
     cfg = runner.RunConfig(modes=modes, do_verify=not no_verify, retime=retime,
                            offline=timing.HostSettings(mode="offline",
                                                        **host_precision("offline", quick, host_ci, host_max_s)),
@@ -276,7 +274,7 @@ def run_noise_lines(records: list[dict]) -> list[str]:
                     f"shapes ({stat}; median {100 * v['median']:.2f}%, worst {100 * v['max']:.2f}% at {v['worst']})")
             if e["with_target"]:
                 line += (f"; {e['with_target'] - e['target_reached']} of {e['with_target']} stopped at the time "
-                         f"cap before the 0.5% target")
+                         f"cap before their precision target")
             lines.append(line)
     return lines
 
@@ -780,7 +778,7 @@ def llm_cmd(shape_spec, dtype, acc, layout, turns, samples, token_budget, db, ex
 @click.option("--json", "json_path", default=None, help="also write the table, with each run's provenance, here")
 def noise(db, run_ids, json_path):
     """How well each implementation timed twice in one session (torch.matmul and its @repeat)
-    agreed with itself, per run and mode: the issue's goal is within 2%. No GPU needed."""
+    agreed with itself, per run and mode; the judge's goal is within 2%. No GPU needed."""
     from gemmrl.report.noise import repeat_agreement
     from gemmrl.store.db import Store, unpack_if_missing
 
