@@ -257,24 +257,26 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, h
 
 
 def run_noise_lines(records: list[dict]) -> list[str]:
-    """What a bench run says about its own noise at the end, per mode: how many shapes' repeat
-    timing agreed within 2% (by the statistic the reports compare: the median, or in server mode
-    the paired ratio) and the worst, and how many host sessions stopped at the time cap before
+    """What a bench run says about its own noise at the end, per mode, from the report's own
+    summary of the run's records: how many shapes' repeat timing agreed within 2% (by the ratio
+    the reports compare) and the worst, and how many host sessions stopped at the time cap before
     their precision target."""
-    from gemmrl.report.noise import repeat_agreement
+    from gemmrl.report.export import summarize
 
+    s = summarize([r for r in records if r.get("status") == "ok"], None)
+    precision = s.get("precision", {})
     lines = []
-    for mode, impls in repeat_agreement(records).items():
-        for impl, e in impls.items():
-            stat = "paired" if "paired" in e["stats"] else "median"
-            v = e["stats"].get(stat)
-            if v is None:
+    for mode, impls in s["noise"].items():
+        for impl, v in impls.items():
+            if not v.get("count"):
                 continue
-            line = (f"noise, {mode}: {impl} timed twice agreed within 2% on {v['within']} of {v['shapes']} "
-                    f"shapes ({stat}; median {100 * v['median']:.2f}%, worst {100 * v['max']:.2f}% at {v['worst']})")
-            if e["with_target"]:
-                line += (f"; {e['with_target'] - e['target_reached']} of {e['with_target']} stopped at the time "
-                         f"cap before their precision target")
+            within = round(v["share_within_2pct"] * v["count"])
+            line = (f"noise, {mode}: {impl} timed twice agreed within 2% on {within} of {v['count']} shapes "
+                    f"(median {100 * v['median']:.2f}%, worst {100 * v['max']:.2f}% at {v['worst']})")
+            if mode in precision:
+                p = precision[mode]
+                line += (f"; {p['target_not_reached']} of {p['shapes_with_target']} stopped at the time cap "
+                         f"before their precision target")
             lines.append(line)
     return lines
 

@@ -424,16 +424,19 @@ def test_a_bench_run_ends_with_its_own_noise_per_mode():
     from gemmrl.cli import run_noise_lines
 
     def m(M, impl, mode, t, **details):
-        return {"M": M, "N": 64, "K": 64, "impl": impl, "mode": mode, "median_us": t, "mean_us": t,
-                "status": "ok", "details": details}
+        return {"M": M, "N": 64, "K": 64, "dtype": "fp16", "acc": "fp32", "impl": impl, "mode": mode,
+                "median_us": t, "mean_us": t, "status": "ok", "details": details}
 
-    recs = [m(64, "torch.matmul", "offline", 10.0, ci_reached=True), m(64, "torch.matmul@repeat", "offline", 10.1),
-            m(128, "torch.matmul", "offline", 10.0, ci_reached=False), m(128, "torch.matmul@repeat", "offline", 10.5),
+    recs = [m(64, "torch.matmul", "offline", 10.0, ci_reached=True),
+            m(64, "torch.matmul@repeat", "offline", 10.1, ci_reached=True),
+            m(128, "torch.matmul", "offline", 10.0, ci_reached=False),
+            m(128, "torch.matmul@repeat", "offline", 10.5, ci_reached=False),
             m(64, "torch.matmul", "server", 50.0, paired={"torch.matmul@repeat": 1.005}),
-            m(64, "torch.matmul@repeat", "server", 60.0, paired={"torch.matmul": 1 / 1.005})]
+            m(64, "torch.matmul@repeat", "server", 60.0, paired={"torch.matmul": 1 / 1.005}),
+            {**m(256, "torch.matmul", "kernel", 3.0), "median_us": None, "status": "error"}]  # left out
     off, srv = run_noise_lines(recs)
-    assert off.startswith("noise, offline: torch.matmul timed twice agreed within 2% on 1 of 2 shapes (median;")
-    assert "worst 5.00% at 128x64x64" in off and "1 of 2 stopped at the time cap" in off
-    # server mode: the paired ratio the reports compare (0.5%), not the 20% apart medians
-    assert "on 1 of 1 shapes (paired; median 0.50%" in srv and "time cap" not in srv
+    assert off.startswith("noise, offline: torch.matmul timed twice agreed within 2% on 1 of 2 shapes (median 3.00%")
+    assert "worst 5.00% at 128_64_64" in off and "1 of 2 stopped at the time cap" in off
+    # server mode: the paired ratio the reports compare (0.5%), not the 20% apart times
+    assert "on 1 of 1 shapes (median 0.50%" in srv and "time cap" not in srv
     assert run_noise_lines([m(64, "torch.matmul", "kernel", 3.0)]) == []  # no repeat: nothing to say

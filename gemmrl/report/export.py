@@ -479,19 +479,20 @@ def _noise(recs: Sequence[_Rec]) -> dict:
     for mode in _sorted_modes(m for m, _ in pairs):
         out[mode] = {}
         for _, impl in [p for p in pairs if p[0] == mode]:
-            devs = [abs(t[impl].over(t[impl + REPEAT_SUFFIX]) - 1.0)
+            devs = [(abs(t[impl].over(t[impl + REPEAT_SUFFIX]) - 1.0), t[impl].problem.mnk)
                     for (m, _k), t in by.items()
                     if m == mode and impl in t and impl + REPEAT_SUFFIX in t]
             if not devs:
                 out[mode][impl] = {"count": 0}
                 continue
-            d = np.asarray(devs)
+            d = np.asarray([x for x, _ in devs])
             out[mode][impl] = {
                 "count": int(d.size),
                 "median": float(np.median(d)),
                 "p90": float(np.percentile(d, 90)),
                 "max": float(np.max(d)),
                 "share_within_2pct": float(np.mean(d <= NOISE_TOLERANCE)),
+                "worst": max(devs)[1],
             }
     return out
 
@@ -542,7 +543,7 @@ def summarize(records: Iterable[dict], subject: str | None, peaks: dict | None =
 
     {'subject', 'modes': {mode: {'shapes', 'columns': {column: {count, mean, geomean, median,
     min, max, share_slower, 'buckets': {label: {bucket, ...same stats}}}}}},
-     'noise': {mode: {impl: {count, median, p90, max, share_within_2pct}}},
+     'noise': {mode: {impl: {count, median, p90, max, share_within_2pct, worst}}},
      'precision': {mode: {shapes_with_target, target_not_reached, not_reached}}  (only where
      host timing had a precision target),
      'roofline': {mode: {impl: {...}}}  (only with peaks)}.
