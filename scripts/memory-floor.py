@@ -122,9 +122,6 @@ def main(argv=None) -> int:
         print(f"[{idx + 1}/{len(problems)}] {p.shape:>18s} roofline {roof:8.2f} us  floor "
               f"{times.get(FLOOR, float('nan')):8.2f} us ({ff:.2f} of the roofline)  best other "
               f"{best:8.2f} us ({roof / best:.2f})", flush=True)
-        for impl in impls:
-            if hasattr(impl, "release"):
-                impl.release(p)
         doc["summary"] = report(doc)
         out.write_text(json.dumps(doc, indent=1))
     doc["summary"] = report(doc)

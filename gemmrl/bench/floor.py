@@ -24,6 +24,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
+from gemmrl.bench.stats import roofline_floor_us
 from gemmrl.core.problem import Problem
 
 THREADS = 256
@@ -127,9 +128,9 @@ def roofline_us(problem: Problem, bandwidth_gbs: float, matrix_tflops: float) ->
     over the bandwidth and the FLOPs over the matrix rate (report.export.roofline's floor)."""
     if not (bandwidth_gbs > 0 and matrix_tflops > 0):
         raise ValueError("peaks must be positive")
-    t_mem = problem.min_bytes / (bandwidth_gbs * 1e9) * 1e6
-    t_cmp = problem.flops / (matrix_tflops * 1e12) * 1e6
-    return (t_cmp, "compute") if t_cmp >= t_mem else (t_mem, "memory")
+    t = roofline_floor_us(problem.flops, problem.min_bytes, matrix_tflops, bandwidth_gbs)
+    compute = problem.flops / (matrix_tflops * 1e12) >= problem.min_bytes / (bandwidth_gbs * 1e9)
+    return t, ("compute" if compute else "memory")
 
 
 @dataclass(frozen=True)
