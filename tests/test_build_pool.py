@@ -87,3 +87,22 @@ def test_cutlass_builds_are_keyed_by_header_version_not_install_path(tmp_path, m
     import pytest
     with pytest.raises(ValueError, match="1 include_keys for 2 include_dirs"):
         nvcc.cache_entry(source, include_dirs=("/a", "/b"), include_keys=("x",))
+
+
+def test_a_relative_cache_path_builds_and_is_found_from_elsewhere(tmp_path, monkeypatch):
+    # nvcc runs in the build's own directory: a relative GEMMRL_CACHE (or cache_dir) must not be
+    # handed to it as it stands (every build of `GEMMRL_CACHE=.ext/gcache gemmrl build` failed so)
+    from gemmrl.build.nvcc import build_shared, cache_root, is_built
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GEMMRL_CACHE", "rel/cache")
+    assert cache_root() == tmp_path / "rel" / "cache"
+    src = OK_SRC.format(n=11)
+    r = build_shared(src, name="eleven")
+    assert r.ok, r.log[-500:]
+    assert r.path.startswith(str(tmp_path / "rel" / "cache" / "builds"))
+    r2 = build_shared(OK_SRC.format(n=12), name="twelve", cache_dir="other")
+    assert r2.ok and r2.path.startswith(str(tmp_path / "other"))
+    monkeypatch.chdir("/")  # the absolute artifact path outlives the directory it was made from
+    assert build_shared(src, name="eleven", cache_dir=tmp_path / "rel" / "cache" / "builds").cached
+    assert is_built(OK_SRC.format(n=12), name="twelve", cache_dir=tmp_path / "other")

@@ -26,7 +26,7 @@ class NvccNotFound(RuntimeError):
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("GEMMRL_CACHE", Path.home() / ".cache" / "gemmrl"))
+    return Path(os.environ.get("GEMMRL_CACHE", Path.home() / ".cache" / "gemmrl")).expanduser().absolute()
 
 
 @functools.lru_cache(maxsize=None)
@@ -165,7 +165,8 @@ def _key_flags(flags: list[str], include_dirs: tuple[str, ...], include_keys: tu
 def _artifact(source: str, name: str, flags: list[str], include_dirs: tuple[str, ...],
               cache_dir, object_only: bool, include_keys: tuple[str, ...] = ()):
     key = build_key(source, _key_flags(flags, include_dirs, include_keys), local_headers(source, include_dirs))
-    root = Path(cache_dir) if cache_dir else cache_root() / "builds"
+    # absolute: nvcc runs in the build's own directory, where a relative path would not resolve
+    root = (Path(cache_dir) if cache_dir else cache_root() / "builds").expanduser().absolute()
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:60]
     final_dir = root / f"{safe}-{key}"
     return key, root, safe, final_dir, final_dir / ("kernel.o" if object_only else "kernel.so")
