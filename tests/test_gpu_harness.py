@@ -3,6 +3,7 @@ baselines verified, and the three timing modes giving sane, re-checked numbers."
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -184,7 +185,13 @@ def test_graphs_are_sized_to_the_target_replay_for_every_implementation():
 
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     s = timing.KernelSettings()
-    k = timing.time_kernel(p, {"mm": mm, "mm2": mm, "mm3": mm}, l2_bytes=l2, settings=s)
+    trace: list = []
+    k = timing.time_kernel(p, {"mm": mm, "mm2": mm, "mm3": mm}, l2_bytes=l2, settings=s, trace=trace)
+    # the trace holds every timed replay's per-call time: n rounds of all three, medians as stored
+    assert len(trace) == 3 * k["mm"]["n"] and {r for r, _, _ in trace} == set(range(k["mm"]["n"]))
+    for name in ("mm", "mm2", "mm3"):
+        mine = sorted(t for _, n, t in trace if n == name)
+        assert abs(statistics.median(mine) - k[name]["median_us"]) < 1e-9 * k[name]["median_us"]
     for name in ("mm", "mm2", "mm3"):
         d = k[name]["details"]
         assert 0.5 * s.target_replay_us <= d["replay_us"] <= 3 * s.target_replay_us, (name, d)

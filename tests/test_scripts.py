@@ -19,7 +19,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTH
 @pytest.mark.parametrize("script, words", [
     ("server-noise.py", "--rounds"), ("fallback-gap.py", "pack"), ("product-gap.py", "pack"),
     ("protocol-gap.py", "--repeats"), ("launch-gap.py", "--calls"), ("cuda-l2-prebuild.py", "--shapes"),
-    ("autotune-check.py", "--layouts")])
+    ("autotune-check.py", "--layouts"), ("kernel-noise.py", "--rounds")])
 def test_gpu_scripts_load_and_show_their_arguments(script, words):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--help"], capture_output=True,
                        text=True, env=ENV, timeout=300)
@@ -44,6 +44,35 @@ def test_server_noise_report_reads_a_trace(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "server-noise-report.py")],
                        capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode != 0 and "server-noise-report.py" in r.stderr
+
+
+def test_kernel_noise_report_compares_only_the_copies(tmp_path):
+    path = tmp_path / "kernel-noise-trace.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["shape", "gaps", "round", "name", "gap_us", "time_us"])
+        for shape, slow in (("256x256x256", 1.0), ("512x512x512", 1.03)):
+            for r in range(40):
+                # the copies drift together round by round (the clock); on the second shape copy #2
+                # is 3% slower throughout; the library beside them is 10% slower and not a copy
+                drift = 1.0 + 0.05 * ((r * 7) % 11) / 10
+                for name, t in (("torch.matmul", 20.0), ("torch.matmul#2", 20.0 * slow),
+                                ("torch.matmul#3", 20.0), ("cuBLAS-nn", 22.0)):
+                    w.writerow([shape, "kernel", r, name, "0", t * drift])
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel-noise.py"), "--report", str(path),
+                        "--sizes", "10,40"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("2 shapes;")
+    rows = {tuple(c.strip() for c in line.strip("|").split("|")[:3]): line
+            for line in r.stdout.splitlines() if line.startswith("| 10 |") or line.startswith("| 40 |")}
+    # 3 pairs of copies a chunk (cuBLAS-nn left out), 4 chunks of 10 rounds or 1 of 40, 2 shapes
+    assert set(rows) == {(str(n), s, str(p)) for n, p in ((10, 24), (40, 6))
+                         for s in ("median", "mean", "trimmed", "paired")}
+    for line in rows.values():  # 2 of each shape's 3 pairs hold #2: 3% apart, the rest exactly 0
+        assert "| 67% |" in line and "| 3.00% |" in line
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel-noise.py")],
+                       capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode != 0 and "OUT_DIR is required" in r.stderr
 
 
 def test_pack_build_cache_keeps_every_build_or_the_matching_ones(tmp_path):

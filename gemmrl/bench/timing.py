@@ -223,11 +223,13 @@ def _fail(status: str, reason: str) -> dict:
 
 
 def time_kernel(problem: Problem, calls: dict, *, l2_bytes: int, settings: KernelSettings = KernelSettings(),
-                seed: int = 0, unchecked: frozenset = frozenset()) -> dict[str, dict]:
+                seed: int = 0, unchecked: frozenset = frozenset(),
+                trace: list | None = None) -> dict[str, dict]:
     """Kernel-mode timing of `calls` (name -> fn(a, b_nn, b_tn, c)), interleaved. Each timed
     call's output is re-checked against torch.matmul afterwards, except for the names in
     `unchecked`: reference kernels that are not GEMMs (bench.floor's memory floor), whose records
-    say so."""
+    say so. `trace`, if given, receives one (round, name, per-call us) per timed replay, in the
+    order the round ran them."""
     gen = torch.Generator(device="cuda")
     gen.manual_seed(seed)
     n_sets = n_input_sets(problem, l2_bytes, settings)
@@ -326,6 +328,8 @@ def time_kernel(problem: Problem, calls: dict, *, l2_bytes: int, settings: Kerne
         torch.cuda.synchronize()
         for name, e0, e1 in evs:
             samples[name].append(e0.elapsed_time(e1) * 1e3 / graphs[name][1])
+            if trace is not None:
+                trace.append((rounds, name, samples[name][-1]))
         rounds += 1
         if rounds >= settings.min_rounds and _perf_counter() - start > settings.budget_s:
             break
