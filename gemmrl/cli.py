@@ -118,6 +118,25 @@ HOST_MAX_S = {"offline": 5.0, "server": 12.0}
 HOST_ROUNDS_PER_S = {"offline": 4000, "server": 200}
 
 
+# Kernel mode's precision (gemmrl bench's default since the sixteenth session): past 10 rounds, sample until
+# every median is known to within 0.5%, for at most 3 s of rounds per shape. In a trace of 160
+# rounds per shape on an H100 (32 shapes, scripts/kernel-noise.py), this rule stopped after a
+# median 15 rounds (at most 160), and three copies of torch.matmul then agreed within 0.48%; 20
+# fixed rounds left up to 1.40% between them, 10 rounds up to 4.38%.
+KERNEL_CI = 0.005
+KERNEL_MAX_S = 3.0
+KERNEL_MAX_ROUNDS = 400
+
+
+def kernel_precision(quick: bool, kernel_ci: float | None, kernel_max_s: float | None) -> dict:
+    """KernelSettings fields for `bench`'s kernel timing: the precision target unless --quick
+    (v1: 10 to 40 rounds, then 0.5 s per shape)."""
+    if quick:
+        return {}
+    return {"target_ci": KERNEL_CI if kernel_ci is None else kernel_ci, "max_rounds": KERNEL_MAX_ROUNDS,
+            "max_s": KERNEL_MAX_S if kernel_max_s is None else kernel_max_s}
+
+
 def host_precision(mode: str, quick: bool, host_ci: float | None, host_max_s: float | None) -> dict:
     """HostSettings fields for `bench`'s offline or server timing: the precision target unless
     --quick (v2: fixed rounds; server mode at most 100); the round cap allows HOST_ROUNDS_PER_S
@@ -151,9 +170,15 @@ def host_precision(mode: str, quick: bool, host_ci: float | None, host_max_s: fl
 @click.option("--host-max-s", default=None, type=click.FloatRange(0.1, 600),
               help="the most seconds of sampling per shape and mode under the precision target "
                    "(default 5 offline, 12 in server mode)")
+@click.option("--kernel-ci", default=None, type=click.FloatRange(0.0005, 0.5),
+              help="kernel mode: sample until every median is known to within this relative CI half-width "
+                   "(default 0.005), at most --kernel-max-s per shape (protocol v2)")
+@click.option("--kernel-max-s", default=None, type=click.FloatRange(0.1, 600),
+              help="kernel mode: the most seconds of rounds per shape under the precision target (default 3)")
 @click.option("--quick", is_flag=True,
-              help="offline/server: no precision target, 30 / 40 rounds and 0.5 s per shape (protocol v2): "
-                   "several times cheaper, for sweeps; the noise is still measured and reported, not bounded")
+              help="no precision target: kernel mode 10 to 40 rounds and 0.5 s per shape (protocol v1), "
+                   "offline/server 30 / 40 rounds and 0.5 s per shape (protocol v2): several times "
+                   "cheaper, for sweeps; the noise is still measured and reported, not bounded")
 @click.option("--server-gaps", default=None, type=click.Choice(["each", "round"]),
               help="server mode: one idle gap per round that every implementation waits (round, the "
                    "default: the same gaps for all, a fairer comparison, less noise), or a gap drawn "
@@ -173,16 +198,17 @@ def host_precision(mode: str, quick: bool, host_ci: float | None, host_max_s: fl
 @click.option("--gpus", default=1, show_default=True, type=click.IntRange(1, 64),
               help="measure on this many GPUs of this machine at once: one child bench per GPU on a share "
                    "of the shapes, all writing --db; the report once at the end")
-def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, host_ci, host_max_s, quick,
+def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, host_ci, host_max_s, kernel_ci,
+          kernel_max_s, quick,
           server_gaps, server_stat, budget_s, no_verify, retime, no_report, isolate, gpus):
     """Verify and time implementations over a set of shapes; results go to the store."""
     problems = _problems(shape_spec, dtype, acc)
     modes = _modes(mode_opts)
     if qps <= 0:
         raise click.BadParameter("must be positive", param_hint="--qps")
-    if quick and (host_ci is not None or host_max_s is not None):
-        raise click.BadParameter("has no precision target: give --quick or --host-ci/--host-max-s, "
-                                 "not both", param_hint="--quick")
+    if quick and any(v is not None for v in (host_ci, host_max_s, kernel_ci, kernel_max_s)):
+        raise click.BadParameter("has no precision target: give --quick or --host-ci/--host-max-s/"
+                                 "--kernel-ci/--kernel-max-s, not both", param_hint="--quick")
     if server_gaps is not None and "server" not in modes:
         raise click.BadParameter("is a server-mode setting; --mode has no server", param_hint="--server-gaps")
     from gemmrl.bench import runner
@@ -208,6 +234,7 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, h
         cublas_version = f"unavailable: {e}"[:200]
     prov = env.provenance(cublas_version)
     cfg = runner.RunConfig(modes=modes, do_verify=not no_verify, retime=retime,
+                           kernel=timing.KernelSettings(**kernel_precision(quick, kernel_ci, kernel_max_s)),
                            offline=timing.HostSettings(mode="offline",
                                                        **host_precision("offline", quick, host_ci, host_max_s)),
                            server=timing.HostSettings(mode="server", min_rounds=40,

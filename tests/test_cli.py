@@ -42,6 +42,10 @@ def test_bench_checks_arguments_before_the_gpu():
     assert r.exit_code == 2 and "--quick" in r.output and "precision target" in r.output
     r = CliRunner().invoke(main, ["bench", "--shapes", "64x64x64", "--quick", "--host-ci", "0.01"])
     assert r.exit_code == 2 and "--quick" in r.output
+    r = CliRunner().invoke(main, ["bench", "--shapes", "64x64x64", "--quick", "--kernel-ci", "0.01"])
+    assert r.exit_code == 2 and "--quick" in r.output and "--kernel-ci" in r.output
+    r = CliRunner().invoke(main, ["bench", "--shapes", "64x64x64", "--kernel-max-s", "0"])
+    assert r.exit_code == 2 and "--kernel-max-s" in r.output
     r = CliRunner().invoke(main, ["bench", "--shapes", "64x64x64", "--mode", "offline", "--server-gaps", "round"])
     assert r.exit_code == 2 and "--server-gaps" in r.output and "server" in r.output
     r = CliRunner().invoke(main, ["bench", "--shapes", "64x64x64", "--mode", "server", "--server-gaps", "pairs"])
@@ -402,6 +406,19 @@ def test_bench_times_host_modes_to_the_precision_target_unless_quick():
     quick = HostSettings(mode="server", **host_precision("server", True, None, None), gaps="round")
     assert quick.target_ci is None and quick.max_rounds == 100 and quick.protocol() == "server:v2:qps=1000:gaps=round"
     assert HostSettings(mode="offline", **host_precision("offline", True, None, None)) == HostSettings(mode="offline")
+
+
+def test_bench_times_kernel_mode_to_the_precision_target_unless_quick():
+    from gemmrl.bench.timing import KernelSettings
+    from gemmrl.cli import KERNEL_CI, KERNEL_MAX_S, kernel_precision
+
+    k = KernelSettings(**kernel_precision(False, None, None))
+    assert (k.target_ci, k.max_s, k.min_rounds) == (KERNEL_CI, KERNEL_MAX_S, 10) == (0.005, 3.0, 10)
+    assert k.protocol() == "kernel:v2:ci=0.005" and k.max_rounds == 400
+    assert KernelSettings(**kernel_precision(False, 0.01, 8.0)).protocol() == "kernel:v2:ci=0.01"
+    assert KernelSettings(**kernel_precision(False, 0.01, 8.0)).max_s == 8.0
+    quick = KernelSettings(**kernel_precision(True, None, None))
+    assert quick == KernelSettings() and quick.protocol() == "kernel:v1"  # the search's and the races' rule
 
 
 def test_noise_tables_a_runs_repeat_timings(tmp_path):

@@ -195,3 +195,25 @@ def test_one_graph_length_for_a_session_sized_for_its_fastest_call():
     # 400 us a call: at most MAX_REPLAY_MULTIPLE times the target, in whole passes over the sets
     assert MAX_REPLAY_MULTIPLE == 4.0 and sizes["slow"] == 20  # 5 passes of 4 sets: 8 ms
     assert session_calls({}, 4, 2000.0) == {}
+
+
+def test_kernel_v1_rule_is_unchanged_and_v2_stops_on_precision_or_caps():
+    from gemmrl.bench.timing import KernelSettings
+
+    tight = {"a": [100.0] * 12, "b": [50.0] * 12}
+    loose = {"a": [100.0, 90.0, 110.0] * 4, "b": [50.0] * 12}
+    v1 = KernelSettings()
+    assert v1.protocol() == "kernel:v1" and v1.reached(tight) is None
+    assert not v1.done(9, 100.0, tight)  # min_rounds first
+    assert not v1.done(10, 0.4, tight) and v1.done(10, 0.6, loose)  # then budget_s, precise or not
+    assert v1.done(40, 0.0, loose)  # max_rounds
+    v2 = KernelSettings(target_ci=0.005, max_rounds=400, max_s=3.0)
+    assert v2.protocol() == "kernel:v2:ci=0.005"
+    assert not v2.done(9, 0.0, tight)
+    assert v2.done(12, 0.1, tight) and v2.reached(tight) is True  # precise: stops early
+    assert not v2.done(12, 2.9, loose) and v2.reached(loose) is False  # not precise: goes on
+    assert v2.done(12, 3.1, loose)  # until max_s
+    assert v2.done(400, 0.0, loose)  # or max_rounds
+    for bad in ({"target_ci": 0.0}, {"max_s": 0.0}, {"min_rounds": 50, "max_rounds": 40}):
+        with pytest.raises(ValueError):
+            KernelSettings(**bad)

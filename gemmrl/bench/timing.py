@@ -43,9 +43,37 @@ class KernelSettings:
     max_sets: int = 1024
     max_set_bytes: int = 6 << 30
     l2_multiple: float = 2.0
+    # opt-in (gemmrl bench's default): past min_rounds, stop once every implementation's median
+    # is known to within this (relative CI half-width, stats.median_ci_rel), or after max_s of
+    # rounds, or at max_rounds, instead of after budget_s; None: the v1 rule
+    target_ci: float | None = None
+    max_s: float = 3.0
+
+    def __post_init__(self):
+        if self.target_ci is not None and not self.target_ci > 0:
+            raise ValueError(f"target_ci must be positive, got {self.target_ci!r}")
+        if not self.max_s > 0:
+            raise ValueError(f"max_s must be positive, got {self.max_s!r}")
+        if not 1 <= self.min_rounds <= self.max_rounds:
+            raise ValueError(f"need 1 <= min_rounds <= max_rounds, got {self.min_rounds}, {self.max_rounds}")
 
     def protocol(self) -> str:
-        return "kernel:v1"
+        # v1: min_rounds, then until budget_s; v2: min_rounds, then until the precision target
+        return "kernel:v1" if self.target_ci is None else f"kernel:v2:ci={self.target_ci:g}"
+
+    def done(self, rounds: int, elapsed_s: float, samples: dict) -> bool:
+        """Whether kernel timing stops after `rounds` rounds, `elapsed_s` seconds into them."""
+        if rounds >= self.max_rounds:
+            return True
+        if rounds < self.min_rounds:
+            return False
+        if self.target_ci is None:
+            return elapsed_s > self.budget_s
+        return elapsed_s > self.max_s or precise_enough(samples, self.target_ci)
+
+    def reached(self, samples: dict) -> bool | None:
+        """Whether the precision target holds for these samples (None: no target was set)."""
+        return None if self.target_ci is None else precise_enough(samples, self.target_ci)
 
 
 GAP_DRAWS = ("each", "round")
@@ -155,7 +183,9 @@ def settings_dict(s) -> dict:
 # call's time at the median and up to 9%, differently for each implementation and for the same
 # implementation timed twice (most of kernel mode's repeat disagreements beyond 2%). A burst of
 # calls amortizes the launch and the ramp, and every implementation of a session gets the same
-# number of calls (session_calls).
+# number of calls (session_calls). The burst is captured in a probe graph and replayed
+# (_graph_burst_us): an eager burst of a small GEMM is bound by the host's launch rate, and graphs
+# sized from eager bursts still replayed in 0.75 ms (H100, 2026-11-25: 128x4096x512).
 ESTIMATE_BURST_CALLS = 32
 ESTIMATE_BURST_BELOW_US = 1000.0  # a single call this long is its own estimate (and needs few calls)
 
@@ -222,6 +252,37 @@ def _fail(status: str, reason: str) -> dict:
     return {"status": status, "n": 0, "details": {"reason": reason}}
 
 
+def _graph_burst_us(fn, sets, burst: int, stream) -> float | None:
+    """Per-call time of `burst` calls captured in one probe graph and replayed (the second replay:
+    the first one warms), or None where the calls cannot be captured or the captured graph does
+    not write C (work launched outside the caller's stream). Eager bursts of small GEMMs are bound
+    by the host's launch rate (on an H100, 32 eager torch.matmul calls of 128x64x8192 took 20 us
+    a call against 7.9 us replayed), so graphs sized from them held a third of the target's calls."""
+    n_sets = len(sets)
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(burst):
+                fn(*sets[i % n_sets])
+        c_first = sets[0][3]
+        c_first.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        if torch.isnan(c_first).any():
+            return None
+        t0 = torch.cuda.Event(enable_timing=True)
+        t1 = torch.cuda.Event(enable_timing=True)
+        t0.record(stream)
+        g.replay()
+        t1.record(stream)
+        torch.cuda.synchronize()
+        return t0.elapsed_time(t1) * 1e3 / burst
+    except Exception:
+        torch.cuda.set_stream(stream)  # see time_kernel: a failed capture leaves its stream current
+        torch.cuda.synchronize()
+        return None
+
+
 def time_kernel(problem: Problem, calls: dict, *, l2_bytes: int, settings: KernelSettings = KernelSettings(),
                 seed: int = 0, unchecked: frozenset = frozenset(),
                 trace: list | None = None) -> dict[str, dict]:
@@ -251,12 +312,15 @@ def time_kernel(problem: Problem, calls: dict, *, l2_bytes: int, settings: Kerne
             est_us = max(t0.elapsed_time(t1) * 1e3, 1.0)
             burst = estimate_burst(est_us)
             if burst > 1:  # the estimate from a burst of calls: see estimate_burst
-                t0.record()
-                for i in range(burst):
-                    fn(*sets[i % n_sets])
-                t1.record()
-                torch.cuda.synchronize()
-                est_us = max(t0.elapsed_time(t1) * 1e3 / burst, 1.0)
+                probe = _graph_burst_us(fn, sets, burst, stream)
+                if probe is None:  # not capturable: an eager burst (an upper bound: the launch rate)
+                    t0.record()
+                    for i in range(burst):
+                        fn(*sets[i % n_sets])
+                    t1.record()
+                    torch.cuda.synchronize()
+                    probe = t0.elapsed_time(t1) * 1e3 / burst
+                est_us = max(probe, 0.5)
             ests[name] = est_us
         except Exception as e:
             torch.cuda.set_stream(stream)
@@ -331,10 +395,12 @@ def time_kernel(problem: Problem, calls: dict, *, l2_bytes: int, settings: Kerne
             if trace is not None:
                 trace.append((rounds, name, samples[name][-1]))
         rounds += 1
-        if rounds >= settings.min_rounds and _perf_counter() - start > settings.budget_s:
+        if settings.done(rounds, _perf_counter() - start, samples):
             break
     if (why := clocks_intact()):
         return {n: _fail("cheat", f"timer patching: {why}") for n in calls}
+    # with a precision target: whether sampling stopped because it was met (True) or at a cap
+    reached = settings.reached({n: v for n, v in samples.items() if v}) if rounds else None
 
     # re-check what the timed calls leave in C: poison, one replay, compare with torch.matmul
     a0, b0, _, c0 = sets[0]
@@ -347,7 +413,8 @@ def time_kernel(problem: Problem, calls: dict, *, l2_bytes: int, settings: Kerne
         info = results.get(name, {})
         details = {"sets": n_sets, "calls_per_replay": graphs[name][1], "graph": graphs[name][2],
                    "replay_us": graphs[name][1] * statistics.median(samples[name]) if samples[name] else None,
-                   "recheck_err": err, **({"capture_error": info["capture_error"]} if "capture_error" in info else {})}
+                   "recheck_err": err, **({"capture_error": info["capture_error"]} if "capture_error" in info else {}),
+                   **({} if reached is None else {"target_ci": settings.target_ci, "ci_reached": reached})}
         if name in unchecked:
             details["unchecked"] = True
         elif not err <= RECHECK_TOL:

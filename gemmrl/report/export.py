@@ -126,7 +126,7 @@ class _Rec:
         self.n = None if n is None else int(n)
         self.device = None if rec.get("device") is None else str(rec["device"])
         details = rec.get("details")
-        # host modes with a precision target: whether sampling met it (False: stopped at a cap)
+        # a mode timed with a precision target: whether sampling met it (False: stopped at a cap)
         reached = details.get("ci_reached") if isinstance(details, dict) else None
         self.ci_reached = reached if isinstance(reached, bool) else None
         self.paired: dict[str, float] = {}  # server mode: other impl -> t_other / t_self, same rounds
@@ -498,7 +498,7 @@ def _noise(recs: Sequence[_Rec]) -> dict:
 
 
 def _precision(recs: Sequence[_Rec]) -> dict:
-    """Per host mode: of the shapes timed with a precision target (records with `ci_reached`),
+    """Per mode: of the shapes timed with a precision target (records with `ci_reached`),
     how many stopped at a cap before meeting it, and which (a shape counts as reached only if
     every record of it says so)."""
     by: dict[str, dict] = defaultdict(dict)  # mode -> shape -> reached
