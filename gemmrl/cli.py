@@ -119,22 +119,24 @@ HOST_ROUNDS_PER_S = {"offline": 4000, "server": 200}
 
 
 # Kernel mode's precision (gemmrl bench's default since the sixteenth session): past 10 rounds, sample until
-# every median is known to within 0.5%, for at most 3 s of rounds per shape. In a trace of 160
-# rounds per shape on an H100 (32 shapes, scripts/kernel-noise.py), this rule stopped after a
-# median 15 rounds (at most 160), and three copies of torch.matmul then agreed within 0.48%; 20
-# fixed rounds left up to 1.40% between them, 10 rounds up to 4.38%.
+# every paired ratio (timing.KernelSettings.stat) is known to within 0.5%, for at most 3 s of
+# rounds per shape. Replayed on traces of 160-200 rounds per shape on an H100 (66 shapes,
+# scripts/kernel-noise.py), this rule stopped after a median 16-21 rounds (at most 34), and three
+# copies of torch.matmul then agreed within 0.49%. The same target on the medians missed on 34 of
+# the subset's 100 shapes within 3 s (run 137), and two medians of torch.matmul differed by 2.39%.
 KERNEL_CI = 0.005
 KERNEL_MAX_S = 3.0
 KERNEL_MAX_ROUNDS = 400
 
 
-def kernel_precision(quick: bool, kernel_ci: float | None, kernel_max_s: float | None) -> dict:
-    """KernelSettings fields for `bench`'s kernel timing: the precision target unless --quick
-    (v1: 10 to 40 rounds, then 0.5 s per shape)."""
+def kernel_precision(quick: bool, kernel_ci: float | None, kernel_max_s: float | None,
+                     stat: str = "paired") -> dict:
+    """KernelSettings fields for `bench`'s kernel timing: the precision target on `stat` unless
+    --quick (v1: 10 to 40 rounds, then 0.5 s per shape)."""
     if quick:
         return {}
     return {"target_ci": KERNEL_CI if kernel_ci is None else kernel_ci, "max_rounds": KERNEL_MAX_ROUNDS,
-            "max_s": KERNEL_MAX_S if kernel_max_s is None else kernel_max_s}
+            "max_s": KERNEL_MAX_S if kernel_max_s is None else kernel_max_s, "stat": stat}
 
 
 def host_precision(mode: str, quick: bool, host_ci: float | None, host_max_s: float | None) -> dict:
@@ -171,10 +173,14 @@ def host_precision(mode: str, quick: bool, host_ci: float | None, host_max_s: fl
               help="the most seconds of sampling per shape and mode under the precision target "
                    "(default 5 offline, 12 in server mode)")
 @click.option("--kernel-ci", default=None, type=click.FloatRange(0.0005, 0.5),
-              help="kernel mode: sample until every median is known to within this relative CI half-width "
-                   "(default 0.005), at most --kernel-max-s per shape (protocol v2)")
+              help="kernel mode: sample until every --kernel-stat is known to within this relative CI "
+                   "half-width (default 0.005), at most --kernel-max-s per shape (protocol v3; v2 on medians)")
 @click.option("--kernel-max-s", default=None, type=click.FloatRange(0.1, 600),
               help="kernel mode: the most seconds of rounds per shape under the precision target (default 3)")
+@click.option("--kernel-stat", default="paired", show_default=True, type=click.Choice(["paired", "median"]),
+              help="kernel mode: the statistic the precision target is on and the reports compare: paired "
+                   "(each pair's median within-round time ratio: the clock the round's replays share "
+                   "divides out) or median")
 @click.option("--quick", is_flag=True,
               help="no precision target: kernel mode 10 to 40 rounds and 0.5 s per shape (protocol v1), "
                    "offline/server 30 / 40 rounds and 0.5 s per shape (protocol v2): several times "
@@ -199,7 +205,7 @@ def host_precision(mode: str, quick: bool, host_ci: float | None, host_max_s: fl
               help="measure on this many GPUs of this machine at once: one child bench per GPU on a share "
                    "of the shapes, all writing --db; the report once at the end")
 def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, host_ci, host_max_s, kernel_ci,
-          kernel_max_s, quick,
+          kernel_max_s, kernel_stat, quick,
           server_gaps, server_stat, budget_s, no_verify, retime, no_report, isolate, gpus):
     """Verify and time implementations over a set of shapes; results go to the store."""
     problems = _problems(shape_spec, dtype, acc)
@@ -234,7 +240,8 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, h
         cublas_version = f"unavailable: {e}"[:200]
     prov = env.provenance(cublas_version)
     cfg = runner.RunConfig(modes=modes, do_verify=not no_verify, retime=retime,
-                           kernel=timing.KernelSettings(**kernel_precision(quick, kernel_ci, kernel_max_s)),
+                           kernel=timing.KernelSettings(**kernel_precision(quick, kernel_ci, kernel_max_s,
+                                                                           kernel_stat)),
                            offline=timing.HostSettings(mode="offline",
                                                        **host_precision("offline", quick, host_ci, host_max_s)),
                            server=timing.HostSettings(mode="server", min_rounds=40,

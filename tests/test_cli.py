@@ -414,10 +414,11 @@ def test_bench_times_kernel_mode_to_the_precision_target_unless_quick():
 
     k = KernelSettings(**kernel_precision(False, None, None))
     assert (k.target_ci, k.max_s, k.min_rounds) == (KERNEL_CI, KERNEL_MAX_S, 10) == (0.005, 3.0, 10)
-    assert k.protocol() == "kernel:v2:ci=0.005" and k.max_rounds == 400
-    assert KernelSettings(**kernel_precision(False, 0.01, 8.0)).protocol() == "kernel:v2:ci=0.01"
+    assert k.protocol() == "kernel:v3:ci=0.005" and k.max_rounds == 400 and k.stat == "paired"
+    assert KernelSettings(**kernel_precision(False, 0.01, 8.0)).protocol() == "kernel:v3:ci=0.01"
+    assert KernelSettings(**kernel_precision(False, None, None, "median")).protocol() == "kernel:v2:ci=0.005"
     assert KernelSettings(**kernel_precision(False, 0.01, 8.0)).max_s == 8.0
-    quick = KernelSettings(**kernel_precision(True, None, None))
+    quick = KernelSettings(**kernel_precision(True, None, None, "paired"))
     assert quick == KernelSettings() and quick.protocol() == "kernel:v1"  # the search's and the races' rule
 
 

@@ -200,6 +200,37 @@ def test_graphs_are_sized_to_the_target_replay_for_every_implementation():
     assert max(k[n]["median_us"] for n in k) <= 1.02 * min(k[n]["median_us"] for n in k)
 
 
+def test_kernel_v3_times_to_the_paired_target_and_records_the_ratios():
+    """bench's kernel protocol (v3): rounds until every pair's within-round ratio is known to
+    0.5%; each record carries its ratios to the others, which the reports compare. Two copies
+    of one call come out at 1 within the target, a call twice as long at 2."""
+    import torch
+
+    from gemmrl.bench import timing
+    from gemmrl.core.problem import Problem
+
+    p = Problem(1024, 1024, 1024)
+
+    def mm(a, b_nn, b_tn, c):
+        torch.matmul(a, b_nn, out=c)
+
+    def mm_twice(a, b_nn, b_tn, c):
+        torch.matmul(a, b_nn, out=c)
+        torch.matmul(a, b_nn, out=c)
+
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    s = timing.KernelSettings(target_ci=0.005, max_rounds=400, max_s=3.0, stat="paired")
+    k = timing.time_kernel(p, {"mm": mm, "mm2": mm, "twice": mm_twice}, l2_bytes=l2, settings=s)
+    for name in ("mm", "mm2", "twice"):
+        d = k[name]["details"]
+        assert k[name]["status"] == "ok" and d["target_ci"] == 0.005 and isinstance(d["ci_reached"], bool)
+        assert set(d["paired"]) == {"mm", "mm2", "twice"} - {name}
+    assert k["mm"]["n"] >= 10 and k["mm"]["n"] == k["twice"]["n"]
+    assert abs(k["mm"]["details"]["paired"]["mm2"] - 1) < 0.01
+    assert abs(k["mm"]["details"]["paired"]["twice"] - 2) < 0.1
+    assert k["twice"]["details"]["paired"]["mm"] == pytest.approx(1 / k["mm"]["details"]["paired"]["twice"])
+
+
 def test_a_call_that_fails_inside_its_capture_leaves_the_others_timed_right():
     """An implementation that synchronizes the device inside each call (CUDA-L2's 12288x1024x2048
     kernel does) cannot be captured; torch.cuda.graph then leaves its capture stream current, and

@@ -214,6 +214,32 @@ def test_kernel_v1_rule_is_unchanged_and_v2_stops_on_precision_or_caps():
     assert not v2.done(12, 2.9, loose) and v2.reached(loose) is False  # not precise: goes on
     assert v2.done(12, 3.1, loose)  # until max_s
     assert v2.done(400, 0.0, loose)  # or max_rounds
-    for bad in ({"target_ci": 0.0}, {"max_s": 0.0}, {"min_rounds": 50, "max_rounds": 40}):
+    for bad in ({"target_ci": 0.0}, {"max_s": 0.0}, {"min_rounds": 50, "max_rounds": 40}, {"stat": "mean"},
+                {"stat": "paired"}):  # paired is a target's statistic: without a target, v1's rule
         with pytest.raises(ValueError):
             KernelSettings(**bad)
+
+
+def test_kernel_v3_stops_on_the_paired_ratios_which_the_clocks_steps_leave_alone():
+    from gemmrl.bench.stats import PairedRounds
+    from gemmrl.bench.timing import KernelSettings
+
+    rng = random.Random(1)
+    v3 = KernelSettings(target_ci=0.005, max_rounds=400, max_s=3.0, stat="paired")
+    assert v3.protocol() == "kernel:v3:ci=0.005"
+    # the clock steps between 200 and 240 us a call over the rounds; a and b share each round's
+    # clock, b 2% slower, each with 0.1% of its own noise: the medians are not known to 0.5%,
+    # the ratio is
+    samples, paired = {"a": [], "b": []}, PairedRounds()
+    for r in range(30):
+        clock = 1.0 + 0.2 * rng.random()
+        t = {"a": 200 * clock * (1 + 0.001 * rng.gauss(0, 1)), "b": 204 * clock * (1 + 0.001 * rng.gauss(0, 1))}
+        for n in t:
+            samples[n].append(t[n])
+        paired.add_round(t)
+    assert not precise_enough(samples, 0.005)
+    assert v3.reached(samples, paired) is True and v3.done(30, 0.5, samples, paired)
+    assert paired.ratio("a", "b") == pytest.approx(1.02, rel=0.002)
+    assert not v3.done(9, 0.5, samples, paired)  # min_rounds first
+    with pytest.raises(ValueError):
+        v3.done(30, 0.5, samples)  # the paired target needs the rounds' ratios

@@ -259,11 +259,27 @@ def test_server_reports_compare_paired_ratios_where_recorded_else_means():
     records = [srv("gemmrl", 5.0, 10.0, {"torch.matmul": float("nan")}), srv("torch.matmul", 10.0, 15.0)]
     columns, rows = speedup_rows(records, "gemmrl", "server")
     assert rows[0][columns.index("torch.matmul")] == pytest.approx(1.5)
-    # offline and kernel modes compare medians whatever the details hold
+    # offline mode compares medians whatever the details hold
     records = [rec(64, 64, 64, "gemmrl", "offline", 5.0, details={"paired": {"torch.matmul": 9.0}}),
                rec(64, 64, 64, "torch.matmul", "offline", 10.0)]
     columns, rows = speedup_rows(records, "gemmrl", "offline")
     assert rows[0][columns.index("torch.matmul")] == pytest.approx(2.0)
+
+
+def test_kernel_reports_compare_paired_ratios_where_recorded_else_medians():
+    # kernel protocol v3: the clock a round's replays share divides out of the paired ratio
+    records = [rec(64, 64, 64, "gemmrl", "kernel", 5.0, details={"paired": {"torch.matmul": 1.8,
+                                                                             "torch.matmul@repeat": 1.79}}),
+               rec(64, 64, 64, "torch.matmul", "kernel", 10.0, details={"paired": {"gemmrl": 1 / 1.8,
+                                                                                   "torch.matmul@repeat": 1.004}}),
+               rec(64, 64, 64, "torch.matmul@repeat", "kernel", 10.5, details={"paired": {"torch.matmul": 1 / 1.004}}),
+               rec(64, 64, 64, "cuBLAS-nn", "kernel", 8.0)]  # timed without pairs (v1): the medians
+    columns, rows = speedup_rows(records, "gemmrl", "kernel")
+    assert rows[0][columns.index("torch.matmul")] == pytest.approx(1.8)
+    assert rows[0][columns.index("cuBLAS-nn")] == pytest.approx(8.0 / 5.0)
+    # the repeat's noise by its pair (0.4%), not by the medians (5%)
+    noise = summarize(records, "gemmrl", PEAKS)["noise"]["kernel"]["torch.matmul"]
+    assert noise["median"] == pytest.approx(0.004)
 
 
 # ----------------------------------------------------------------------------- summary

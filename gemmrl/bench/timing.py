@@ -34,6 +34,9 @@ _sleep = time.sleep
 RECHECK_TOL = 1e-2  # timed outputs vs torch.matmul on the same inputs (correctness is verify's job)
 
 
+KERNEL_STATS = ("median", "paired")
+
+
 @dataclass(frozen=True)
 class KernelSettings:
     min_rounds: int = 10
@@ -43,11 +46,19 @@ class KernelSettings:
     max_sets: int = 1024
     max_set_bytes: int = 6 << 30
     l2_multiple: float = 2.0
-    # opt-in (gemmrl bench's default): past min_rounds, stop once every implementation's median
-    # is known to within this (relative CI half-width, stats.median_ci_rel), or after max_s of
-    # rounds, or at max_rounds, instead of after budget_s; None: the v1 rule
+    # opt-in (gemmrl bench's default): past min_rounds, stop once every implementation's `stat`
+    # is known to within this (relative CI half-width), or after max_s of rounds, or at
+    # max_rounds, instead of after budget_s; None: the v1 rule
     target_ci: float | None = None
     max_s: float = 3.0
+    # what the precision target is on: each implementation's median (v2), or 'paired' (v3): every
+    # pair's median within-round time ratio (stats.PairedRounds). At the power limit the SM clock
+    # steps over seconds (H100, 256x16384x16384: 203 to 241 us a call within 40 rounds) while
+    # the calls of one round share its clock: three copies of torch.matmul timed 20 rounds
+    # disagreed by up to 3.81% by their medians and 0.50% by the paired ratio
+    # (scripts/kernel-noise.py, 34 shapes, 2026-11-25). Records then carry details['paired'],
+    # which the reports compare (report.export._Rec.over).
+    stat: str = "median"
 
     def __post_init__(self):
         if self.target_ci is not None and not self.target_ci > 0:
@@ -56,24 +67,38 @@ class KernelSettings:
             raise ValueError(f"max_s must be positive, got {self.max_s!r}")
         if not 1 <= self.min_rounds <= self.max_rounds:
             raise ValueError(f"need 1 <= min_rounds <= max_rounds, got {self.min_rounds}, {self.max_rounds}")
+        if self.stat not in KERNEL_STATS:
+            raise ValueError(f"stat must be one of {', '.join(KERNEL_STATS)}, got {self.stat!r}")
+        if self.stat == "paired" and self.target_ci is None:
+            raise ValueError("stat='paired' is the statistic of a precision target: give target_ci")
 
     def protocol(self) -> str:
-        # v1: min_rounds, then until budget_s; v2: min_rounds, then until the precision target
-        return "kernel:v1" if self.target_ci is None else f"kernel:v2:ci={self.target_ci:g}"
+        # v1: min_rounds, then until budget_s; v2: until the precision target on the medians;
+        # v3: on the paired ratios
+        if self.target_ci is None:
+            return "kernel:v1"
+        return f"kernel:{'v3' if self.stat == 'paired' else 'v2'}:ci={self.target_ci:g}"
 
-    def done(self, rounds: int, elapsed_s: float, samples: dict) -> bool:
-        """Whether kernel timing stops after `rounds` rounds, `elapsed_s` seconds into them."""
+    def done(self, rounds: int, elapsed_s: float, samples: dict, paired: PairedRounds | None = None) -> bool:
+        """Whether kernel timing stops after `rounds` rounds, `elapsed_s` seconds into them
+        (`paired`: the rounds' ratios, which the 'paired' statistic's target is on)."""
         if rounds >= self.max_rounds:
             return True
         if rounds < self.min_rounds:
             return False
         if self.target_ci is None:
             return elapsed_s > self.budget_s
-        return elapsed_s > self.max_s or precise_enough(samples, self.target_ci)
+        return elapsed_s > self.max_s or bool(self.reached(samples, paired))
 
-    def reached(self, samples: dict) -> bool | None:
+    def reached(self, samples: dict, paired: PairedRounds | None = None) -> bool | None:
         """Whether the precision target holds for these samples (None: no target was set)."""
-        return None if self.target_ci is None else precise_enough(samples, self.target_ci)
+        if self.target_ci is None:
+            return None
+        if self.stat == "paired":
+            if paired is None:
+                raise ValueError("stat='paired' needs the rounds' PairedRounds")
+            return paired.precise_enough(list(samples), self.target_ci, fresh=True)
+        return precise_enough(samples, self.target_ci)
 
 
 GAP_DRAWS = ("each", "round")
@@ -373,6 +398,7 @@ def time_kernel(problem: Problem, calls: dict, *, l2_bytes: int, settings: Kerne
         torch.cuda.set_stream(stream)
     live = [n for n in calls if n in graphs]
     samples: dict[str, list[float]] = {n: [] for n in live}
+    paired = PairedRounds()
     for name in live:  # warm the graphs
         replay(name)
     torch.cuda.synchronize()
@@ -394,13 +420,14 @@ def time_kernel(problem: Problem, calls: dict, *, l2_bytes: int, settings: Kerne
             samples[name].append(e0.elapsed_time(e1) * 1e3 / graphs[name][1])
             if trace is not None:
                 trace.append((rounds, name, samples[name][-1]))
+        paired.add_round({name: samples[name][-1] for name, _, _ in evs})
         rounds += 1
-        if settings.done(rounds, _perf_counter() - start, samples):
+        if settings.done(rounds, _perf_counter() - start, samples, paired):
             break
     if (why := clocks_intact()):
         return {n: _fail("cheat", f"timer patching: {why}") for n in calls}
     # with a precision target: whether sampling stopped because it was met (True) or at a cap
-    reached = settings.reached({n: v for n, v in samples.items() if v}) if rounds else None
+    reached = settings.reached({n: v for n, v in samples.items() if v}, paired) if rounds else None
 
     # re-check what the timed calls leave in C: poison, one replay, compare with torch.matmul
     a0, b0, _, c0 = sets[0]
@@ -422,6 +449,11 @@ def time_kernel(problem: Problem, calls: dict, *, l2_bytes: int, settings: Kerne
                              "details": {**details, "reason": f"timed output wrong: error {err:.2e}"}}
             continue
         results[name] = {**summarize_samples(samples[name]), "status": "ok", "details": details}
+    if settings.stat == "paired":  # t_other / t_self, each the median of the rounds' ratios
+        ok = [n for n in live if results[n].get("status") == "ok"]
+        ratios = paired.ratios(ok)
+        for name in ok:
+            results[name]["details"]["paired"] = ratios.get(name, {})
     return results
 
 

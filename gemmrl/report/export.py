@@ -7,9 +7,9 @@ any other impl is a candidate; '<impl>@repeat' is a second timing of <impl> in t
 used only to measure noise.
 
 Speedup = baseline time / subject time, where a time is the median in kernel and offline modes
-and the mean in server mode (_Rec.time); in server mode a record of protocol v5 carries, in
-details['paired'], the median within-round ratio to every implementation timed beside it, and
-those ratios are used instead (_Rec.over). Tables hold floats (None for an empty cell); the CSV
+and the mean in server mode (_Rec.time); a server-mode record of protocol v5 or a kernel-mode
+record of protocol v3 carries, in details['paired'], the median within-round ratio to every
+implementation timed beside it, and those ratios are used instead (_Rec.over). Tables hold floats (None for an empty cell); the CSV
 writer prints them with 3 decimals as CUDA-L2's eval_results files do. Matplotlib is imported
 only when plots are written, so the tables and the summary work without it.
 """
@@ -64,6 +64,8 @@ NOISE_TOLERANCE = 0.02
 # the mode whose reports compare mean times, or paired ratios where recorded (the others compare
 # medians): _Rec.time, _Rec.over
 SERVER_STAT_MODE = "server"
+# the modes whose records may carry paired ratios (server v5, kernel v3), which the reports prefer
+PAIRED_MODES = ("kernel", "server")
 
 
 class ReportError(ValueError):
@@ -129,8 +131,8 @@ class _Rec:
         # a mode timed with a precision target: whether sampling met it (False: stopped at a cap)
         reached = details.get("ci_reached") if isinstance(details, dict) else None
         self.ci_reached = reached if isinstance(reached, bool) else None
-        self.paired: dict[str, float] = {}  # server mode: other impl -> t_other / t_self, same rounds
-        raw = details.get("paired") if isinstance(details, dict) and self.mode == SERVER_STAT_MODE else None
+        self.paired: dict[str, float] = {}  # other impl -> t_other / t_self, in the same rounds
+        raw = details.get("paired") if isinstance(details, dict) and self.mode in PAIRED_MODES else None
         if isinstance(raw, dict):
             for other in raw:
                 v = _positive_time(raw, other, where, required=False)
@@ -148,9 +150,10 @@ class _Rec:
         return self.median
 
     def over(self, other: "_Rec") -> float:
-        """other's time over this one's: in server mode the median of the two's within-round
-        ratios where this record has it (bench.stats.PairedRounds, protocol v5: the machine
-        state a round's calls share divides out), else the ratio of their times."""
+        """other's time over this one's: the median of the two's within-round ratios where this
+        record has it (bench.stats.PairedRounds; server protocol v5, kernel protocol v3: the
+        machine state a round's calls share, idle gaps or the clock, divides out), else the
+        ratio of their times."""
         paired = self.paired.get(other.impl)
         if paired is not None:
             return paired
@@ -470,7 +473,7 @@ def _column_summary(columns: list[str], rows: list[list], like: Problem | None) 
 
 def _noise(recs: Sequence[_Rec]) -> dict:
     """Per mode, per '<impl>@repeat': |t_repeat / t - 1| over shapes timed both ways (server
-    mode: the paired ratio where recorded, _Rec.over)."""
+    and kernel modes: the paired ratio where recorded, _Rec.over)."""
     by = defaultdict(dict)  # (mode, shape key) -> impl -> record
     for r in recs:
         by[(r.mode, r.problem.key())][r.impl] = r
