@@ -2,8 +2,9 @@
 """The product against torch.matmul in one bench run: gemmrl.matmul-nn against torch.matmul and
 gemmrl.matmul-tn against torch.matmul-tn (`bench --impl pack:DIR`), split by whether the pack
 serves the (shape, layout) with a kernel of its own or it falls back, per mode. Ratios are taken
-within each session (the harness's rule); the repeat of torch.matmul in the same sessions gives
-the noise. No GPU needed:
+within each session by the reports' rule: the paired within-round ratio where a record has it
+(kernel protocol v3, server v5), else medians (means in server mode); the repeat of torch.matmul
+in the same sessions gives the noise. No GPU needed:
 
     python3 scripts/product-report.py --run 124 --pack packs/h100-fp16-F32F16F16F32 [--json OUT]
 
@@ -29,14 +30,25 @@ def served_keys(manifest: dict) -> set:
 
 
 def sessions(db: sqlite3.Connection, run: int) -> dict:
-    """(mode, session, M, N, K) -> {impl: time}: medians, means in server mode (the reports' rule)."""
+    """(mode, session, M, N, K) -> {impl: (time, paired)}: medians, means in server mode, and the
+    record's paired ratios {other: t_other / t_self} where it has them (the reports' rule)."""
     out: dict = defaultdict(dict)
-    q = "SELECT mode, session, M, N, K, impl, median_us, mean_us FROM measurements WHERE run_id=? AND status='ok'"
-    for mode, session, M, N, K, impl, med, mean in db.execute(q, (run,)):
+    q = ("SELECT mode, session, M, N, K, impl, median_us, mean_us, details FROM measurements "
+         "WHERE run_id=? AND status='ok'")
+    for mode, session, M, N, K, impl, med, mean, details in db.execute(q, (run,)):
         t = mean if mode == "server" else med
         if t and t > 0:
-            out[(mode, session, M, N, K)][impl] = t
+            paired = (json.loads(details or "{}") or {}).get("paired") or {}
+            out[(mode, session, M, N, K)][impl] = (t, paired)
     return out
+
+
+def over(t: dict, a: str, b: str) -> float:
+    """b's time over a's in one session: a's paired ratio to b where recorded, else the times'."""
+    paired = t[a][1].get(b)
+    if isinstance(paired, (int, float)) and math.isfinite(paired) and paired > 0:
+        return float(paired)
+    return t[b][0] / t[a][0]
 
 
 def summarize(times: dict, served: set) -> dict:
@@ -52,9 +64,9 @@ def summarize(times: dict, served: set) -> dict:
                         continue
                     if ((M, N, K, layout) in served) != (kind == "served"):
                         continue
-                    r = t[torch_impl] / t[ours]
+                    r = over(t, ours, torch_impl)
                     ratios.append(r)
-                    diffs.append(t[ours] - t[torch_impl])
+                    diffs.append(t[ours][0] - t[torch_impl][0])
                     if worst is None or r < worst[0]:
                         worst = (r, f"{M}x{N}x{K}")
                 if ratios:
@@ -63,7 +75,7 @@ def summarize(times: dict, served: set) -> dict:
                         "geomean": math.exp(sum(map(math.log, ratios)) / len(ratios)),
                         "min": worst[0], "min_shape": worst[1], "slower_than_0.99": sum(r < 0.99 for r in ratios),
                         "median_diff_us": statistics.median(diffs)}
-        rep = [t["torch.matmul"] / t["torch.matmul@repeat"] for (md, *_), t in times.items()
+        rep = [over(t, "torch.matmul@repeat", "torch.matmul") for (md, *_), t in times.items()
                if md == mode and "torch.matmul" in t and "torch.matmul@repeat" in t]
         if per:
             if rep:

@@ -271,9 +271,16 @@ def test_product_report_splits_served_and_fallback_calls_per_session(tmp_path):
             st.record_session(run, f"{p.mnk}-{mode}", "GPU X", p, mode, "v3", {
                 "gemmrl.matmul-nn": {"median_us": ours, "n": 5}, "torch.matmul": {"median_us": 10.0, "n": 5},
                 "torch.matmul@repeat": {"median_us": 10.1, "n": 5}})
+    # a kernel v3 session: the paired ratios decide (1.5 and a repeat 0.2% off), not the medians
+    paired = Problem(256, 64, 64)
+    st.record_session(run, "p-kernel", "GPU X", paired, "kernel", "kernel:v3:ci=0.005", {
+        "gemmrl.matmul-nn": {"median_us": 5.0, "n": 5, "details": {"paired": {"torch.matmul": 1.5}}},
+        "torch.matmul": {"median_us": 10.0, "n": 5, "details": {"paired": {"gemmrl.matmul-nn": 1 / 1.5}}},
+        "torch.matmul@repeat": {"median_us": 12.0, "n": 5, "details": {"paired": {"torch.matmul": 1 / 1.002}}}})
     st.close()
     (tmp_path / "pack").mkdir()
-    (tmp_path / "pack" / "manifest.json").write_text(json.dumps({"entries": [{"M": 64, "N": 64, "K": 64, "layout": "NN"}]}))
+    (tmp_path / "pack" / "manifest.json").write_text(json.dumps({"entries": [{"M": 64, "N": 64, "K": 64, "layout": "NN"},
+                                                                            {"M": 256, "N": 64, "K": 64, "layout": "NN"}]}))
     out = tmp_path / "r.json"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "product-report.py"), "--run", str(run), "--pack",
                         str(tmp_path / "pack"), "--db", str(tmp_path / "s.sqlite"), "--json", str(out)],
@@ -282,10 +289,11 @@ def test_product_report_splits_served_and_fallback_calls_per_session(tmp_path):
     res = json.loads(out.read_text())["modes"]
     assert set(res) == {"kernel", "offline"}
     k = res["kernel"]
-    assert k["NN served"]["shapes"] == 1 and abs(k["NN served"]["geomean"] - 1.25) < 1e-9
+    assert k["NN served"]["shapes"] == 2 and abs(k["NN served"]["geomean"] - (1.25 * 1.5) ** 0.5) < 1e-9
+    assert k["noise"]["max |1 - r|"] < 0.011  # the paired repeat (0.2%); its median would say 20%
     assert abs(k["NN fallback"]["geomean"] - 10 / 11) < 1e-9 and k["NN fallback"]["slower_than_0.99"] == 1
     assert k["NN fallback"]["min_shape"] == "128x64x64" and k["NN fallback"]["median_diff_us"] == 1.0
-    assert "| kernel | NN served | torch.matmul | 1 | 1.250 |" in r.stdout
+    assert "| kernel | NN served | torch.matmul | 2 | 1.369 |" in r.stdout
     bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "product-report.py"), "--run", "99", "--pack",
                           str(tmp_path / "pack"), "--db", str(tmp_path / "s.sqlite")],
                          capture_output=True, text=True, env=ENV, timeout=300)
