@@ -434,7 +434,8 @@ def report_prefix(subject: str, device: str, dtype: str, acc: str) -> str:
 
 
 def _open_for_reading(db, device, *, require_measured: bool):
-    """The store, read-only, and the device to read: the one named, or the only one measured."""
+    """The store, read-only, and the device to read: the one named (or the only one whose name
+    holds --device, case aside: `--device H100`), or the only one measured."""
     from gemmrl.store.db import Store, unpack_if_missing
 
     unpack_if_missing(db)  # a store committed as DB.xz
@@ -447,6 +448,11 @@ def _open_for_reading(db, device, *, require_measured: bool):
             raise click.ClickException(f"the store holds {len(devices)} devices ({', '.join(devices)}): "
                                        "name one with --device")
         device = devices[0]
+    elif device not in devices and (part := [d for d in devices if device.lower() in d.lower()]):
+        if len(part) > 1:
+            raise click.ClickException(f"--device {device!r} names {len(part)} devices ({', '.join(part)}): "
+                                       "give more of the name")
+        device = part[0]
     elif require_measured and device not in devices:
         raise click.ClickException(f"no measurements for {device!r}; the store has: {', '.join(devices)}")
     return store, device
@@ -455,7 +461,7 @@ def _open_for_reading(db, device, *, require_measured: bool):
 @main.command()
 @click.option("--db", default=DEFAULT_DB, show_default=True)
 @click.option("--out", default="results", show_default=True)
-@click.option("--device", default=None, help="device name in the store (default: the only one)")
+@click.option("--device", default=None, help="device name in the store, or a unique part of it (default: the only one)")
 @click.option("--subject", default=None, help="implementation whose speedups are reported")
 @click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "bf16"]))
 @click.option("--acc", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16"]))
@@ -852,7 +858,7 @@ def noise(db, run_ids, json_path):
 
 @main.command()
 @click.option("--db", default=DEFAULT_DB, show_default=True)
-@click.option("--device", default=None, help="device name in the store (default: the only one)")
+@click.option("--device", default=None, help="device name in the store, or a unique part of it (default: the only one)")
 @click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "bf16"]))
 @click.option("--acc", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16"]))
 @click.option("--min-speedup", default=1.0, show_default=True, type=float,

@@ -65,6 +65,26 @@ def _fill(store):
     store.finish_run(run)
 
 
+def test_a_unique_part_of_a_device_name_names_it(tmp_path):
+    db = tmp_path / "s.sqlite"
+    st = Store(db)
+    _fill(st)
+    run = st.start_run("gemmrl bench", "NVIDIA H200", {}, {})
+    st.record_session(run, "t", "NVIDIA H200", Problem(64, 64, 64), "kernel", "kernel:v1", {
+        "torch.matmul": {"median_us": 3.0, "n": 20, "status": "ok", "details": {}}})
+    st.close()
+    out = tmp_path / "res"
+    r = CliRunner().invoke(main, ["report", "--db", str(db), "--out", str(out), "--device", "h100"])
+    assert r.exit_code == 0, r.output
+    assert (out / "h100").is_dir() and not (out / "h200").exists()
+    r = CliRunner().invoke(main, ["report", "--db", str(db), "--out", str(out), "--device", "NVIDIA H"])
+    assert r.exit_code != 0 and "names 2 devices" in r.output
+    r = CliRunner().invoke(main, ["report", "--db", str(db), "--out", str(out)])
+    assert r.exit_code != 0 and "name one with --device" in r.output
+    r = CliRunner().invoke(main, ["report", "--db", str(db), "--out", str(out), "--device", "A100"])
+    assert r.exit_code != 0 and "A100" in r.output
+
+
 def test_report_writes_cuda_l2_layout_from_the_store(tmp_path):
     db = tmp_path / "s.sqlite"
     _fill(Store(db))

@@ -171,12 +171,13 @@ class LtAutotuned(_LtPlanned):
                              problem.K, requested=self.requested)
 
     def choose(self, problem) -> bytes:
-        from gemmrl.bench.timing import BASELINE_PICK, BASELINE_PICK_TAG, pick_fastest, pick_with_margin
+        from gemmrl.bench.timing import BASELINE_PICK, BASELINE_PICK_TAG, pick_fastest, pick_with_margin, times_beside
 
-        self.pick_times: dict = {}  # candidate index -> median us in the picking session (a new choice)
+        self.pick_times: dict = {}  # candidate index -> us in the picking session (a new choice; timing.times_beside)
         if self.store is not None:
             got = self.store.get_tuning(self.device, problem, self.name)
-            # a choice made by an earlier rule (0.5 ms bursts; no margin) is made again
+            # a choice made by an earlier rule (0.5 ms bursts; no margin; medians of replays
+            # sized from eager bursts) is made again
             if got is not None and BASELINE_PICK_TAG in got["info"]:
                 self.choice_info = got["info"]
                 return bytes(got["choice"])
@@ -203,7 +204,7 @@ class LtAutotuned(_LtPlanned):
         finally:
             for plan in plans:  # prepare() makes the chosen algorithm's own plan
                 lib.destroy(plan)
-        self.pick_times = {k: r["median_us"] for k, r in res.items() if r.get("status") == "ok"}
+        self.pick_times = times_beside(res, 0)  # on the first's scale, by the paired ratios
         best = pick_with_margin(self.pick_times, 0)  # 0: the heuristic's first suggestion
         n_ok = len(self.pick_times)
         self.choice_info = f"{lib.describe(algos[best])} (best of {n_ok}/{len(algos)}, {BASELINE_PICK_TAG})"
