@@ -141,7 +141,7 @@ struct LtPlan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
   cublasLtMatmulAlgo_t algo{};
-  size_t ws = 0;  // the workspace bytes passed with every call (kLtWorkspace)
+  size_t ws = 0;
   bool ok = false;  // false: cuBLASLt offers no algorithm, or one failed: torch.matmul serves the key
   bool pinned = false;  // an algorithm given by the pack (lt_install), not the heuristic's: used at
                         // any size, dropped by clear()
@@ -198,7 +198,7 @@ bool lt_make(LtPlan* p, int64_t M, int64_t N, int64_t K, bool tn, at::ScalarType
   cublasLtMatmulPreferenceDestroy(pref);
   if (!ok || n < 1 || res.state != CUBLAS_STATUS_SUCCESS) return false;
   p->algo = res.algo;
-  p->ws = kLtWorkspace;  // the whole workspace, as the baselines pass it (see lt_install)
+  p->ws = res.workspaceSize;
   return true;
 }
 
@@ -635,11 +635,7 @@ PyObject* lt_install(PyObject* /*self*/, PyObject* args) {
       r.state != CUBLAS_STATUS_SUCCESS || r.workspaceSize > kLtWorkspace) {
     Py_RETURN_FALSE;
   }
-  // the whole workspace, not the least the algorithm needs (AlgoCheck's workspaceSize): the
-  // baseline that chose the algorithm timed it with all 32 MiB, and given only the least, the
-  // same algorithm ran 3.7% slower through gemmrl.matmul than in the baseline (H100,
-  // 8192x512x8192 NN, offline, run 143)
-  p->ws = kLtWorkspace;
+  p->ws = r.workspaceSize;
   p->ok = p->pinned = true;
   const Key pk{M, N, K, 256, dt, static_cast<int8_t>(device), tn != 0};
   if (g_lt_plan.size() >= g_limit) g_lt_plan.clear();
