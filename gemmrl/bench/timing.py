@@ -37,6 +37,18 @@ RECHECK_TOL = 1e-2  # timed outputs vs torch.matmul on the same inputs (correctn
 KERNEL_STATS = ("median", "paired")
 
 
+def _stop_by_rounds(s, rounds: int, elapsed_s: float) -> bool | None:
+    """The stopping rules kernel and host settings (`s`) share: stop at max_rounds; go on below
+    min_rounds; without a precision target, stop once past budget_s. None: the target decides."""
+    if rounds >= s.max_rounds:
+        return True
+    if rounds < s.min_rounds:
+        return False
+    if s.target_ci is None:
+        return elapsed_s > s.budget_s
+    return None
+
+
 @dataclass(frozen=True)
 class KernelSettings:
     min_rounds: int = 10
@@ -82,12 +94,9 @@ class KernelSettings:
     def done(self, rounds: int, elapsed_s: float, samples: dict, paired: PairedRounds | None = None) -> bool:
         """Whether kernel timing stops after `rounds` rounds, `elapsed_s` seconds into them
         (`paired`: the rounds' ratios, which the 'paired' statistic's target is on)."""
-        if rounds >= self.max_rounds:
-            return True
-        if rounds < self.min_rounds:
-            return False
-        if self.target_ci is None:
-            return elapsed_s > self.budget_s
+        by_rounds = _stop_by_rounds(self, rounds, elapsed_s)
+        if by_rounds is not None:
+            return by_rounds
         return elapsed_s > self.max_s or bool(self.reached(samples, paired))
 
     def reached(self, samples: dict, paired: PairedRounds | None = None) -> bool | None:
@@ -156,12 +165,9 @@ class HostSettings:
     def done(self, rounds: int, elapsed_s: float, samples: dict, paired: PairedRounds | None = None) -> bool:
         """Whether host timing stops after `rounds` timed rounds (warm-up excluded). `paired`:
         the rounds' ratios, which the 'paired' statistic's precision target is on."""
-        if rounds >= self.max_rounds:
-            return True
-        if rounds < self.min_rounds:
-            return False
-        if self.target_ci is None:
-            return elapsed_s > self.budget_s
+        by_rounds = _stop_by_rounds(self, rounds, elapsed_s)
+        if by_rounds is not None:
+            return by_rounds
         if elapsed_s > self.max_s:
             return True
         if self.stat == "paired":
@@ -277,24 +283,34 @@ def _fail(status: str, reason: str) -> dict:
     return {"status": status, "n": 0, "details": {"reason": reason}}
 
 
+def _capture_writing(fn, sets, n_calls: int):
+    """`n_calls` calls of `fn` over the input sets in turn, captured in a CUDA graph and replayed
+    once. Raises if the capture fails, or if the replay leaves C unwritten: a graph that captured
+    nothing (work launched on the legacy default stream instead of the caller's, as CUDA-L2's
+    kernels do) runs but writes nothing."""
+    n_sets = len(sets)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(n_calls):
+            fn(*sets[i % n_sets])
+    c_first = sets[0][3]
+    c_first.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    if torch.isnan(c_first).any():
+        raise RuntimeError("the captured graph does not write C: the implementation "
+                           "launches outside the caller's stream")
+    return g
+
+
 def _graph_burst_us(fn, sets, burst: int, stream) -> float | None:
     """Per-call time of `burst` calls captured in one probe graph and replayed (the second replay:
     the first one warms), or None where the calls cannot be captured or the captured graph does
     not write C (work launched outside the caller's stream). Eager bursts of small GEMMs are bound
     by the host's launch rate (on an H100, 32 eager torch.matmul calls of 128x64x8192 took 20 us
     a call against 7.9 us replayed), so graphs sized from them held a third of the target's calls."""
-    n_sets = len(sets)
     try:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for i in range(burst):
-                fn(*sets[i % n_sets])
-        c_first = sets[0][3]
-        c_first.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        if torch.isnan(c_first).any():
-            return None
+        g = _capture_writing(fn, sets, burst)
         t0 = torch.cuda.Event(enable_timing=True)
         t1 = torch.cuda.Event(enable_timing=True)
         t0.record(stream)
@@ -357,21 +373,8 @@ def time_kernel(problem: Problem, calls: dict, *, l2_bytes: int, settings: Kerne
     for name, n_calls in sizes.items():
         fn = calls[name]
         try:
-            g = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(g):
-                    for i in range(n_calls):
-                        fn(*sets[i % n_sets])
-                # a graph that captured nothing (work launched on the legacy default stream
-                # instead of the caller's, as CUDA-L2's kernels do) runs but writes nothing
-                c_first = sets[0][3]
-                c_first.fill_(float("nan"))
-                g.replay()
-                torch.cuda.synchronize()
-                if torch.isnan(c_first).any():
-                    raise RuntimeError("the captured graph does not write C: the implementation "
-                                       "launches outside the caller's stream")
-                graphs[name] = (g, n_calls, True)
+                graphs[name] = (_capture_writing(fn, sets, n_calls), n_calls, True)
             except Exception as e:  # not capturable: time eager launches instead, and say so
                 # torch.cuda.graph's exit leaves its capture stream current when capture_end raises
                 # (a call that failed inside the capture): put the timing stream back, or every
