@@ -140,6 +140,53 @@ def test_a_winner_timed_in_several_sessions_is_judged_by_their_median(store, tmp
     assert "sessions" not in rows[(256, 4096, 4096)]  # one session: judged by it, as before
 
 
+def test_the_products_own_sessions_of_the_same_kernel_count_toward_the_median(store, tmp_path):
+    """gemmrl.matmul timed in kernel mode while the pack served the shape with the winner's own
+    kernel (the verification of that run names its source) counts as a session of the winner:
+    a kernel that wins as gemmrl-tuned but loses as the product is caught. Sessions of another
+    kernel, from before the choice, or without the served record do not count; a session's
+    paired ratio is used where recorded."""
+    from gemmrl.runtime.pack import sha256_text
+
+    run = store.start_run("gemmrl bench", DEV, PROV, {})
+    p = Problem(12288, 12288, 128)
+    spec = cutlass_sm90.heuristic_specs(p, "TN")[0]
+    sha = sha256_text(cutlass_sm90.render(spec, p))
+
+    def product(i, served_sha, ours, base, paired=None, impl="gemmrl.matmul-tn", served=True):
+        # a bench run verifies and times a shape once: one run per product session
+        prun = store.start_run("gemmrl bench --impl pack:DIR", DEV, PROV, {})
+        details = {"impl": {"served": {"source_sha256": served_sha, "shape": p.shape}} if served else {}}
+        store.record_verification(prun, DEV, p, impl, True, "ok", details)
+        store.record_session(prun, f"prod{i}", DEV, p, "kernel", "kernel:v3:ci=0.005", {
+            impl: {"median_us": ours, "n": 50, "details": {"paired": paired or {}}},
+            "cuBLAS-tn": {"median_us": base, "n": 50}, "torch.matmul": {"median_us": 200.0, "n": 50}})
+
+    product(0, sha, 100.0, 80.0)  # before the choice: left out
+    store.put_tuning(DEV, p, "gemmrl-tuned", _choice(spec, "cutlass_sm90"), spec.name, 9.0)
+    store.record_verification(run, DEV, p, "gemmrl-tuned", True, "ok", {})
+    for i in range(3):  # as gemmrl-tuned: 1.04 in three sessions
+        store.record_session(run, f"t{i}", DEV, p, "kernel", "kp1", {
+            "gemmrl-tuned": {"median_us": 100.0, "n": 50}, "cuBLAS-tn": {"median_us": 104.0, "n": 50}})
+    m = _manifest(export_pack(store, DEV, tmp_path / "a", "fp16", "fp32"))
+    e = {(r["M"], r["N"], r["K"]): r for r in m["entries"]}[(12288, 12288, 128)]
+    assert (e["sessions"], e["speedup_median"]) == (3, 1.04) and "product_sessions" not in e
+    product(1, "another kernel", 100.0, 50.0)  # another kernel served: not this one's session
+    product(2, sha, 100.0, 50.0, served=False)  # no served record (before it was kept)
+    product(3, sha, 100.0, 50.0, impl="gemmrl.matmul-nn")  # the other layout
+    # as the product, with this kernel: 0.97 by the paired ratio (1.10 by the medians)
+    product(4, sha, 100.0, 110.0, paired={"cuBLAS-tn": 0.97, "torch.matmul": 1.9})
+    m = _manifest(export_pack(store, DEV, tmp_path / "c", "fp16", "fp32"))
+    e = {(r["M"], r["N"], r["K"]): r for r in m["entries"]}[(12288, 12288, 128)]
+    assert (e["sessions"], e["product_sessions"], e["speedup_median"]) == (4, 1, 1.04)
+    for i in range(5, 8):
+        product(i, sha, 100.0, 110.0, paired={"cuBLAS-tn": 0.97, "torch.matmul": 1.9})
+    m = _manifest(export_pack(store, DEV, tmp_path / "b", "fp16", "fp32"))
+    assert (12288, 12288, 128) not in {(r["M"], r["N"], r["K"]) for r in m["entries"]}, m["skipped"]
+    assert any("12288x12288x128" in s and "median speedup 0.9700" in s and "7 sessions" in s
+               for s in m["skipped"])
+
+
 def test_a_stored_choice_not_yet_verified_gives_way_to_the_verified_kernel(store, tmp_path):
     """A tune cut between its search and its final timing leaves a stored choice that was never
     verified in full: the pack ships the kernel the newest verification passed and timed."""

@@ -35,6 +35,20 @@ def test_pack_spec_gives_the_product_in_both_layouts_and_falls_back_exactly():
             if impl.name.startswith("gemmrl."):
                 assert ops.active() is not None and ops.active().pack.path.resolve() == PACK.resolve()
                 assert impl.describe()["pack"] == str(PACK)
+        # the verification record names the kernel the pack serves the shape with (the pack's
+        # median rule counts the product's sessions by it), or None where the libraries serve it
+        import json
+
+        m = json.loads((PACK / "manifest.json").read_text())
+        e = next(x for x in m["entries"] if x["layout"] == "TN")
+        tn = impls[1]
+        tn.prepare(Problem(e["M"], e["N"], e["K"]))
+        assert tn.describe()["served"] == {"shape": f"{e['M']}x{e['N']}x{e['K']}", "spec_name": e["spec_name"],
+                                           "source_sha256": e["source_sha256"], "exact": True}
+        lib = next(x for x in m["library"] if x.endswith(":TN"))
+        M, N, K = (int(v) for v in lib.split(":")[0].split("x"))
+        tn.prepare(Problem(M, N, K))
+        assert tn.describe()["served"] is None
         with pytest.raises(UnsupportedProblem, match="accumulates in fp32"):
             impls[0].prepare(Problem(64, 256, 128, acc="fp16"))
     finally:

@@ -211,16 +211,65 @@ def _session_speedups(store, device: str, dtype: str, acc: str) -> dict:
     return out
 
 
+PRODUCT_IMPLS = ("gemmrl.matmul-nn", "gemmrl.matmul-tn")  # bench --impl pack:DIR (runtime.pack_impl)
+
+
+def _product_speedups(store, device: str, dtype: str, acc: str) -> dict:
+    """(M, N, K, layout) -> [(source_sha256, speedup, created)] for every kernel-mode session in
+    which gemmrl.matmul ran the shape with a pack kernel (its verification in the same run names
+    the kernel's source: pack_impl's `served`; a bench verifies and times a shape once a run): the
+    session's fastest baseline over gemmrl.matmul's
+    time, by gemmrl.matmul's paired ratio to it where recorded (kernel protocol v3), else by the
+    medians. Sessions before `served` was recorded say nothing and are left out."""
+    from gemmrl.report.export import is_baseline
+
+    served: dict = {}
+    for run_id, M, N, K, impl, details in store.db.execute(
+            "SELECT run_id, M, N, K, impl, details FROM verifications WHERE device=? AND dtype=? AND acc=? "
+            "AND impl IN (?, ?) ORDER BY id", (device, dtype, acc, *PRODUCT_IMPLS)):
+        got = (json.loads(details).get("impl") or {}).get("served")
+        if isinstance(got, dict) and got.get("source_sha256"):
+            served[(run_id, int(M), int(N), int(K), impl)] = got["source_sha256"]
+    if not served:
+        return {}
+    sessions: dict = {}
+    for run_id, session, M, N, K, impl, us, details, created in store.db.execute(
+            "SELECT run_id, session, M, N, K, impl, median_us, details, created FROM measurements WHERE device=? "
+            "AND dtype=? AND acc=? AND mode='kernel' AND status='ok' AND median_us > 0 AND session IN "
+            "(SELECT session FROM measurements WHERE device=? AND mode='kernel' AND impl IN (?, ?))",
+            (device, dtype, acc, device, *PRODUCT_IMPLS)):
+        sessions.setdefault(session, {})[impl] = (run_id, int(M), int(N), int(K), float(us),
+                                                  json.loads(details).get("paired") or {}, created)
+    out: dict = {}
+    for recs in sessions.values():
+        base = {i: r for i, r in recs.items() if is_baseline(i)}
+        for impl in PRODUCT_IMPLS:
+            ours = recs.get(impl)
+            if ours is None or not base:
+                continue
+            run_id, M, N, K, us, paired, created = ours
+            sha = served.get((run_id, M, N, K, impl))
+            if sha is None:
+                continue
+            speedup = min(paired[b] if isinstance(paired.get(b), (int, float)) and paired[b] > 0 else r[4] / us
+                          for b, r in base.items())
+            out.setdefault((M, N, K, impl[-2:].upper()), []).append((sha, speedup, created))
+    return out
+
+
 def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tuple[list, set, list]:
     """(candidates, run ids, skipped reasons): one dict per verified gemmrl winner. A winner
     timed in several kernel-mode sessions since it was chosen is judged by the median of its
     per-session speedups over each session's best baseline (one session's near-tie no longer
-    decides alone); with one session, by that session."""
+    decides alone); with one session, by that session. The product's own sessions count too:
+    gemmrl.matmul timed in kernel mode while the pack served the shape with this very kernel
+    (its source), since the choice (_product_speedups)."""
     rows = store.db.execute(
-        "SELECT M, N, K, impl, choice, time_us FROM tuning WHERE device=? AND dtype=? AND acc=? "
+        "SELECT M, N, K, impl, choice, time_us, created FROM tuning WHERE device=? AND dtype=? AND acc=? "
         "AND impl LIKE ? ORDER BY M, N, K, impl", (device, dtype, acc, GEMMRL_IMPL_PREFIX + "%")).fetchall()
     times = _latest_kernel_times(store, device, dtype, acc)
     speedups = _session_speedups(store, device, dtype, acc)
+    product = _product_speedups(store, device, dtype, acc)
     cands, runs, skipped = [], set(), []
     for row in rows:
         problem = Problem(row["M"], row["N"], row["K"], dtype, acc)
@@ -258,14 +307,21 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
                 continue
             kernel_us = float(ours["median_us"])
             baseline, baseline_us = _best_baseline(recs, ours)
-            since = speedups.get((problem.M, problem.N, problem.K, impl), [])
+            since = list(speedups.get((problem.M, problem.N, problem.K, impl), []))
+            theirs = product.get((problem.M, problem.N, problem.K, spec.layout), [])
+            if theirs:
+                sha = sha256_text(fam.render(spec, problem))
+                mine = [x for s_, x, created in theirs if s_ == sha and created >= row["created"]]
+                since += mine
+                if mine:
+                    sessions["product_sessions"] = len(mine)
             if len(since) >= 2:
                 median = statistics.median(since)
                 if median < min_speedup:
                     skipped.append(f"{problem.shape} {impl}: median speedup {median:.4f} over the best baseline "
                                    f"in {len(since)} sessions: under the {min_speedup}x asked for")
                     continue
-                sessions = {"sessions": len(since), "speedup_median": round(median, 4)}
+                sessions = {**sessions, "sessions": len(since), "speedup_median": round(median, 4)}
             elif baseline_us is not None and baseline_us < min_speedup * kernel_us:
                 skipped.append(f"{problem.shape} {impl}: {kernel_us:.2f} us vs {baseline} "
                                f"{baseline_us:.2f} us: under the {min_speedup}x speedup asked for")
@@ -426,7 +482,7 @@ def export_pack(store, device: str, out_dir, dtype: str = "fp16", acc: str = "fp
                 "speedup": (round(c["baseline_us"] / c["kernel_us"], 4)
                             if c["kernel_us"] and c["baseline_us"] else None),
                 "tuned_us": c["tuned_us"],
-                **{k: c[k] for k in ("sessions", "speedup_median") if k in c}})
+                **{k: c[k] for k in ("sessions", "speedup_median", "product_sessions") if k in c}})
         served = {(e["M"], e["N"], e["K"], e["layout"]) for e in entries}
         library = [f"{M}x{N}x{K}:{layout}" for M, N, K in sorted(_tuned_shapes(store, device, dtype, acc))
                    for layout in LAYOUTS if (M, N, K, layout) not in served]

@@ -29,6 +29,7 @@ class PackMatmul(Impl):
         self.name = f"gemmrl.matmul-{layout.lower()}"
         self.nearest = nearest
         self._dispatcher = None
+        self._served = None  # the pack entry that serves the last prepared problem (describe)
 
     def _activate(self):
         from gemmrl.runtime import ops
@@ -47,6 +48,12 @@ class PackMatmul(Impl):
         d = self._activate()
         if problem.acc != d.pack.acc:
             raise UnsupportedProblem(f"{self.name}: the pack accumulates in {d.pack.acc}, the problem in {problem.acc}")
+        e = d.lookup(problem.M, problem.N, problem.K, self.layout, problem.dtype)
+        # which kernel serves the shape (None: the libraries): the verification record keeps it,
+        # so that the pack's median rule can count this session for that kernel (runtime.pack)
+        self._served = None if e is None else {
+            "shape": e.problem.shape, "spec_name": e.spec_name, "source_sha256": e.source_sha256,
+            "exact": (e.problem.M, e.problem.N, e.problem.K) == (problem.M, problem.N, problem.K)}
         matmul = ops.public_matmul()  # gemmrl.matmul, as a user calls it
         if self.layout == "TN":
             def call(a, b_nn, b_tn, c):
@@ -60,7 +67,7 @@ class PackMatmul(Impl):
         d = {"name": self.name, "layout": self.layout, "pack": str(self.pack_dir)}
         if self._dispatcher is not None:
             e = self._dispatcher.describe()
-            d.update(entries=e["entries"], failures=e["failures"])
+            d.update(entries=e["entries"], failures=e["failures"], served=self._served)
             from gemmrl.runtime import ops
 
             fast = ops._FAST if ops._FAST is not ops._UNSET else None
