@@ -268,6 +268,31 @@ def test_export_carries_the_autotuned_cublaslt_algorithms_of_unserved_layouts(st
     bare.close()
 
 
+def test_v3_sessions_judge_lt_algos_and_winners_by_their_paired_ratios(store, tmp_path):
+    """Where a kernel-mode record carries paired ratios (protocol v3), the pack's rules use them
+    instead of the medians: an autotuned algorithm 2% slower than the heuristic's by its paired
+    ratio does not ship though its median looks 5% faster, and a winner 3% slower than the best
+    baseline in the same rounds stays with the libraries though its medians say 1.10."""
+    run = store.start_run("gemmrl bench", DEV, PROV, {})
+    p = Problem(8192, 512, 8192)
+    store.put_tuning(DEV, p, "cuBLASLt-auto-tuning-nn", _algo(9), "algo=9", 9.5)
+    spec = cutlass_sm90.heuristic_specs(p, "TN")[0]
+    store.put_tuning(DEV, p, "gemmrl-tuned", _choice(spec, "cutlass_sm90"), spec.name, 9.0)
+    store.record_verification(run, DEV, p, "gemmrl-tuned", True, "ok", {})
+    for i in range(2):
+        store.record_session(run, f"v3-{i}", DEV, p, "kernel", "kernel:v3:ci=0.005", {
+            "cuBLASLt-auto-tuning-nn": {"median_us": 9.5, "n": 20,
+                                        "details": {"paired": {"cuBLASLt-heuristic-nn": 1 / 1.02}}},
+            "cuBLASLt-heuristic-nn": {"median_us": 10.0, "n": 20,
+                                      "details": {"paired": {"cuBLASLt-auto-tuning-nn": 1.02}}},
+            "gemmrl-tuned": {"median_us": 8.6, "n": 20,
+                             "details": {"paired": {"cuBLASLt-auto-tuning-nn": 0.97, "cuBLASLt-heuristic-nn": 0.99}}}})
+    m = _manifest(export_pack(store, DEV, tmp_path / "v3", "fp16", "fp32"))
+    assert (8192, 512, 8192) not in {(d["M"], d["N"], d["K"]) for d in m.get("lt_algos", [])}
+    assert (8192, 512, 8192) not in {(e["M"], e["N"], e["K"]) for e in m["entries"]}
+    assert any("8192x512x8192" in s and "median speedup 0.9700" in s and "2 sessions" in s for s in m["skipped"])
+
+
 def test_load_pack_round_trips(pack_dir):
     pack = load_pack(pack_dir)
     assert len(pack.entries) == 4 and pack.stamp["device"] == DEV

@@ -170,10 +170,11 @@ def _best_baseline(records: dict, ours: dict) -> tuple[str | None, float | None]
 
 
 def _kernel_sessions(store, device: str, dtype: str, acc: str, impls=None, since_choice=None) -> dict:
-    """(M, N, K, session) -> {impl: median us} of the kernel-mode measurements that finished ok
-    (only `impls`, if given). `since_choice`: impl names whose sessions count only from the
-    time that impl's stored choice (its tuning row) for the shape was made."""
-    q = ("SELECT session, M, N, K, impl, median_us, created FROM measurements WHERE device=? AND dtype=? "
+    """(M, N, K, session) -> {impl: (median us, paired)} of the kernel-mode measurements that
+    finished ok (only `impls`, if given); `paired`: the record's within-round ratios {other:
+    t_other / t_self} (kernel protocol v3; {} before). `since_choice`: impl names whose sessions
+    count only from the time that impl's stored choice (its tuning row) for the shape was made."""
+    q = ("SELECT session, M, N, K, impl, median_us, created, details FROM measurements WHERE device=? AND dtype=? "
          "AND acc=? AND mode='kernel' AND status='ok' AND median_us > 0")
     args: tuple = (device, dtype, acc)
     if impls is not None:
@@ -185,29 +186,37 @@ def _kernel_sessions(store, device: str, dtype: str, acc: str, impls=None, since
                                 "AND impl LIKE ?", (device, dtype, acc, since_choice))
         chosen = {(int(M), int(N), int(K), impl): created for M, N, K, impl, created in rows}
     out: dict = {}
-    for session, M, N, K, impl, us, created in store.db.execute(q, args):
+    for session, M, N, K, impl, us, created, details in store.db.execute(q, args):
         since = chosen.get((int(M), int(N), int(K), impl))
         if since is not None and created < since:
             continue  # timed an earlier choice
-        out.setdefault((int(M), int(N), int(K), session), {})[impl] = float(us)
+        paired = json.loads(details or "{}").get("paired") or {}
+        out.setdefault((int(M), int(N), int(K), session), {})[impl] = (float(us), paired)
     return out
+
+
+def _over(t: dict, a: str, b: str) -> float:
+    """b's time over a's in one session (_kernel_sessions' values): a's paired ratio to b where
+    recorded, else the medians'."""
+    r = t[a][1].get(b)
+    return float(r) if isinstance(r, (int, float)) and r > 0 else t[b][0] / t[a][0]
 
 
 def _session_speedups(store, device: str, dtype: str, acc: str) -> dict:
     """(M, N, K, impl) -> [speedup] for every kernel-mode session since the gemmrl impl's stored
     choice that timed it beside at least one baseline: the session's fastest baseline over the
-    impl's time."""
+    impl's time (by the impl's paired ratio to it where recorded)."""
     from gemmrl.report.export import is_baseline
 
     out: dict = {}
     for (M, N, K, _), t in _kernel_sessions(store, device, dtype, acc,
                                              since_choice=GEMMRL_IMPL_PREFIX + "%").items():
-        base = [us for i, us in t.items() if is_baseline(i)]
+        base = [i for i in t if is_baseline(i)]
         if not base:
             continue
-        for impl, us in t.items():
-            if impl.startswith(GEMMRL_IMPL_PREFIX):
-                out.setdefault((M, N, K, impl), []).append(min(base) / us)
+        for impl in t:
+            if impl.startswith(GEMMRL_IMPL_PREFIX):  # the fastest baseline over the impl
+                out.setdefault((M, N, K, impl), []).append(min(_over(t, impl, b) for b in base))
     return out
 
 
@@ -360,15 +369,16 @@ LT_MARGIN = 0.99
 def _lt_vs_heuristic(store, device: str, dtype: str) -> dict:
     """(M, N, K, layout) -> the kernel-time ratio of the autotuned cuBLASLt baseline (its stored
     choice) to the heuristic's first choice in every session that timed both (fp32 accumulation)
-    since that choice was stored: sessions of an earlier choice of the same shape do not count."""
+    since that choice was stored, by the paired ratio where recorded: sessions of an earlier
+    choice of the same shape do not count."""
     impls = [LT_IMPL.format(x) for x in ("nn", "tn")] + [f"cuBLASLt-heuristic-{x}" for x in ("nn", "tn")]
     sess = _kernel_sessions(store, device, dtype, "fp32", impls, since_choice=LT_IMPL.format("%"))
     out: dict = {}
     for (M, N, K, _), t in sess.items():
         for layout in LAYOUTS:
-            a, h = t.get(LT_IMPL.format(layout.lower())), t.get(f"cuBLASLt-heuristic-{layout.lower()}")
-            if a and h:
-                out.setdefault((int(M), int(N), int(K), layout), []).append(a / h)
+            a, h = LT_IMPL.format(layout.lower()), f"cuBLASLt-heuristic-{layout.lower()}"
+            if a in t and h in t:  # the autotuned choice's time over the heuristic's
+                out.setdefault((int(M), int(N), int(K), layout), []).append(_over(t, h, a))
     return out
 
 
