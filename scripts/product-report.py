@@ -21,6 +21,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 PAIRS = (("NN", "gemmrl.matmul-nn", "torch.matmul"), ("TN", "gemmrl.matmul-tn", "torch.matmul-tn"))
 MODES = ("kernel", "offline", "server")
 
@@ -45,10 +47,9 @@ def sessions(db: sqlite3.Connection, run: int) -> dict:
 
 def over(t: dict, a: str, b: str) -> float:
     """b's time over a's in one session: a's paired ratio to b where recorded, else the times'."""
-    paired = t[a][1].get(b)
-    if isinstance(paired, (int, float)) and math.isfinite(paired) and paired > 0:
-        return float(paired)
-    return t[b][0] / t[a][0]
+    from gemmrl.bench.stats import paired_over
+
+    return paired_over(t[a][1], b, t[a][0], t[b][0])
 
 
 def summarize(times: dict, served: set) -> dict:

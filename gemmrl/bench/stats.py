@@ -83,6 +83,16 @@ def judge_floor(problem, results: dict, peaks: dict | None, trusted: set) -> dic
     return out
 
 
+def paired_over(paired: dict, other, t_self: float, t_other: float) -> float:
+    """`other`'s time over this implementation's in one session: this record's paired ratio to
+    `other` (PairedRounds: the median within-round t_other / t_self; kernel protocol v3, server
+    v5) where it holds a positive finite number, else the ratio of the two times."""
+    r = paired.get(other) if paired else None
+    if isinstance(r, (int, float)) and math.isfinite(r) and r > 0:
+        return float(r)
+    return t_other / t_self
+
+
 def repeat_noise(t_first: float, t_repeat: float) -> float:
     """Relative disagreement of two timings of the same implementation."""
     return abs(t_repeat / t_first - 1.0)

@@ -197,9 +197,10 @@ def _kernel_sessions(store, device: str, dtype: str, acc: str, impls=None, since
 
 def _over(t: dict, a: str, b: str) -> float:
     """b's time over a's in one session (_kernel_sessions' values): a's paired ratio to b where
-    recorded, else the medians'."""
-    r = t[a][1].get(b)
-    return float(r) if isinstance(r, (int, float)) and r > 0 else t[b][0] / t[a][0]
+    recorded, else the medians' (bench.stats.paired_over)."""
+    from gemmrl.bench.stats import paired_over
+
+    return paired_over(t[a][1], b, t[a][0], t[b][0])
 
 
 def _session_speedups(store, device: str, dtype: str, acc: str) -> dict:
@@ -247,21 +248,20 @@ def _product_speedups(store, device: str, dtype: str, acc: str) -> dict:
             "AND dtype=? AND acc=? AND mode='kernel' AND status='ok' AND median_us > 0 AND session IN "
             "(SELECT session FROM measurements WHERE device=? AND mode='kernel' AND impl IN (?, ?))",
             (device, dtype, acc, device, *PRODUCT_IMPLS)):
-        sessions.setdefault(session, {})[impl] = (run_id, int(M), int(N), int(K), float(us),
-                                                  json.loads(details).get("paired") or {}, created)
+        t, where = sessions.setdefault(session, ({}, {}))
+        t[impl] = (float(us), json.loads(details).get("paired") or {})  # as _kernel_sessions' values
+        where[impl] = (run_id, int(M), int(N), int(K), created)
     out: dict = {}
-    for recs in sessions.values():
-        base = {i: r for i, r in recs.items() if is_baseline(i)}
+    for t, where in sessions.values():
+        base = [i for i in t if is_baseline(i)]
         for impl in PRODUCT_IMPLS:
-            ours = recs.get(impl)
-            if ours is None or not base:
+            if impl not in t or not base:
                 continue
-            run_id, M, N, K, us, paired, created = ours
+            run_id, M, N, K, created = where[impl]
             sha = served.get((run_id, M, N, K, impl))
             if sha is None:
                 continue
-            speedup = min(paired[b] if isinstance(paired.get(b), (int, float)) and paired[b] > 0 else r[4] / us
-                          for b, r in base.items())
+            speedup = min(_over(t, impl, b) for b in base)
             out.setdefault((M, N, K, impl[-2:].upper()), []).append((sha, speedup, created))
     return out
 
