@@ -187,6 +187,36 @@ def test_the_products_own_sessions_of_the_same_kernel_count_toward_the_median(st
                for s in m["skipped"])
 
 
+def test_a_winner_is_judged_by_its_own_sessions_baselines_after_they_are_timed_again(store, tmp_path):
+    """A later run that times some baselines again (the autotuned one picked again, with its
+    heuristic beside it) makes theirs the latest records. A winner timed in one session is still
+    judged by every baseline of that session: not by the ones left latest there (torch.matmul
+    alone), nor by a faster baseline timed only in a session of its own."""
+    p, q = Problem(12288, 4096, 128), Problem(128, 64, 8192)
+    for prob in (p, q):
+        spec = cutlass_sm90.heuristic_specs(prob, "NN")[0]
+        store.put_tuning(DEV, prob, "gemmrl-tuned", _choice(spec, "cutlass_sm90"), spec.name, 9.0)
+    run = store.start_run("gemmrl bench", DEV, PROV, {})
+    for prob, auto in ((p, 36.0), (q, 42.0)):
+        store.record_verification(run, DEV, prob, "gemmrl-tuned", True, "ok", {})
+        store.record_session(run, f"t{prob.M}", DEV, prob, "kernel", "kp1", {
+            "gemmrl-tuned": {"median_us": 40.0, "n": 50}, "torch.matmul": {"median_us": 44.0, "n": 50},
+            "cuBLASLt-auto-tuning-nn": {"median_us": auto, "n": 50}})
+    # an exhaustive cuBLASLt search, in a session of its own, found 30 us for q
+    store.record_session(run, "ex", DEV, q, "kernel", "kp1", {"cuBLASLt-exhaustive-nn": {"median_us": 30.0, "n": 50}})
+    again = store.start_run("gemmrl bench --impl cuBLASLt-auto-tuning-nn,cuBLASLt-heuristic-nn", DEV, PROV, {})
+    for prob in (p, q):
+        store.record_session(again, f"r{prob.M}", DEV, prob, "kernel", "kernel:v3:ci=0.005", {
+            "cuBLASLt-auto-tuning-nn": {"median_us": 41.0, "n": 50},
+            "cuBLASLt-heuristic-nn": {"median_us": 41.5, "n": 50}})
+    m = _manifest(export_pack(store, DEV, tmp_path / "p", "fp16", "fp32"))
+    rows = {(e["M"], e["N"], e["K"]): e for e in m["entries"]}
+    assert (12288, 4096, 128) not in rows  # 36 us beside it in its session: not against torch.matmul's 44
+    assert any("12288x4096x128" in s and "cuBLASLt-auto-tuning-nn 36.00 us" in s for s in m["skipped"])
+    e = rows[(128, 64, 8192)]  # 40 us against its session's 42: ships; the exhaustive 30 us was not there
+    assert (e["baseline"], e["baseline_us"], e["kernel_us"]) == ("cuBLASLt-auto-tuning-nn", 42.0, 40.0)
+
+
 def test_a_stored_choice_not_yet_verified_gives_way_to_the_verified_kernel(store, tmp_path):
     """A tune cut between its search and its final timing leaves a stored choice that was never
     verified in full: the pack ships the kernel the newest verification passed and timed."""

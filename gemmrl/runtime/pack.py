@@ -155,18 +155,21 @@ def _latest_kernel_times(store, device: str, dtype: str, acc: str) -> dict:
     return out
 
 
-def _best_baseline(records: dict, ours: dict) -> tuple[str | None, float | None]:
-    """The fastest baseline timed in the same session as `ours` (else the latest of any)."""
+def _best_baseline(latest: dict, session: dict) -> tuple[str | None, float | None]:
+    """The fastest baseline of `session` (_kernel_sessions' value for the session that timed our
+    kernel), else the latest of any (`latest`: {impl: latest record}). A baseline timed again in
+    a later session (the autotuned one picked again, say) still counts in our kernel's session:
+    the latest records alone would leave it out there and compare with the weaker rest."""
     from gemmrl.report.export import is_baseline
 
-    ok = {i: r for i, r in records.items()
-          if is_baseline(i) and r.get("status") == "ok" and r.get("median_us")}
-    same = {i: r for i, r in ok.items() if r["session"] == ours.get("session")}
-    pool = same or ok
+    pool = {i: us for i, (us, _) in session.items() if is_baseline(i)}
+    if not pool:
+        pool = {i: float(r["median_us"]) for i, r in latest.items()
+                if is_baseline(i) and r.get("status") == "ok" and r.get("median_us")}
     if not pool:
         return None, None
-    name = min(pool, key=lambda i: (pool[i]["median_us"], i))
-    return name, float(pool[name]["median_us"])
+    name = min(pool, key=lambda i: (pool[i], i))
+    return name, pool[name]
 
 
 def _kernel_sessions(store, device: str, dtype: str, acc: str, impls=None, since_choice=None) -> dict:
@@ -277,6 +280,7 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
         "SELECT M, N, K, impl, choice, time_us, created FROM tuning WHERE device=? AND dtype=? AND acc=? "
         "AND impl LIKE ? ORDER BY M, N, K, impl", (device, dtype, acc, GEMMRL_IMPL_PREFIX + "%")).fetchall()
     times = _latest_kernel_times(store, device, dtype, acc)
+    every_session = _kernel_sessions(store, device, dtype, acc)  # our kernel's own, for its baselines
     speedups = _session_speedups(store, device, dtype, acc)
     product = _product_speedups(store, device, dtype, acc)
     cands, runs, skipped = [], set(), []
@@ -315,7 +319,8 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
                 skipped.append(f"{problem.shape} {impl}: kernel timing {ours.get('status')}")
                 continue
             kernel_us = float(ours["median_us"])
-            baseline, baseline_us = _best_baseline(recs, ours)
+            baseline, baseline_us = _best_baseline(
+                recs, every_session.get((problem.M, problem.N, problem.K, ours["session"]), {}))
             since = list(speedups.get((problem.M, problem.N, problem.K, impl), []))
             theirs = product.get((problem.M, problem.N, problem.K, spec.layout), [])
             if theirs:
