@@ -867,13 +867,21 @@ def noise(db, run_ids, json_path):
 def pack(db, device, dtype, acc, min_speedup, out_dir):
     """Export the verified winners for one GPU as a pack (manifest + kernel sources); load it
     anywhere with gemmrl.use_pack(DIR). No GPU needed."""
-    from gemmrl.runtime.pack import PackError, export_pack
+    from gemmrl.runtime.pack import MANIFEST, PackError, export_pack, pack_changes
 
     store, device = _open_for_reading(db, device, require_measured=False)
+    previous = None
+    try:  # the pack this export replaces, to say what changed
+        previous = json.loads((Path(out_dir) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        pass
     try:
         path = export_pack(store, device, out_dir, dtype, acc, min_speedup=min_speedup)
     except PackError as e:
         raise click.ClickException(str(e)) from None
+    for line in pack_changes(json.loads((path / MANIFEST).read_text()),
+                             previous if isinstance(previous, dict) else None):
+        click.echo(line, err=True)
     click.echo(str(path))
 
 

@@ -653,7 +653,38 @@ def test_pack_command_exports_from_a_store(store, tmp_path):
     assert r.exit_code == 0, r.output
     m = json.loads((tmp_path / "p" / "manifest.json").read_text())
     assert m["entries"] and all(e["M"] > 0 for e in m["entries"])
+    assert r.stdout.strip() == str(tmp_path / "p")  # the summary goes to stderr: stdout stays the path
+    assert "4 kernel entries (3 cutlass_sm90, 1 raw), 3 sources; 0 cuBLASLt algorithms" in r.stderr
+    assert "replaced" not in r.stderr  # nothing was there before
+    r = CliRunner().invoke(main, ["pack", "--db", db, "--device", DEV, "--out", str(tmp_path / "p")])
+    assert "kernel entries: as in the pack replaced" in r.stderr and "lt_algos: as in the pack replaced" in r.stderr
+    # the pack there had one entry fewer, another kernel for one, and an algorithm the export drops
+    m["entries"] = [e for e in m["entries"] if e["M"] != 16]
+    m["entries"][0]["source_sha256"] = "0" * 64
+    m["lt_algos"] = [{"M": 8, "N": 8, "K": 8, "layout": "TN", "algo": "00"}]
+    (tmp_path / "p" / "manifest.json").write_text(json.dumps(m))
+    r = CliRunner().invoke(main, ["pack", "--db", db, "--device", DEV, "--out", str(tmp_path / "p")])
+    assert r.exit_code == 0, r.output
+    first = f"{m['entries'][0]['M']}x{m['entries'][0]['N']}x{m['entries'][0]['K']} {m['entries'][0]['layout']}"
+    assert ("kernel entries against the pack replaced: 1 in (16x4096x14336 TN); 0 out; "
+            f"1 changed ({first})") in r.stderr
+    assert "lt_algos against the pack replaced: 0 in; 1 out (8x8x8 TN); 0 changed" in r.stderr
     r = CliRunner().invoke(main, ["pack", "--db", db, "--device", DEV, "--dtype", "bf16", "--out", str(tmp_path / "q")])
     assert r.exit_code == 1 and "Error" in r.output
     r = CliRunner().invoke(main, ["pack", "--db", str(tmp_path / "none.sqlite"), "--out", str(tmp_path / "q")])
     assert r.exit_code == 1 and "no store at" in r.output
+
+
+def test_pack_changes_names_at_most_eight_shapes_and_skips_malformed_items():
+    from gemmrl.runtime.pack import pack_changes
+
+    def ent(m, sha="a"):
+        return {"M": m, "N": 64, "K": 64, "layout": "NN", "family": "raw", "source_sha256": sha}
+
+    old = {"entries": [ent(1)], "lt_algos": []}
+    new = {"entries": [ent(m) for m in range(1, 12)] + [{"M": 5}], "lt_algos": [], "skipped": ["x"]}
+    lines = pack_changes(new, old)
+    assert lines[0].startswith("11 kernel entries (11 raw), 1 sources; 0 cuBLASLt algorithms (lt_algos); 1 notes")
+    assert "10 in (2x64x64 NN, 3x64x64 NN" in lines[1] and "9x64x64 NN and 2 more); 0 out; 0 changed" in lines[1]
+    assert lines[2] == "lt_algos: as in the pack replaced"
+    assert pack_changes(new) == lines[:1]

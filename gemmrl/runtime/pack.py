@@ -591,6 +591,45 @@ def _entry(i: int, e, dtype: str, acc: str, root: Path, errors: list) -> PackEnt
                      str(e.get("impl", "")), nums["kernel_us"], nums["baseline_us"], e.get("baseline"))
 
 
+def _keys(items) -> dict:
+    return {(int(e["M"]), int(e["N"]), int(e["K"]), e["layout"]): e for e in items or []
+            if isinstance(e, dict) and {"M", "N", "K", "layout"} <= e.keys()}
+
+
+def _names(keys, limit: int = 8) -> str:
+    shown = [f"{M}x{N}x{K} {layout}" for M, N, K, layout in sorted(keys)[:limit]]
+    return ", ".join(shown) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def pack_changes(new: dict, old: dict | None = None) -> list[str]:
+    """What an export wrote (manifest `new`), and what changed against the pack it replaced
+    (manifest `old`, None if there was none): lines for a person to read. Pure. A rule change or
+    a new session that moves many entries at once shows here before the pack is timed."""
+    entries, lt = _keys(new.get("entries")), _keys(new.get("lt_algos"))
+    fams: dict = {}
+    for e in entries.values():
+        fams[e.get("family")] = fams.get(e.get("family"), 0) + 1
+    lines = [f"{len(entries)} kernel entries ("
+             + ", ".join(f"{n} {f}" for f, n in sorted(fams.items(), key=lambda kv: str(kv[0])))
+             + f"), {len(set(e.get('source_sha256') for e in entries.values()))} sources; "
+             f"{len(lt)} cuBLASLt algorithms (lt_algos); {len(new.get('skipped') or [])} notes in `skipped` "
+             f"(winners left out, and why)"]
+    if old is None:
+        return lines
+    for what, now, before, field in (("kernel entries", entries, _keys(old.get("entries")), "source_sha256"),
+                                     ("lt_algos", lt, _keys(old.get("lt_algos")), "algo")):
+        came, went = set(now) - set(before), set(before) - set(now)
+        moved = {k for k in set(now) & set(before) if now[k].get(field) != before[k].get(field)}
+        if not (came or went or moved):
+            lines.append(f"{what}: as in the pack replaced")
+            continue
+        parts = [f"{len(came)} in" + (f" ({_names(came)})" if came else ""),
+                 f"{len(went)} out" + (f" ({_names(went)})" if went else ""),
+                 f"{len(moved)} changed" + (f" ({_names(moved)})" if moved else "")]
+        lines.append(f"{what} against the pack replaced: " + "; ".join(parts))
+    return lines
+
+
 def load_pack(path) -> Pack:
     """Read and check a pack directory (or its manifest.json); PackError lists every problem."""
     path = Path(path)
