@@ -19,7 +19,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTH
 @pytest.mark.parametrize("script, words", [
     ("server-noise.py", "--rounds"), ("fallback-gap.py", "pack"), ("product-gap.py", "pack"),
     ("protocol-gap.py", "--repeats"), ("launch-gap.py", "--calls"), ("cuda-l2-prebuild.py", "--shapes"),
-    ("autotune-check.py", "--layouts"), ("kernel-noise.py", "--rounds")])
+    ("autotune-check.py", "--layouts"), ("kernel-noise.py", "--rounds"), ("lt-host-cost.py", "--bursts")])
 def test_gpu_scripts_load_and_show_their_arguments(script, words):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--help"], capture_output=True,
                        text=True, env=ENV, timeout=300)
@@ -223,6 +223,37 @@ def test_launch_gap_refuses_unknown_variant_fields_and_kernel_names_before_any_g
         r = subprocess.run([sys.executable, str(ROOT / "scripts" / "launch-gap.py"), "--out", "x.json", *args,
                             "64x64x64"], capture_output=True, text=True, env=ENV, timeout=300)
         assert r.returncode == 2 and words in r.stderr, r.stderr
+
+
+def test_lt_host_cost_picks_the_clustered_entries_or_the_named_ones(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lt_host_cost", ROOT / "scripts" / "lt-host-cost.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def ent(m, layout, cluster):
+        return {"M": m, "N": 64, "K": 64, "layout": layout, "algo": "00",
+                "info": f"algo=66 tile=15 stages=35 splitk=1 cluster={cluster} (best of 8/8, ...)"}
+
+    man = {"lt_algos": [ent(128, "NN", 3), ent(64, "TN", 2), ent(256, "TN", 5), ent(64, "NN", 3), ent(32, "NN", 0),
+                        {"M": 1, "N": 1, "K": 1, "layout": "NN", "algo": "00"}]}
+    got = [(e["M"], e["layout"]) for e in mod.select(man)]
+    assert got == [(256, "TN"), (64, "NN"), (128, "NN")]  # 1x2x1 (5) first; 1x1x1 (2), auto (0), none: out
+    assert [(e["M"], e["layout"]) for e in mod.select(man, limit=1)] == [(256, "TN")]
+    named = mod.parse_shapes("64x64x64:TN, 128x64x64:NN")
+    assert named == [(64, 64, 64, "TN"), (128, 64, 64, "NN")]
+    assert [(e["M"], e["layout"]) for e in mod.select(man, named)] == [(64, "TN"), (128, "NN")]
+    with pytest.raises(ValueError, match="no lt_algos entry in the pack for 16x64x64:NN"):
+        mod.select(man, [(16, 64, 64, "NN")])
+    with pytest.raises(ValueError, match="expected MxNxK:NN"):
+        mod.parse_shapes("64x64x64")
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "manifest.json").write_text(json.dumps(man))
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "lt-host-cost.py"), "--pack", str(tmp_path / "p"),
+                        "--out", str(tmp_path / "o.json"), "--shapes", "9x9x9:NN"],
+                       capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 2 and "no lt_algos entry in the pack for 9x9x9:NN" in r.stderr, r.stderr
 
 
 def test_transfer_report_reads_a_store(tmp_path):
