@@ -682,9 +682,11 @@ def test_pack_changes_names_at_most_eight_shapes_and_skips_malformed_items():
         return {"M": m, "N": 64, "K": 64, "layout": "NN", "family": "raw", "source_sha256": sha}
 
     old = {"entries": [ent(1)], "lt_algos": []}
-    new = {"entries": [ent(m) for m in range(1, 12)] + [{"M": 5}], "lt_algos": [], "skipped": ["x"]}
+    new = {"entries": [ent(m) for m in range(1, 12)] + [{"M": 5}, {**ent(7), "M": "seven"}, "junk"],
+           "lt_algos": [], "skipped": ["x"]}
     lines = pack_changes(new, old)
     assert lines[0].startswith("11 kernel entries (11 raw), 1 sources; 0 cuBLASLt algorithms (lt_algos); 1 notes")
     assert "10 in (2x64x64 NN, 3x64x64 NN" in lines[1] and "9x64x64 NN and 2 more); 0 out; 0 changed" in lines[1]
     assert lines[2] == "lt_algos: as in the pack replaced"
     assert pack_changes(new) == lines[:1]
+    assert pack_changes(new, {"entries": "not a list", "lt_algos": None})[1].startswith("kernel entries against the pack replaced: 11 in")

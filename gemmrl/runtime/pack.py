@@ -592,8 +592,15 @@ def _entry(i: int, e, dtype: str, acc: str, root: Path, errors: list) -> PackEnt
 
 
 def _keys(items) -> dict:
-    return {(int(e["M"]), int(e["N"]), int(e["K"]), e["layout"]): e for e in items or []
-            if isinstance(e, dict) and {"M", "N", "K", "layout"} <= e.keys()}
+    """{(M, N, K, layout): item} of a manifest's entries or lt_algos; malformed items left out
+    (a summary of a hand-edited or broken manifest must not fail the export that replaces it)."""
+    out: dict = {}
+    for e in items if isinstance(items, list) else []:
+        try:
+            out[(int(e["M"]), int(e["N"]), int(e["K"]), str(e["layout"]))] = e
+        except (TypeError, KeyError, ValueError):
+            continue
+    return out
 
 
 def _names(keys, limit: int = 8) -> str:
