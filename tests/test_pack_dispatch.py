@@ -449,13 +449,17 @@ def test_shapes_tuned_here_where_the_libraries_win_never_go_to_a_neighbour(pack_
 
 def test_nearest_goes_no_farther_than_max_distance(pack_dir):
     pack = load_pack(pack_dir)
-    t = DispatchTable(pack.entries, pack.acc)  # default: 2 (one size 4x off, or two 2x)
-    assert t.max_distance == 2.0
+    t = DispatchTable(pack.entries, pack.acc)  # default: 0.5 (one size about 1.41x off)
+    assert t.max_distance == 0.5
     assert t.lookup(300, 4096, 4096, "TN", "fp16").problem == P1  # 0.23 away
-    assert t.lookup(128, 2048, 4096, "TN", "fp16").problem == P1  # exactly 2 away: served
-    assert t.lookup(64, 2048, 4096, "TN", "fp16") is None  # 3 away: torch.matmul
+    assert t.lookup(362, 4096, 4096, "TN", "fp16").problem == P1  # 0.4998 away: served
+    assert t.lookup(363, 4096, 4096, "TN", "fp16") is None  # 0.5037 away: the fallback
+    assert t.lookup(128, 2048, 4096, "TN", "fp16") is None  # 2 away: the fallback
     # 32x4096x14336 is 4.8 from 256x4096x4096, the nearest generic entry: too far by default
     assert t.lookup(32, 4096, 14336, "TN", "fp16") is None
+    wide = DispatchTable(pack.entries, pack.acc, max_distance=2.0)
+    assert wide.lookup(128, 2048, 4096, "TN", "fp16").problem == P1  # exactly 2 away: served
+    assert wide.lookup(64, 2048, 4096, "TN", "fp16") is None  # 3 away
     exact = DispatchTable(pack.entries, pack.acc, max_distance=0)
     assert exact.lookup(256, 4096, 4096, "TN", "fp16").problem == P1
     assert exact.lookup(300, 4096, 4096, "TN", "fp16") is None

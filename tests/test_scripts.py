@@ -19,7 +19,8 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTH
 @pytest.mark.parametrize("script, words", [
     ("server-noise.py", "--rounds"), ("fallback-gap.py", "pack"), ("product-gap.py", "pack"),
     ("protocol-gap.py", "--repeats"), ("launch-gap.py", "--calls"), ("cuda-l2-prebuild.py", "--shapes"),
-    ("autotune-check.py", "--layouts"), ("kernel-noise.py", "--rounds"), ("lt-host-cost.py", "--bursts")])
+    ("autotune-check.py", "--layouts"), ("kernel-noise.py", "--rounds"), ("lt-host-cost.py", "--bursts"),
+    ("nearest-loo.py", "--no-library")])
 def test_gpu_scripts_load_and_show_their_arguments(script, words):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--help"], capture_output=True,
                        text=True, env=ENV, timeout=300)
@@ -254,6 +255,20 @@ def test_lt_host_cost_picks_the_clustered_entries_or_the_named_ones(tmp_path):
                         "--out", str(tmp_path / "o.json"), "--shapes", "9x9x9:NN"],
                        capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode == 2 and "no lt_algos entry in the pack for 9x9x9:NN" in r.stderr, r.stderr
+
+
+def test_nearest_loo_summarizes_by_distance_bucket():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("nearest_loo", ROOT / "scripts" / "nearest-loo.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = [{"distance": 0.2, "x": 1.10}, {"distance": 0.5, "x": 0.94}, {"distance": 0.7, "x": 0.98},
+            {"distance": 1.0, "x": 1.02}, {"distance": 1.0, "x": None}, {"distance": 2.5, "x": 0.5}]
+    got = mod.summarize(rows, [0, 0.5, 1.0], "x")
+    assert got == [  # [0, 0.5) then [0.5, 1.0], the last bucket closed; 2.5 and None left out
+        {"distance": [0, 0.5], "count": 1, "median": 1.1, "below_0.99": 0, "below_0.95": 0},
+        {"distance": [0.5, 1.0], "count": 3, "median": 0.98, "below_0.99": 2, "below_0.95": 1}]
 
 
 def test_transfer_report_reads_a_store(tmp_path):

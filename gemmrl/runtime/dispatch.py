@@ -35,7 +35,11 @@ from gemmrl.core.problem import Problem
 from gemmrl.space import registry
 
 NEAREST_CACHE_LIMIT = 1 << 16
-NEAREST_MAX_DISTANCE = 2.0  # sum of |log2| size ratios; 0: exact shapes only
+# sum of |log2| size ratios; 0: exact shapes only. 0.5 (was 2.0): left out of the pack, a shape
+# the H200 grid's kernels served from a neighbour ran a median 1.07x torch.matmul within 0.5, 1.04x
+# at 0.5-1, 1.01x at 1-1.5 (44% of them below 0.99) and 0.96x at 1.5-2 (60% below 0.99)
+# (scripts/nearest-loo.py, results/h200/nearest-loo-h200.json); beyond it, the fallback.
+NEAREST_MAX_DISTANCE = 0.5
 
 
 class NeverCompileError(RuntimeError):
