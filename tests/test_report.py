@@ -376,7 +376,7 @@ def test_write_results_files_csvs_json_and_pngs(tmp_path):
     names = sorted(p.name for p in paths)
     assert names == sorted([
         f"{PREFIX}_speedup_offline.csv", f"{PREFIX}_speedup_server.csv",
-        f"{PREFIX}_times_offline.csv", f"{PREFIX}_times_server.csv", f"{PREFIX}_summary.json",
+        f"{PREFIX}_times_offline.csv.gz", f"{PREFIX}_times_server.csv.gz", f"{PREFIX}_summary.json",
         f"{PREFIX}_speedup_vs_flops.png", f"{PREFIX}_speedup_distribution.png",
         f"{PREFIX}_tflops.png"])
     assert sorted(os.listdir(tmp_path)) == names
@@ -399,15 +399,29 @@ def test_write_results_files_csvs_json_and_pngs(tmp_path):
     assert summary["modes"]["server"]["columns"]["torch.matmul"]["geomean"] == pytest.approx(2.0)
     assert summary["noise"]["offline"]["gemmrl"]["count"] == 2
 
-    # writing again replaces the files in place and still leaves no temp files
+    # the times tables are gzip'd CSV, the same bytes for the same table, and the same text as the
+    # uncompressed table writer's
+    import gzip
+
+    from gemmrl.report.export import table_csv, times_rows
+
+    gz = (tmp_path / f"{PREFIX}_times_offline.csv.gz").read_bytes()
+    assert gzip.decompress(gz).decode() == table_csv(*times_rows(all_records(), "offline", PEAKS))
+    assert gzip.decompress(gz).decode().splitlines()[0].startswith("mnk,")
+
+    # writing again replaces the files in place, removes an uncompressed times CSV of an earlier
+    # report and still leaves no temp files
+    (tmp_path / f"{PREFIX}_times_server.csv").write_text("old")
     write_results(all_records(seed=1), tmp_path, "gemmrl", PEAKS, PROVENANCE, PREFIX)
     assert sorted(os.listdir(tmp_path)) == names
+    write_results(all_records(), tmp_path, "gemmrl", PEAKS, PROVENANCE, PREFIX)
+    assert (tmp_path / f"{PREFIX}_times_offline.csv.gz").read_bytes() == gz  # deterministic
 
 
 def test_write_results_without_subject_writes_times_and_noise_only(tmp_path):
     paths = write_results(all_records(), tmp_path, None, None, PROVENANCE, PREFIX)
     assert sorted(p.name for p in paths) == sorted([
-        f"{PREFIX}_times_offline.csv", f"{PREFIX}_times_server.csv", f"{PREFIX}_summary.json"])
+        f"{PREFIX}_times_offline.csv.gz", f"{PREFIX}_times_server.csv.gz", f"{PREFIX}_summary.json"])
     summary = json.loads((tmp_path / f"{PREFIX}_summary.json").read_text())
     assert summary["modes"] == {}
     assert summary["noise"]["offline"]["gemmrl"]["max"] == pytest.approx(0.05)

@@ -623,7 +623,14 @@ def table_csv(columns: list[str], rows: list[list]) -> str:
 
 
 def write_csv(path: str | os.PathLike, columns: list[str], rows: list[list]) -> Path:
+    """The table as CSV at `path`; gzip-compressed where `path` ends in .gz (deterministic: no
+    name or time in the header, so the same table gives the same bytes)."""
     text = table_csv(columns, rows)
+    if str(path).endswith(".gz"):
+        import gzip
+
+        data = gzip.compress(text.encode("utf-8"), compresslevel=9, mtime=0)
+        return atomic_write(path, lambda f: f.write(data), binary=True)
     return atomic_write(path, lambda f: f.write(text))
 
 
@@ -656,7 +663,8 @@ def write_results(records: Iterable[dict], out_dir: str | os.PathLike, subject: 
     """Write one run's report into out_dir; return the paths written.
 
     Per mode: '<prefix>_speedup_<mode>.csv' (modes where the subject has records; none when
-    subject is None) and '<prefix>_times_<mode>.csv'; then '<prefix>_summary.json' (subject, prefix,
+    subject is None) and '<prefix>_times_<mode>.csv.gz' (gzip; an uncompressed one of an earlier
+    report is removed); then '<prefix>_summary.json' (subject, prefix,
     provenance, peaks and summarize()); then, unless subject is None or plots is False, PNGs
     beside them (see plots.py): '<prefix>_speedup_vs_flops.png',
     '<prefix>_speedup_distribution.png' (when the subject has records) and '<prefix>_tflops.png'.
@@ -682,7 +690,12 @@ def write_results(records: Iterable[dict], out_dir: str | os.PathLike, subject: 
     times: dict[str, tuple[list[str], list[list]]] = {}
     for mode in modes:
         times[mode] = times_rows(records, mode, peaks)
-        written.append(write_csv(out_dir / f"{prefix}_times_{mode}.csv", *times[mode]))
+        # every implementation's times per shape: the bulk of a report, for programs to read, so
+        # compressed (a fifth of the size; the committed results must fit a device call's carry)
+        written.append(write_csv(out_dir / f"{prefix}_times_{mode}.csv.gz", *times[mode]))
+        stale = out_dir / f"{prefix}_times_{mode}.csv"  # written uncompressed before
+        if stale.exists():
+            stale.unlink()
 
     summary = {"prefix": prefix, "provenance": provenance or {}, "peaks": peaks}
     summary.update(summarize(records, subject, peaks))
