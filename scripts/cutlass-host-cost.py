@@ -7,12 +7,9 @@ with torch.matmul and cuBLASLt autotuned beside them. GPU only.
         --shapes 128x2048x256,64x64x2048 --out host-cost.json [--jobs 16]
 
 For each shape the stored winner (gemmrl-tuned, fp32 accumulate, any GPU) is the spec. Two numbers
-per implementation, every implementation called the harness's way (fn(a, b_nn, b_tn, c)):
-- enqueue: host time per call in bursts of 200 calls with no synchronisation (under the launch
-  queue's depth, so the host never waits for the GPU), the median of 25 bursts, implementations
-  interleaved;
-- latency: synchronise, call, synchronise, one call at a time, implementations in a shuffled order
-  each round, the median of 600 rounds: what `bench --mode offline` sees.
+per implementation, enqueue and latency (gemmrl.bench.hostcost: host time per call in bursts of 200
+unsynchronised calls, the median of 25 bursts; and synchronise-call-synchronise, the median of 600
+shuffled rounds: what `bench --mode offline` sees).
 The new build runs twice (under two names) to show the noise; old and new must write identical C.
 """
 
@@ -20,10 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -45,6 +39,7 @@ def main() -> int:
 
     from gemmrl.baselines import impls as bl
     from gemmrl.bench import env
+    from gemmrl.bench.hostcost import enqueue_and_latency
     from gemmrl.build.ahead import job_for
     from gemmrl.build.nvcc import cache_root
     from gemmrl.build.pool import build_many
@@ -107,34 +102,8 @@ def main() -> int:
         same = bool(torch.equal(outs["old"], outs["new"]))
         ref = A.float() @ B.float()
         err = {n: float(((o.float() - ref).abs().max() / ref.abs().max()).item()) for n, o in outs.items()}
-        for _ in range(20):  # warm every path
-            for name, fn in fns.items():
-                fn(A, B, Bt, outs[name])
-        torch.cuda.synchronize()
-        enq: dict[str, list[float]] = {n: [] for n in fns}
-        for _ in range(a.bursts):
-            for name, fn in fns.items():
-                c = outs[name]
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(200):
-                    fn(A, B, Bt, c)
-                enq[name].append((time.perf_counter() - t0) / 200 * 1e6)
-                torch.cuda.synchronize()
-        lat: dict[str, list[float]] = {n: [] for n in fns}
-        order = list(fns)
-        rnd = random.Random(p.M + p.N + p.K)
-        for _ in range(a.rounds):
-            rnd.shuffle(order)
-            for name in order:
-                fn, c = fns[name], outs[name]
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                fn(A, B, Bt, c)
-                torch.cuda.synchronize()
-                lat[name].append((time.perf_counter() - t0) * 1e6)
-        med_e = {n: statistics.median(v) for n, v in enq.items()}
-        med_l = {n: statistics.median(v) for n, v in lat.items()}
+        med_e, med_l = enqueue_and_latency(fns, (A, B, Bt), outs, bursts=a.bursts, rounds=a.rounds,
+                                           seed=p.M + p.N + p.K)
         row = {"shape": p.shape, "spec": spec.name, "old_so": old_so, "new_so": new_so,
                "old_equals_new": same, "rel_err": err,
                "enqueue_us": med_e, "latency_us": med_l,

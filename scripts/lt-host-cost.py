@@ -15,11 +15,8 @@ time, which the product's shorter call path hides. This measures it:
 
 Without --shapes, the pack's `lt_algos` entries whose algorithm launches clusters of more than one
 block (cuBLASLt's cluster-shape enum above CUBLASLT_CLUSTER_SHAPE_1x1x1 = 2; 0 is 'auto'), up to --max.
-Two numbers per implementation, as scripts/cutlass-host-cost.py takes them:
-- enqueue: host time per call in bursts of 200 calls with no synchronisation (the host never
-  waits for the GPU there), the median of the bursts, implementations interleaved;
-- latency: synchronise, call, synchronise, one call at a time, implementations shuffled each
-  round, the median of the rounds: what `bench --mode offline` sees of one call.
+Two numbers per implementation, enqueue and latency (gemmrl.bench.hostcost, as
+scripts/cutlass-host-cost.py takes them).
 The heuristic plan runs twice (under two names) to show the noise. Results go to --out after
 every shape.
 """
@@ -28,11 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import re
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -95,6 +89,7 @@ def main() -> int:
     from gemmrl.baselines import impls as bl
     from gemmrl.baselines.cublas import load as cublas_load
     from gemmrl.bench import env
+    from gemmrl.bench.hostcost import enqueue_and_latency
     from gemmrl.core.problem import Problem
     from gemmrl.runtime.pack_impl import PackMatmul
 
@@ -130,36 +125,10 @@ def main() -> int:
         torch.cuda.synchronize()
         ref = A.float() @ B.float()
         err = {n: float(((o.float() - ref).abs().max() / ref.abs().max()).item()) for n, o in outs.items()}
-        for _ in range(20):  # warm every path
-            for name, fn in fns.items():
-                fn(A, B, Bt, outs[name])
-        torch.cuda.synchronize()
-        enq: dict[str, list[float]] = {n: [] for n in fns}
-        for _ in range(a.bursts):
-            for name, fn in fns.items():
-                c = outs[name]
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(200):
-                    fn(A, B, Bt, c)
-                enq[name].append((time.perf_counter() - t0) / 200 * 1e6)
-                torch.cuda.synchronize()
-        lat: dict[str, list[float]] = {n: [] for n in fns}
-        order = list(fns)
-        rnd = random.Random(p.M + p.N + p.K)
-        for _ in range(a.rounds):
-            rnd.shuffle(order)
-            for name in order:
-                fn, c = fns[name], outs[name]
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                fn(A, B, Bt, c)
-                torch.cuda.synchronize()
-                lat[name].append((time.perf_counter() - t0) * 1e6)
+        med_e, med_l = enqueue_and_latency(fns, (A, B, Bt), outs, bursts=a.bursts, rounds=a.rounds,
+                                           seed=p.M + p.N + p.K)
         for plan in plans.values():
             lib.destroy(plan)
-        med_e = {n: statistics.median(v) for n, v in enq.items()}
-        med_l = {n: statistics.median(v) for n, v in lat.items()}
         row = {"shape": p.shape, "layout": layout, "lt_info": e.get("info"),
                "heuristic_info": lib.describe(heur_algo), "rel_err": err,
                "enqueue_us": med_e, "latency_us": med_l,
