@@ -467,11 +467,21 @@ def _open_for_reading(db, device, *, require_measured: bool):
 @click.option("--acc", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16"]))
 @click.option("--versus", multiple=True, metavar="IMPL",
               help="also write the subject's speedup over IMPL per shape and mode (e.g. cuda-l2); repeatable")
-def report(db, out, device, subject, dtype, acc, versus):
+@click.option("--since-run", "since_run", default=None, type=click.IntRange(1, None), metavar="N",
+              help="only measurements of run N and later: a report of one session's work, without the "
+                   "older sessions of shapes it did not time")
+def report(db, out, device, subject, dtype, acc, versus, since_run):
     """Write CSVs (CUDA-L2's layout), the summary JSON and plots from the store (no GPU needed)."""
     store, device = _open_for_reading(db, device, require_measured=True)
     subj = subject or "torch.matmul"
     records = store.report_measurements(subj, device=device, dtype=dtype, acc=acc)
+    if since_run is not None:
+        # the subject's latest session per shape and mode is kept whole where it is recent enough;
+        # an implementation it did not time joins only from a recent run too
+        records = [r for r in records if r["run_id"] >= since_run]
+        if not any(r["impl"] == subj for r in records):
+            raise click.ClickException(f"--since-run {since_run}: no ok measurement of {subj!r} on {device} "
+                                       f"({dtype}, acc {acc}) from run {since_run} on; nothing written")
     for other in versus:  # before anything is written: a bad --versus leaves the old files whole
         if not any(r["impl"] == other for r in records):
             raise click.ClickException(f"--versus {other}: the store has no ok measurement of {other!r} "

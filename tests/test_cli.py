@@ -118,6 +118,30 @@ def test_report_versus_writes_the_head_to_head_and_refuses_an_unknown_impl(tmp_p
     assert not list((out / "h100").glob("torch.matmul_*"))
 
 
+def test_report_since_run_keeps_one_sessions_shapes(tmp_path):
+    """--since-run N: only shapes whose subject was timed from run N on, with that session's
+    implementations; an older session's shapes and an implementation timed only before N stay out."""
+    db = tmp_path / "s.sqlite"
+    st = Store(db)
+    _fill(st)  # run 1: both shapes
+    run = st.start_run("gemmrl bench", "NVIDIA H100 80GB HBM3", {"commit": "d00d"}, {})
+    st.record_session(run, "new", "NVIDIA H100 80GB HBM3", Problem(64, 64, 64), "kernel", "kernel:v3", {
+        n: {"median_us": t, "n": 20, "status": "ok", "details": {}}
+        for n, t in (("torch.matmul", 5.0), ("cuBLAS-nn", 4.0))})
+    st.finish_run(run)
+    st.close()
+    out = tmp_path / "res"
+    r = CliRunner().invoke(main, ["report", "--db", str(db), "--out", str(out), "--since-run", str(run)])
+    assert r.exit_code == 0, r.output
+    csv = (out / "h100" / "torch_matmul_h100_F32F16F16F32_speedup_kernel.csv").read_text().splitlines()
+    assert csv == ["mnk,torch.matmul,cuBLAS-nn,cuBLAS-max,best-baseline", "64_64_64,1.000,0.800,0.800,0.800"]
+    r = CliRunner().invoke(main, ["report", "--db", str(db), "--out", str(out)])  # without: both shapes
+    csv = (out / "h100" / "torch_matmul_h100_F32F16F16F32_speedup_kernel.csv").read_text().splitlines()
+    assert len(csv) == 3 and "cuBLAS-tn" in csv[0]
+    r = CliRunner().invoke(main, ["report", "--db", str(db), "--out", str(out), "--since-run", str(run + 1)])
+    assert r.exit_code == 1 and f"--since-run {run + 1}: no ok measurement" in r.output
+
+
 def test_report_errors(tmp_path):
     r = CliRunner().invoke(main, ["report", "--db", str(tmp_path / "none.sqlite")])
     assert r.exit_code == 1 and "no store at" in r.output
