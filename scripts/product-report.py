@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """The product against torch.matmul in one bench run: gemmrl.matmul-nn against torch.matmul and
 gemmrl.matmul-tn against torch.matmul-tn (`bench --impl pack:DIR`), split by whether the pack
-serves the (shape, layout) with a kernel of its own or it falls back, per mode. Ratios are taken
+serves the (shape, layout) with a kernel of its own, with a neighbour's kernel (an unseen shape;
+known from the run's verification records, which name the entry that served), or it falls back,
+per mode. Ratios are taken
 within each session by the reports' rule: the paired within-round ratio where a record has it
 (kernel protocol v3, server v5), else medians (means in server mode); the repeat of torch.matmul
 in the same sessions gives the noise. No GPU needed:
@@ -31,6 +33,34 @@ def served_keys(manifest: dict) -> set:
     return {(e["M"], e["N"], e["K"], e["layout"]) for e in manifest.get("entries", [])}
 
 
+def neighbour_keys(db: sqlite3.Connection, run: int) -> set:
+    """(M, N, K, layout) that gemmrl.matmul served with another shape's kernel in `run`: its
+    verification names the pack entry that served (runtime.pack_impl's `served`, with `exact`)."""
+    from gemmrl.runtime.pack_impl import served_kernel
+
+    out = set()
+    for M, N, K, impl, details in db.execute(
+            "SELECT M, N, K, impl, details FROM verifications WHERE run_id=? AND impl IN (?, ?)",
+            (run, PAIRS[0][1], PAIRS[1][1])):
+        served = served_kernel((json.loads(details or "{}") or {}).get("impl"))
+        if served is not None and served.get("exact") is False:
+            out.add((M, N, K, "TN" if impl == PAIRS[1][1] else "NN"))
+    return out
+
+
+def failed_keys(db: sqlite3.Connection, run: int) -> set:
+    """(M, N, K, layout) whose pack kernel failed to build or load in `run`: the call fell back."""
+    out = set()
+    for M, N, K, impl, details in db.execute(
+            "SELECT M, N, K, impl, details FROM verifications WHERE run_id=? AND impl IN (?, ?)",
+            (run, PAIRS[0][1], PAIRS[1][1])):
+        d = (json.loads(details or "{}") or {}).get("impl") or {}
+        got = d.get("served")
+        if isinstance(got, dict) and got.get("source_sha256") in (d.get("failures") or {}):
+            out.add((M, N, K, "TN" if impl == PAIRS[1][1] else "NN"))
+    return out
+
+
 def sessions(db: sqlite3.Connection, run: int) -> dict:
     """(mode, session, M, N, K) -> {impl: (time, paired)}: medians, means in server mode, and the
     record's paired ratios {other: t_other / t_self} where it has them (the reports' rule)."""
@@ -52,18 +82,23 @@ def over(t: dict, a: str, b: str) -> float:
     return paired_over(t[a][1], b, t[a][0], t[b][0])
 
 
-def summarize(times: dict, served: set) -> dict:
-    """{mode: {layout: {'served'|'fallback': stats}, 'noise': stats of torch.matmul / its repeat}}."""
+def kind_of(key: tuple, served: set, neighbours: set) -> str:
+    return "neighbour" if key in neighbours else "served" if key in served else "fallback"
+
+
+def summarize(times: dict, served: set, neighbours: set = frozenset()) -> dict:
+    """{mode: {'<layout> served'|'<layout> neighbour'|'<layout> fallback': stats, 'noise': stats of
+    torch.matmul / its repeat}}."""
     res: dict = {}
     for mode in MODES:
         per: dict = {}
         for layout, ours, torch_impl in PAIRS:
-            for kind in ("served", "fallback"):
+            for kind in ("served", "neighbour", "fallback"):
                 ratios, diffs, worst = [], [], None
                 for (md, _, M, N, K), t in times.items():
                     if md != mode or ours not in t or torch_impl not in t:
                         continue
-                    if ((M, N, K, layout) in served) != (kind == "served"):
+                    if kind_of((M, N, K, layout), served, neighbours) != kind:
                         continue
                     r = over(t, ours, torch_impl)
                     ratios.append(r)
@@ -103,7 +138,9 @@ def main(argv=None) -> int:
     row = db.execute("SELECT device, provenance FROM runs WHERE id=?", (a.run,)).fetchone()
     if row is None:
         ap.error(f"run {a.run} is not in {a.db}")
-    res = summarize(sessions(db, a.run), served_keys(json.loads(mf.read_text())))
+    # a pack kernel that failed in the run (not built, not loaded) left the call to the fallback
+    served = served_keys(json.loads(mf.read_text())) - failed_keys(db, a.run)
+    res = summarize(sessions(db, a.run), served, neighbour_keys(db, a.run))
     if not res:
         print(f"run {a.run} timed no gemmrl.matmul beside torch.matmul", file=sys.stderr)
         return 1

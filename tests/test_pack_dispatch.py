@@ -153,10 +153,12 @@ def test_the_products_own_sessions_of_the_same_kernel_count_toward_the_median(st
     spec = cutlass_sm90.heuristic_specs(p, "TN")[0]
     sha = sha256_text(cutlass_sm90.render(spec, p))
 
-    def product(i, served_sha, ours, base, paired=None, impl="gemmrl.matmul-tn", served=True):
+    def product(i, served_sha, ours, base, paired=None, impl="gemmrl.matmul-tn", served=True, failed=False):
         # a bench run verifies and times a shape once: one run per product session
         prun = store.start_run("gemmrl bench --impl pack:DIR", DEV, PROV, {})
         details = {"impl": {"served": {"source_sha256": served_sha, "shape": p.shape}} if served else {}}
+        if failed:  # the kernel could not be built there: the call fell back, the run timed that
+            details["impl"]["failures"] = {served_sha: "FileNotFoundError: CUTLASS headers not found"}
         store.record_verification(prun, DEV, p, impl, True, "ok", details)
         store.record_session(prun, f"prod{i}", DEV, p, "kernel", "kernel:v3:ci=0.005", {
             impl: {"median_us": ours, "n": 50, "details": {"paired": paired or {}}},
@@ -174,6 +176,7 @@ def test_the_products_own_sessions_of_the_same_kernel_count_toward_the_median(st
     product(1, "another kernel", 100.0, 50.0)  # another kernel served: not this one's session
     product(2, sha, 100.0, 50.0, served=False)  # no served record (before it was kept)
     product(3, sha, 100.0, 50.0, impl="gemmrl.matmul-nn")  # the other layout
+    product(9, sha, 100.0, 50.0, failed=True)  # this kernel, but it failed to build: the fallback ran
     # as the product, with this kernel: 0.97 by the paired ratio (1.10 by the medians)
     product(4, sha, 100.0, 110.0, paired={"cuBLAS-tn": 0.97, "torch.matmul": 1.9})
     m = _manifest(export_pack(store, DEV, tmp_path / "c", "fp16", "fp32"))
@@ -694,3 +697,15 @@ def test_pack_changes_names_at_most_eight_shapes_and_skips_malformed_items():
     assert lines[2] == "lt_algos: as in the pack replaced"
     assert pack_changes(new) == lines[:1]
     assert pack_changes(new, {"entries": "not a list", "lt_algos": None})[1].startswith("kernel entries against the pack replaced: 11 in")
+
+
+def test_served_kernel_names_the_entry_unless_it_failed_in_that_run():
+    from gemmrl.runtime.pack_impl import served_kernel
+
+    got = {"source_sha256": "ab", "shape": "64x64x64", "exact": False}
+    assert served_kernel({"served": got, "failures": {}}) == got
+    assert served_kernel({"served": got, "failures": {"ab": "no headers"}}) is None
+    assert served_kernel({"served": got, "failures": {"cd": "no headers"}}) == got
+    assert served_kernel({"served": None}) is None and served_kernel(None) is None
+    assert served_kernel({"served": {"shape": "64x64x64"}}) is None  # no source named
+

@@ -323,10 +323,26 @@ def test_product_report_splits_served_and_fallback_calls_per_session(tmp_path):
         "gemmrl.matmul-nn": {"median_us": 5.0, "n": 5, "details": {"paired": {"torch.matmul": 1.5}}},
         "torch.matmul": {"median_us": 10.0, "n": 5, "details": {"paired": {"gemmrl.matmul-nn": 1 / 1.5}}},
         "torch.matmul@repeat": {"median_us": 12.0, "n": 5, "details": {"paired": {"torch.matmul": 1 / 1.002}}}})
+    # an unseen shape the run served with a neighbour's kernel (its verification says so)
+    near = Problem(512, 64, 64)
+    st.record_session(run, "n-kernel", "GPU X", near, "kernel", "v3", {
+        "gemmrl.matmul-nn": {"median_us": 9.0, "n": 5}, "torch.matmul": {"median_us": 10.0, "n": 5}})
+    st.record_verification(run, "GPU X", near, "gemmrl.matmul-nn", True, "ok",
+                           {"impl": {"served": {"shape": "256x64x64", "exact": False, "source_sha256": "cc"}}})
+    st.record_verification(run, "GPU X", served, "gemmrl.matmul-nn", True, "ok",
+                           {"impl": {"served": {"shape": "64x64x64", "exact": True, "source_sha256": "aa"}}})
+    # a pack entry whose kernel failed to build in the run: the call fell back, so a fallback
+    broken = Problem(1024, 64, 64)
+    st.record_session(run, "b-kernel", "GPU X", broken, "kernel", "v3", {
+        "gemmrl.matmul-nn": {"median_us": 10.0, "n": 5}, "torch.matmul": {"median_us": 10.0, "n": 5}})
+    st.record_verification(run, "GPU X", broken, "gemmrl.matmul-nn", True, "ok",
+                           {"impl": {"served": {"shape": "1024x64x64", "exact": True, "source_sha256": "bb"},
+                                     "failures": {"bb": "FileNotFoundError: CUTLASS headers not found"}}})
     st.close()
     (tmp_path / "pack").mkdir()
     (tmp_path / "pack" / "manifest.json").write_text(json.dumps({"entries": [{"M": 64, "N": 64, "K": 64, "layout": "NN"},
-                                                                            {"M": 256, "N": 64, "K": 64, "layout": "NN"}]}))
+                                                                            {"M": 256, "N": 64, "K": 64, "layout": "NN"},
+                                                                            {"M": 1024, "N": 64, "K": 64, "layout": "NN"}]}))
     out = tmp_path / "r.json"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "product-report.py"), "--run", str(run), "--pack",
                         str(tmp_path / "pack"), "--db", str(tmp_path / "s.sqlite"), "--json", str(out)],
@@ -337,9 +353,13 @@ def test_product_report_splits_served_and_fallback_calls_per_session(tmp_path):
     k = res["kernel"]
     assert k["NN served"]["shapes"] == 2 and abs(k["NN served"]["geomean"] - (1.25 * 1.5) ** 0.5) < 1e-9
     assert k["noise"]["max |1 - r|"] < 0.011  # the paired repeat (0.2%); its median would say 20%
-    assert abs(k["NN fallback"]["geomean"] - 10 / 11) < 1e-9 and k["NN fallback"]["slower_than_0.99"] == 1
-    assert k["NN fallback"]["min_shape"] == "128x64x64" and k["NN fallback"]["median_diff_us"] == 1.0
+    assert abs(k["NN fallback"]["geomean"] - (10 / 11) ** 0.5) < 1e-9 and k["NN fallback"]["slower_than_0.99"] == 1
+    assert k["NN fallback"]["min_shape"] == "128x64x64" and k["NN fallback"]["median_diff_us"] == 0.5
+    assert abs(res["offline"]["NN fallback"]["geomean"] - 10 / 11) < 1e-9
     assert "| kernel | NN served | torch.matmul | 2 | 1.369 |" in r.stdout
+    assert k["NN neighbour"]["shapes"] == 1 and abs(k["NN neighbour"]["geomean"] - 10 / 9) < 1e-9
+    assert k["NN fallback"]["shapes"] == 2  # 128x64x64 and the failed kernel's 1024x64x64; not the neighbour's
+    assert "| kernel | NN neighbour | torch.matmul | 1 | 1.111 |" in r.stdout
     bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "product-report.py"), "--run", "99", "--pack",
                           str(tmp_path / "pack"), "--db", str(tmp_path / "s.sqlite")],
                          capture_output=True, text=True, env=ENV, timeout=300)

@@ -233,15 +233,17 @@ def _product_speedups(store, device: str, dtype: str, acc: str) -> dict:
     the kernel's source: pack_impl's `served`; a bench verifies and times a shape once a run): the
     session's fastest baseline over gemmrl.matmul's
     time, by gemmrl.matmul's paired ratio to it where recorded (kernel protocol v3), else by the
-    medians. Sessions before `served` was recorded say nothing and are left out."""
+    medians. Sessions before `served` was recorded say nothing and are left out, as do those
+    where the served kernel failed to build or load (the call fell back)."""
     from gemmrl.report.export import is_baseline
+    from gemmrl.runtime.pack_impl import served_kernel
 
     served: dict = {}
     for run_id, M, N, K, impl, details in store.db.execute(
             "SELECT run_id, M, N, K, impl, details FROM verifications WHERE device=? AND dtype=? AND acc=? "
             "AND impl IN (?, ?) ORDER BY id", (device, dtype, acc, *PRODUCT_IMPLS)):
-        got = (json.loads(details).get("impl") or {}).get("served")
-        if isinstance(got, dict) and got.get("source_sha256"):
+        got = served_kernel(json.loads(details).get("impl"))  # a kernel that failed there: not its session
+        if got is not None:
             served[(run_id, int(M), int(N), int(K), impl)] = got["source_sha256"]
     if not served:
         return {}

@@ -74,3 +74,19 @@ class PackMatmul(Impl):
             d["fallback"] = {"lt_algos": ops.lt_status(),
                              "fast_path": None if fast is None else fast.stats().get("lt")}
         return d
+
+
+def served_kernel(impl_details: dict | None) -> dict | None:
+    """The pack entry that served a shape in a bench run, from gemmrl.matmul's verification
+    details ('impl': describe()): {'shape', 'spec_name', 'source_sha256', 'exact'}; None where
+    the libraries served it, where the record predates `served`, or where that kernel failed in
+    the run (it could not be built or loaded: the call fell back, so the run timed the fallback,
+    not the kernel)."""
+    d = impl_details or {}
+    got = d.get("served")
+    if not isinstance(got, dict) or not got.get("source_sha256"):
+        return None
+    if got["source_sha256"] in (d.get("failures") or {}):
+        return None
+    return got
+
