@@ -157,7 +157,7 @@ def host_precision(mode: str, quick: bool, host_ci: float | None, host_max_s: fl
               help="kernel, offline, server or all (repeat or comma-separate)")
 @click.option("--impl", "impl_opts", multiple=True, default=("baselines",), show_default=True,
               help="baselines | exhaustive | torch.compile | <baseline name> | cuda-l2:DIR | kernel:FILE | "
-                   "gemmrl:FAMILY[+FAMILY] | ours | tuned | pack:DIR")
+                   "gemmrl:FAMILY[+FAMILY] | ours | tuned | pack:DIR[@nearest=D]")
 @click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "bf16"]))
 @click.option("--acc", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16"]))
 @click.option("--db", default=DEFAULT_DB, show_default=True, help="SQLite store (created if missing)")

@@ -58,3 +58,23 @@ def test_pack_spec_gives_the_product_in_both_layouts_and_falls_back_exactly():
 def test_pack_spec_refuses_a_directory_that_is_not_a_pack(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a pack"):
         impls_from_specs([f"pack:{tmp_path}"])
+
+
+def test_pack_spec_takes_the_neighbour_distance():
+    import math
+
+    impls = impls_from_specs([f"pack:{PACK}@nearest=2"])
+    assert [i.nearest for i in impls[:2]] == [2.0, 2.0]
+    try:
+        impls[0].prepare(Problem(64, 256, 128))
+        assert ops.active().table.max_distance == 2.0
+        impls = impls_from_specs([f"pack:{PACK}@nearest=inf"])
+        impls[1].prepare(Problem(64, 256, 128))
+        assert ops.active().table.max_distance == math.inf
+        assert impls_from_specs([f"pack:{PACK}"])[0].nearest is None  # use_pack's default
+    finally:
+        ops.use_pack(None)
+    for bad in ("-1", "far", "nan"):
+        with pytest.raises(ValueError, match="@nearest= needs a distance"):
+            impls_from_specs([f"pack:{PACK}@nearest={bad}"])
+

@@ -6,8 +6,10 @@ from __future__ import annotations
 def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> list:
     """Implementation specs: 'baselines' (torch + cuBLAS + cuBLASLt heuristic/auto-tuning, both
     layouts), 'exhaustive', 'torch.compile', a baseline's own name, 'cuda-l2:DIR',
-    'kernel:FILE.cu|FILE.so', 'pack:DIR' (gemmrl.matmul with that pack active, NN and TN, fallback
-    included: the product as a user calls it; with torch.matmul-tn, torch on the TN layout), or gemmrl's own kernels: 'gemmrl:FAMILY[+FAMILY]' (the fastest of
+    'kernel:FILE.cu|FILE.so', 'pack:DIR[@nearest=D]' (gemmrl.matmul with that pack active, NN and
+    TN, fallback included: the product as a user calls it; with torch.matmul-tn, torch on the TN
+    layout; D: how far a neighbour's kernel may serve an unseen shape, use_pack's `nearest`, a
+    number >= 0 or inf), or gemmrl's own kernels: 'gemmrl:FAMILY[+FAMILY]' (the fastest of
     each family's top candidates per shape; families: cutlass_sm90, raw), 'ours' (both) and
     'tuned' (the winners `gemmrl tune` stored) or 'race[:K[:built]]' (the tuned winner chosen again
     by a race of the search's top K candidates, default 3, in the full kernel protocol; stored;
@@ -58,8 +60,9 @@ def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> li
             elif s.startswith("pack:"):
                 from gemmrl.runtime.pack_impl import PackMatmul
 
+                path, nearest = _pack_spec(s)
                 # with torch.matmul-tn: each layout of the product against torch on that layout
-                out += [PackMatmul(s.split(":", 1)[1], lay) for lay in ("NN", "TN")]
+                out += [PackMatmul(path, lay, nearest=nearest) for lay in ("NN", "TN")]
                 out.append(all_named["torch.matmul-tn"])
             elif s.startswith("kernel:"):
                 from gemmrl.runtime.abi import AbiImpl
@@ -68,13 +71,28 @@ def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> li
             else:
                 raise ValueError(
                     f"unknown implementation {s!r}; known: baselines, exhaustive, "
-                    f"{', '.join(all_named)}, cuda-l2:DIR, kernel:FILE, pack:DIR, gemmrl:FAMILY, ours, tuned, race[:K[:built][:pdl]]")
+                    f"{', '.join(all_named)}, cuda-l2:DIR, kernel:FILE, pack:DIR[@nearest=D], gemmrl:FAMILY, ours, tuned, "
+                    f"race[:K[:built][:pdl]]")
     seen, unique = set(), []
     for i in out:
         if i.name not in seen:
             seen.add(i.name)
             unique.append(i)
     return unique
+
+
+def _pack_spec(s: str) -> tuple[str, float | None]:
+    """'pack:DIR[@nearest=D]' -> (DIR, D or None for use_pack's default)."""
+    path, sep, value = s.split(":", 1)[1].rpartition("@nearest=")
+    if not sep:
+        return s.split(":", 1)[1], None
+    try:
+        nearest = float(value)
+    except ValueError:
+        nearest = float("nan")
+    if not nearest >= 0:  # also refuses NaN
+        raise ValueError(f"{s!r}: @nearest= needs a distance >= 0 (inf: any), got {value!r}")
+    return path, nearest
 
 
 def _log_stderr(msg: str) -> None:

@@ -9,9 +9,10 @@ A shape the pack lists under `library` (tuned on the GPU, where no kernel of our
 libraries in that layout) gets no nearest entry: torch.matmul serves it, and so does an unseen
 shape at least as near to a listed one as to any entry that serves it (the nearest tuned shape
 decides). Nothing is padded or copied. Nearest = smallest sum of |log2| ratios of M, N and K, and no
-farther than `max_distance` (default 2: one size 4x off, or two 2x): a kernel tuned for
-512x12288x12288 is no evidence about a decode-sized 8x4096x4096, so such a shape goes to
-torch.matmul instead of a kernel that may well be slower there.
+farther than `max_distance` (default 0.5: one size about 1.41x off; see NEAREST_MAX_DISTANCE): a
+kernel tuned for 512x12288x12288 is no evidence about a decode-sized 8x4096x4096, and on the H200
+grid a neighbour one or two sizes away ran slower than torch.matmul as often as not, so such a
+shape goes to the fallback instead of a kernel that may well be slower there.
 
 `Dispatcher` adds the loading: each kernel source is built (build_shared, cached by content) and
 loaded on the first use of an entry, under a lock with a double check, from any thread. A small
