@@ -68,10 +68,12 @@ def test_pack_spec_takes_the_neighbour_distance():
     try:
         impls[0].prepare(Problem(64, 256, 128))
         assert ops.active().table.max_distance == 2.0
+        assert impls[0].describe()["nearest"] == 2.0  # the verification record keeps it
         impls = impls_from_specs([f"pack:{PACK}@nearest=inf"])
         impls[1].prepare(Problem(64, 256, 128))
         assert ops.active().table.max_distance == math.inf
         assert impls_from_specs([f"pack:{PACK}"])[0].nearest is None  # use_pack's default
+        assert "nearest" not in impls_from_specs([f"pack:{PACK}"])[0].describe()
     finally:
         ops.use_pack(None)
     for bad in ("-1", "far", "nan"):

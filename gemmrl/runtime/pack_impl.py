@@ -65,6 +65,8 @@ class PackMatmul(Impl):
 
     def describe(self) -> dict:
         d = {"name": self.name, "layout": self.layout, "pack": str(self.pack_dir)}
+        if self.nearest is not None:  # a neighbour distance other than use_pack's default
+            d["nearest"] = self.nearest
         if self._dispatcher is not None:
             e = self._dispatcher.describe()
             d.update(entries=e["entries"], failures=e["failures"], served=self._served)
