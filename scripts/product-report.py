@@ -33,32 +33,25 @@ def served_keys(manifest: dict) -> set:
     return {(e["M"], e["N"], e["K"], e["layout"]) for e in manifest.get("entries", [])}
 
 
-def neighbour_keys(db: sqlite3.Connection, run: int) -> set:
-    """(M, N, K, layout) that gemmrl.matmul served with another shape's kernel in `run`: its
-    verification names the pack entry that served (runtime.pack_impl's `served`, with `exact`)."""
+def run_served(db: sqlite3.Connection, run: int) -> tuple[set, set]:
+    """(neighbours, failed): the (M, N, K, layout)s gemmrl.matmul served in `run` with another
+    shape's kernel, and those whose pack kernel failed to build or load there (the call fell
+    back), from its verification records (runtime.pack_impl's `served`, `exact` and `failures`)."""
     from gemmrl.runtime.pack_impl import served_kernel
 
-    out = set()
-    for M, N, K, impl, details in db.execute(
-            "SELECT M, N, K, impl, details FROM verifications WHERE run_id=? AND impl IN (?, ?)",
-            (run, PAIRS[0][1], PAIRS[1][1])):
-        served = served_kernel((json.loads(details or "{}") or {}).get("impl"))
-        if served is not None and served.get("exact") is False:
-            out.add((M, N, K, "TN" if impl == PAIRS[1][1] else "NN"))
-    return out
-
-
-def failed_keys(db: sqlite3.Connection, run: int) -> set:
-    """(M, N, K, layout) whose pack kernel failed to build or load in `run`: the call fell back."""
-    out = set()
+    neighbours, failed = set(), set()
     for M, N, K, impl, details in db.execute(
             "SELECT M, N, K, impl, details FROM verifications WHERE run_id=? AND impl IN (?, ?)",
             (run, PAIRS[0][1], PAIRS[1][1])):
         d = (json.loads(details or "{}") or {}).get("impl") or {}
-        got = d.get("served")
-        if isinstance(got, dict) and got.get("source_sha256") in (d.get("failures") or {}):
-            out.add((M, N, K, "TN" if impl == PAIRS[1][1] else "NN"))
-    return out
+        key = (M, N, K, "TN" if impl == PAIRS[1][1] else "NN")
+        got = served_kernel(d)
+        if got is not None:
+            if got.get("exact") is False:
+                neighbours.add(key)
+        elif isinstance(d.get("served"), dict) and d["served"].get("source_sha256"):
+            failed.add(key)  # it named a kernel, and served_kernel refused it: that kernel failed
+    return neighbours, failed
 
 
 def sessions(db: sqlite3.Connection, run: int) -> dict:
@@ -139,8 +132,8 @@ def main(argv=None) -> int:
     if row is None:
         ap.error(f"run {a.run} is not in {a.db}")
     # a pack kernel that failed in the run (not built, not loaded) left the call to the fallback
-    served = served_keys(json.loads(mf.read_text())) - failed_keys(db, a.run)
-    res = summarize(sessions(db, a.run), served, neighbour_keys(db, a.run))
+    neighbours, failed = run_served(db, a.run)
+    res = summarize(sessions(db, a.run), served_keys(json.loads(mf.read_text())) - failed, neighbours)
     if not res:
         print(f"run {a.run} timed no gemmrl.matmul beside torch.matmul", file=sys.stderr)
         return 1

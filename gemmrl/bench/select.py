@@ -83,9 +83,10 @@ def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> li
 
 def _pack_spec(s: str) -> tuple[str, float | None]:
     """'pack:DIR[@nearest=D]' -> (DIR, D or None for use_pack's default)."""
-    path, sep, value = s.split(":", 1)[1].rpartition("@nearest=")
+    rest = s.split(":", 1)[1]
+    path, sep, value = rest.rpartition("@nearest=")
     if not sep:
-        return s.split(":", 1)[1], None
+        return rest, None
     try:
         nearest = float(value)
     except ValueError:
