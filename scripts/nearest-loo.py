@@ -115,7 +115,16 @@ def main() -> int:
                          "over_best_baseline": None if reward is None else round(reward, 4),
                          "over_torch_matmul": None if reward is None or not tob else round(reward / tob, 4)})
     store.close()
-    out = {"device": device, "pack": str(a.pack), "library": not a.no_library, "edges": edges,
+    import datetime as _dt
+
+    from gemmrl.bench.env import git_commit
+
+    # what it read: the pack's stamp (the GPU, driver, CUDA and torch its timings come from, and
+    # their runs) and this analysis's own commit and date (no GPU here)
+    out = {"device": device, "pack": str(a.pack), "pack_stamp": pack.stamp, "commit": git_commit(),
+           "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "command": "python3 scripts/nearest-loo.py " + " ".join(sys.argv[1:]),
+           "library": not a.no_library, "edges": edges,
            "served_by_a_neighbour": len(rows), "with_a_trial": sum(r["trials"] > 0 for r in rows),
            "over_best_baseline": summarize(rows, edges, "over_best_baseline"),
            "over_torch_matmul": summarize(rows, edges, "over_torch_matmul"), "rows": rows}
