@@ -50,6 +50,48 @@ def test_name_encodes_every_field_and_parses_back():
         CutlassSpec.from_name("sm90_coop_128x128")
 
 
+def test_lean_kernels_names_and_rules():
+    ws = CutlassSpec(64, 64, 64, 1, 2, "ws", "tile", layout="NN")
+    assert ws.name == "sm90_ws_64x64x64_c1x2_tile_s0_rh_sw1_nn_f16_f32"
+    tma = CutlassSpec(128, 64, 64, 2, 1, "tma", "tile", epilogue="nosmem")
+    assert tma.name == "sm90_tma_128x64x64_c2x1_tile_s0_rh_sw1_tn_f16_f32_nosmem"
+    for spec in (ws, tma, replace(ws, epilogue="nosmem"), replace(ws, stages=4)):
+        assert valid(spec) is None, valid(spec)
+        assert CutlassSpec.from_name(spec.name) == spec
+    # one MMA warpgroup holds the whole tile: 128 rows at most, and its accumulators are counted
+    # over 128 threads (128x192 fp32: 192 registers, the limit; 128x224 over it)
+    assert "tile_m must be 64 or 128" in valid(replace(ws, tile_m=256))
+    assert cs.mma_threads(ws) == cs.mma_threads(tma) == 128
+    assert valid(replace(ws, tile_m=128, tile_n=192)) is None
+    assert "registers" in valid(replace(ws, tile_m=128, tile_n=224))
+    # the lean kernels run one CTA per tile, and only they do
+    assert "scheduler 'tile'" in valid(replace(ws, scheduler="persistent"))
+    assert "scheduler 'tile'" in valid(replace(ws, scheduler="splitk", splits=2))
+    assert "lean kernels" in valid(replace(BASE, scheduler="tile"))
+    assert "lean kernels" in valid(CutlassSpec(64, 64, 64, 1, 1, "pingpong", "tile"))
+    # block-index tiles: CUTLASS's raster order and swizzle would be silently ignored, so refused
+    assert "raster" in valid(replace(ws, raster="along_m"))
+    assert "swizzle 1" in valid(replace(ws, swizzle=4))
+    assert "nosmem" in valid(replace(tma, epilogue="tma"))
+    assert "persistent kernels" in valid(replace(ws, pdl=True))
+    assert "partial tiles" in valid(replace(ws, reduction="nondeterministic"))
+    src = render(ws)
+    assert "cutlass::gemm::KernelTmaWarpSpecialized;" in src and "using TileSchedulerTag = void;" in src
+    assert "cutlass::epilogue::TmaWarpSpecialized;" in src
+    src = render(tma)
+    assert "cutlass::gemm::KernelTma;" in src and "cutlass::epilogue::NoSmemWarpSpecialized;" in src
+    # raced as a winner's twins, not searched: same tile, cluster, stages and precision
+    win = CutlassSpec(64, 64, 128, 1, 2, "pingpong", "persistent", 1, 5, "along_n", 4, "NN")
+    twins = cs.lean_twins(win)
+    assert [(t.schedule, t.epilogue) for t in twins] == [("ws", "tma"), ("ws", "nosmem"), ("tma", "nosmem")]
+    assert all((t.tile_m, t.tile_n, t.tile_k, t.cluster_m, t.cluster_n, t.stages, t.layout)
+               == (64, 64, 128, 1, 2, 5, "NN") and t.scheduler == "tile" for t in twins)
+    assert cs.lean_twins(BASE) == [replace(BASE, schedule=s, scheduler="tile", epilogue=e)
+                                   for s, e in (("ws", "tma"), ("ws", "nosmem"), ("tma", "nosmem"))]
+    assert cs.lean_twins(replace(BASE, tile_m=256)) == []  # no lean tile 256 rows high
+    assert not any(s.schedule in cs.LEAN_SCHEDULES for s in enumerate_specs("TN"))
+
+
 def test_key_is_a_stable_content_hash():
     assert BASE.key() == CutlassSpec().key()
     # fields added later are left out at their default, so older specs keep key, source and builds
@@ -372,8 +414,12 @@ def test_no_stale_golden_files():
 # cooperative fp32-acc NN c2x1; ping-pong TN fp16-acc; split-K 8 with the separate reduction (TN)
 NOSMEM = CutlassSpec(64, 32, 128, 1, 2, "pingpong", "persistent", 1, 0, "heuristic", 1, "NN", "fp16", "fp32",
                      epilogue="nosmem")
-# ... and the register-to-global epilogue, launched as a programmatic dependent
-COMPILED = [GOLDEN_SPECS[0], GOLDEN_SPECS[1], SR, replace(NOSMEM, pdl=True)]
+# ... and the register-to-global epilogue, launched as a programmatic dependent; the two lean
+# one-tile-per-CTA kernels (producer + one consumer warpgroup; one warpgroup doing both)
+LEAN_WS = CutlassSpec(64, 64, 64, 1, 2, "ws", "tile", layout="NN")
+LEAN_TMA = CutlassSpec(128, 64, 64, 2, 1, "tma", "tile", epilogue="nosmem")
+COMPILED = [GOLDEN_SPECS[0], GOLDEN_SPECS[1], SR, replace(NOSMEM, pdl=True), LEAN_WS, LEAN_TMA]
+THREADS = {"cooperative": 384, "pingpong": 384, "ws": 256, "tma": 128}
 
 
 def _cutlass_dirs():
@@ -443,7 +489,7 @@ def test_build_exports_the_abi(builds, spec):
     info = json.loads(_info(r.path))
     assert info["stages"] == cs.pipeline_stages(spec)
     assert info["smem_bytes"] <= cs.smem_bytes(spec) <= cs.SMEM_CAPACITY
-    assert info["threads"] == 384
+    assert info["threads"] == THREADS[spec.schedule]
     print(f"\n{spec.name}: {info}")
 
 

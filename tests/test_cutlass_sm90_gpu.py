@@ -49,6 +49,13 @@ SPECS = [
                 pdl=True),
     CutlassSpec(128, 128, 64, 2, 1, "cooperative", "persistent", 1, 0, "heuristic", 1, "TN", "fp16", "fp32",
                 pdl=True),
+    # the lean one-tile-per-CTA kernels: producer + one consumer warpgroup (ws), NN, 1x2 cluster;
+    # ws with the register-to-global epilogue, TN, fp16 accumulate; ws bf16 with a 128-row tile
+    # (two wgmma rows per warpgroup); one warpgroup doing loads and MMAs (tma), TN, 2x1 cluster
+    CutlassSpec(64, 64, 64, 1, 2, "ws", "tile", 1, 0, "heuristic", 1, "NN", "fp16", "fp32"),
+    CutlassSpec(64, 16, 128, 1, 1, "ws", "tile", 1, 0, "heuristic", 1, "TN", "fp16", "fp16", epilogue="nosmem"),
+    CutlassSpec(128, 128, 64, 1, 1, "ws", "tile", 1, 0, "heuristic", 1, "NN", "bf16", "fp32"),
+    CutlassSpec(128, 64, 64, 2, 1, "tma", "tile", 1, 0, "heuristic", 1, "TN", "fp16", "fp32", epilogue="nosmem"),
 ]
 PDL_SPECS = [s for s in SPECS if s.pdl]
 
@@ -118,7 +125,7 @@ def test_unaligned_shapes_are_refused_without_launching(built, spec):
     assert bool((c == 7).all()), "C changed although the call was refused"
 
 
-@pytest.mark.parametrize("spec", [SPECS[0], SPECS[2], SPECS[4], SPECS[5]], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", [SPECS[0], SPECS[2], SPECS[4], SPECS[5], SPECS[-4], SPECS[-1]], ids=lambda s: s.name)
 def test_cuda_graph_capture_and_replay(built, spec):
     """The call is capturable (stream-K's workspace clear is a memset node; the separate
     reduction's second kernel a programmatic dependent launch) and replays with the inputs'

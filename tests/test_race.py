@@ -194,6 +194,13 @@ def test_variants_move_one_field_the_built_only_search_never_moved():
     v = variants(spec, p, ("cluster",))
     assert {(x.cluster_m, x.cluster_n) for x in v} == {(1, 1), (2, 1), (1, 2)} - {(spec.cluster_m, spec.cluster_n)}
     assert all(replace(x, cluster_m=spec.cluster_m, cluster_n=spec.cluster_n) == spec for x in v)
+    assert variants(spec, p, ("lean",)) == []  # 128x256: too many accumulators for one warpgroup
+    small = cs.CutlassSpec(64, 64, 64, 1, 2, "pingpong", "persistent", layout="NN")
+    lean = variants(small, p, ("lean",))
+    assert [(x.schedule, x.scheduler, x.epilogue) for x in lean] == [
+        ("ws", "tile", "tma"), ("ws", "tile", "nosmem"), ("tma", "tile", "nosmem")]
+    assert all((x.tile_m, x.tile_n, x.tile_k, x.cluster_m, x.cluster_n, x.layout) == (64, 64, 64, 1, 2, "NN")
+               for x in lean)
     n_all = 9 + len(v)
     assert len(variants(spec, p)) == n_all and len({x.name for x in variants(spec, p)}) == n_all
     assert variants(raw.heuristic_specs(Problem(64, 1024, 4096), "TN")[0], p) == []  # per-shape family: none

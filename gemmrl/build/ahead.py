@@ -62,14 +62,17 @@ def entries(jobs: list[BuildJob]) -> list[str]:
 # the CUTLASS fields a search restricted to built kernels (tune --built-only) never moved: the
 # ahead-of-time builds were each family's heuristic candidates, all with CUTLASS's own raster
 # order, swizzle 1 and as many stages as fit
-VARIANT_FIELDS = ("raster", "swizzle", "stages", "epilogue", "pdl", "cluster")
+# ... and 'lean': the one-tile-per-CTA kernels with the spec's tile (cutlass_sm90.lean_twins),
+# which the search's pool does not hold
+VARIANT_FIELDS = ("raster", "swizzle", "stages", "epilogue", "pdl", "cluster", "lean")
 
 
 def variants(spec, problem, fields=VARIANT_FIELDS) -> list:
     """A CUTLASS spec's neighbours one field away, in `fields`: the other raster orders, the
     other swizzle sizes, one or two stages fewer than fit (explicit counts), and the other
     epilogue (TMA store or registers to global), the other launch (programmatic dependent or
-    not), the other cluster shapes; only those the family accepts for `problem`.
+    not), the other cluster shapes, the lean one-tile-per-CTA kernels of the same tile; only
+    those the family accepts for `problem`.
     Other families: none."""
     from dataclasses import replace
 
@@ -95,6 +98,8 @@ def variants(spec, problem, fields=VARIANT_FIELDS) -> list:
     if "cluster" in fields:
         out += [replace(spec, cluster_m=cm, cluster_n=cn) for cm, cn in cs.CLUSTERS
                 if (cm, cn) != (spec.cluster_m, spec.cluster_n)]
+    if "lean" in fields:
+        out += cs.lean_twins(spec)
     return [v for v in out if cs.valid(v, problem) is None]
 
 

@@ -165,7 +165,14 @@ def _repairs(family: str, spec) -> list:
     if family == "cutlass_sm90":
         s = replace(spec, splits=max(2, spec.splits) if spec.scheduler == "splitk" else 1)
         out = [s]
-        if s.schedule == "pingpong" and s.scheduler != "persistent":
+        if s.schedule in cutlass_sm90.LEAN_SCHEDULES:  # one CTA per tile: no order, swizzle or split
+            lean = replace(s, scheduler="tile", splits=1, raster="heuristic", swizzle=1, reduction="deterministic")
+            out.append(lean)
+            if lean.epilogue != "nosmem":
+                out.append(replace(lean, epilogue="nosmem"))
+        elif s.scheduler == "tile":
+            out.append(replace(s, scheduler="persistent", splits=1))
+        if s.schedule == "pingpong" and s.scheduler not in ("persistent", "tile"):
             out.append(replace(s, scheduler="persistent", splits=1))
         return out
     if family == "raw":
@@ -276,7 +283,8 @@ def _features(family: str, spec, problem: Problem, est_us: float) -> list[float]
               c12 * lN, k128, k128 * lK, sw, sw * lN, float(spec.raster == "along_m"),
               float(spec.raster == "along_n"), float(spec.layout == "NN"), spec.stages / 8,
               float(spec.reduction == "nondeterministic"), float(spec.reduction == "separate"),
-              float(getattr(spec, "epilogue", "tma") == "nosmem"), float(tn % 64 != 0 and tn > 32)]
+              float(getattr(spec, "epilogue", "tma") == "nosmem"), float(tn % 64 != 0 and tn > 32),
+              float(spec.schedule == "ws"), float(spec.schedule == "tma")]
     elif family == "raw":
         swap = float(spec.swap_ab)
         st = spec.stages / 4

@@ -29,8 +29,18 @@ from string import Template
 FAMILY = "cutlass_sm90"
 RENDER_VERSION = "1"  # bump when render() output changes for an unchanged spec
 
-SCHEDULES = ("cooperative", "pingpong")
-SCHEDULERS = ("persistent", "streamk", "splitk")
+# cooperative and ping-pong: CUTLASS's persistent warp-specialized kernels (a producer warpgroup,
+# two consumer warpgroups). 'ws' and 'tma' are its lean one-tile-per-CTA kernels, for outputs
+# with about one wave of tiles, where the persistent kernels' fixed cost per call is what we lose
+# to cuBLASLt (eleventh session): 'ws' (KernelTmaWarpSpecialized) is a producer warpgroup and one
+# consumer warpgroup, 256 threads, no tile loop and no register reallocation; 'tma' (KernelTma)
+# is one warpgroup that both issues the TMA loads and runs the MMAs, 128 threads, with the
+# register-to-global epilogue only. Both run with the 'tile' scheduler alone.
+SCHEDULES = ("cooperative", "pingpong", "ws", "tma")
+LEAN_SCHEDULES = ("ws", "tma")
+# 'tile': one CTA per output tile (cluster-rounded grid), the lean kernels' only launch; raster
+# order and swizzle do not apply to it
+SCHEDULERS = ("persistent", "streamk", "splitk", "tile")
 # how split-K / stream-K CTAs sum their partial tiles: CUTLASS's ReductionMode, in turn, in K
 # order (deterministic: each waits for the one before), or atomically in any order after the
 # first (nondeterministic: bit-for-bit results may differ between runs; no turnstile); or
@@ -66,7 +76,8 @@ BASE_MMA_N = (8, 16, 32, 64, 96, 128, 192, 256)
 MAINLOOP_BARRIER_BYTES = 16  # full + empty mbarrier per stage
 KERNEL_MISC_BYTES = 128  # order barriers, scheduler storage, alignment of the pipeline block
 
-_ABBREV = {"cooperative": "coop", "pingpong": "pp", "persistent": "persist", "streamk": "streamk",
+_ABBREV = {"cooperative": "coop", "pingpong": "pp", "ws": "ws", "tma": "tma", "persistent": "persist",
+           "streamk": "streamk", "tile": "tile",
            "heuristic": "rh", "along_m": "rm", "along_n": "rn", "fp16": "f16", "bf16": "bf16",
            "fp32": "f32"}
 _REDUCTION_SUFFIX = {"deterministic": "", "nondeterministic": "nd", "separate": "sr"}
@@ -156,8 +167,8 @@ class CutlassSpec:
             pdl=bool(g["pdl"]))
 
 
-_NAME_RE = re.compile(r"sm90_(?P<schedule>coop|pp)_(?P<tm>\d+)x(?P<tn>\d+)x(?P<tk>\d+)_c(?P<cm>\d+)x(?P<cn>\d+)"
-                      r"_(?P<sched>persist|streamk(?:nd)?|splitk\d+(?:nd|sr)?)_s(?P<stages>\d+)_(?P<raster>rh|rm|rn)_sw(?P<sw>\d+)"
+_NAME_RE = re.compile(r"sm90_(?P<schedule>coop|pp|ws|tma)_(?P<tm>\d+)x(?P<tn>\d+)x(?P<tk>\d+)_c(?P<cm>\d+)x(?P<cn>\d+)"
+                      r"_(?P<sched>persist|tile|streamk(?:nd)?|splitk\d+(?:nd|sr)?)_s(?P<stages>\d+)_(?P<raster>rh|rm|rn)_sw(?P<sw>\d+)"
                       r"_(?P<layout>nn|tn)_(?P<dtype>f16|bf16)_(?P<acc>f32|f16)(?:_(?P<epi>nosmem))?(?P<pdl>_pdl)?")
 
 
@@ -170,7 +181,8 @@ def _round_up(x: int, m: int) -> int:
 
 def mma_threads(spec: CutlassSpec) -> int:
     """Threads that hold accumulators: two consumer warpgroups share a tile in the cooperative
-    kernel; in ping-pong each warpgroup owns a whole tile."""
+    kernel; in ping-pong each warpgroup owns a whole tile, as the one MMA warpgroup of the lean
+    kernels ('ws', 'tma') does."""
     return 256 if spec.schedule == "cooperative" else 128
 
 
@@ -256,6 +268,10 @@ def valid(spec: CutlassSpec, problem=None) -> str | None:
     if s.schedule == "cooperative" and s.tile_m % 128:
         return (f"the cooperative schedule splits tile_m over two 64-row warpgroups: tile_m must be "
                 f"128 or 256, got {s.tile_m}")
+    lean = s.schedule in LEAN_SCHEDULES
+    if lean and s.tile_m > 128:
+        return (f"the {s.schedule!r} kernel has one MMA warpgroup (64 rows a wgmma): tile_m must be 64 "
+                f"or 128, got {s.tile_m}")
     if s.tile_n % 16 or not 16 <= s.tile_n <= 256:
         return f"tile_n must be a multiple of 16 in 16..256 (wgmma N and the epilogue tile), got {s.tile_n}"
     if s.tile_k not in TILE_KS:
@@ -263,6 +279,16 @@ def valid(spec: CutlassSpec, problem=None) -> str | None:
                 f"and the swizzled smem atom is 32 or 64 elements), got {s.tile_k}")
     if (s.cluster_m, s.cluster_n) not in CLUSTERS:
         return f"cluster must be 1x1, 2x1 or 1x2, got {s.cluster_m}x{s.cluster_n}"
+    if lean != (s.scheduler == "tile"):
+        return (f"the {s.schedule!r} kernel runs one CTA per tile: scheduler 'tile', not {s.scheduler!r}" if lean
+                else f"scheduler 'tile' is the lean kernels' ({', '.join(LEAN_SCHEDULES)}), not {s.schedule!r}'s")
+    if lean and (s.raster, s.swizzle) != ("heuristic", 1):
+        return (f"the {s.schedule!r} kernel maps CTAs to tiles by block index: raster 'heuristic' and "
+                f"swizzle 1 only, got {s.raster!r} and {s.swizzle}")
+    if s.schedule == "tma" and s.epilogue != "nosmem":
+        return "the 'tma' kernel (no warp specialization) takes the register-to-global epilogue (nosmem) only"
+    if lean and s.pdl:
+        return f"programmatic dependent launch is offered for the persistent kernels, not {s.schedule!r}"
     if s.schedule == "pingpong" and s.scheduler != "persistent" and not separate(s):
         return (f"the ping-pong kernel supports only the persistent scheduler, not {s.scheduler!r} "
                 f"(or split-K with the separate reduction)")
@@ -272,13 +298,13 @@ def valid(spec: CutlassSpec, problem=None) -> str | None:
             return f"scheduler 'splitk' needs splits in 2..{top}{' (separate reduction)' if separate(s) else ''}, got {s.splits}"
     elif s.splits != 1:
         return f"splits={s.splits} needs scheduler 'splitk' (it is {s.scheduler!r}); use splits=1"
-    if s.reduction != "deterministic" and s.scheduler == "persistent":
-        return "a reduction mode needs split-K or stream-K (the persistent scheduler has no partial tiles)"
+    if s.reduction != "deterministic" and s.scheduler in ("persistent", "tile"):
+        return f"a reduction mode needs split-K or stream-K (the {s.scheduler} scheduler has no partial tiles)"
     if s.reduction == "separate" and s.scheduler != "splitk":
         return "the separate reduction is a split-K mode (scheduler 'splitk'), not stream-K"
     if separate(s) and s.acc != "fp32":
         return "the separate reduction sums fp32 partials of an fp32 accumulator; acc must be fp32"
-    if s.epilogue == "nosmem" and s.scheduler != "persistent":
+    if s.epilogue == "nosmem" and s.scheduler not in ("persistent", "tile"):
         return ("the register-to-global epilogue (nosmem) is offered with the persistent scheduler only "
                 f"(the small outputs it is for; not tried with partial tiles), not {s.scheduler!r}")
     if not isinstance(s.pdl, bool):
@@ -338,10 +364,11 @@ def enumerate_specs(layout: str = "TN", dtype: str = "fp16", acc: str = "fp32") 
     the nondeterministic reduction (no turnstile: CTAs add their partials in any order), and
     split-K 4-64 with the separate reduction kernel for a few tiles of both schedules (fp32
     accumulators only). Narrow tiles (64x16, 64x32, 128x32) and 64-row ping-pong tiles of the
-    widths between (48 .. 176), persistent only, for small outputs; and every persistent 64-row
-    ping-pong tile up to 128 wide again with the register-to-global epilogue (nosmem)."""
+    widths between (48 .. 176), persistent only, for small outputs; every persistent 64-row
+    ping-pong tile up to 128 wide again with the register-to-global epilogue (nosmem). The lean
+    kernels ('ws', 'tma') are not here: see lean_twins."""
     out = []
-    for schedule in SCHEDULES:
+    for schedule in ("cooperative", "pingpong"):
         for tm in _TILE_M:
             for tn in _TILE_N:
                 for tk in (64, 128):
@@ -390,6 +417,20 @@ def enumerate_specs(layout: str = "TN", dtype: str = "fp16", acc: str = "fp32") 
                  and s.scheduler == "persistent"]:
         twin = replace(spec, epilogue="nosmem")
         if valid(twin) is None:
+            out.append(twin)
+    return out
+
+
+def lean_twins(spec: CutlassSpec, problem=None) -> list[CutlassSpec]:
+    """The lean one-tile-per-CTA kernels with a persistent spec's tile, cluster, stages and
+    precision: 'ws' with either epilogue, 'tma' with the register-to-global one; those valid()
+    accepts (for `problem`, if given). Not in enumerate_specs: they are raced against a winner
+    (build.ahead.variants field 'lean'), and join the search's pool only if they win there."""
+    out = []
+    for schedule, epilogue in (("ws", "tma"), ("ws", "nosmem"), ("tma", "nosmem")):
+        twin = replace(spec, schedule=schedule, scheduler="tile", splits=1, raster="heuristic", swizzle=1,
+                       reduction="deterministic", epilogue=epilogue, pdl=False)
+        if twin != spec and valid(twin, problem) is None:
             out.append(twin)
     return out
 
@@ -876,7 +917,9 @@ def render(spec: CutlassSpec, problem=None) -> str:
     s = spec
     nn = s.layout == "NN"
     sr = separate(s)
-    if s.scheduler == "persistent" or sr:  # the separate reduction's GEMM is a persistent batch
+    if s.scheduler == "tile":  # the lean kernels: grid = the (cluster-rounded) tiles
+        scheduler_tag, scheduler_args = "void", ""
+    elif s.scheduler == "persistent" or sr:  # the separate reduction's GEMM is a persistent batch
         scheduler_tag, scheduler_args = "cutlass::gemm::PersistentScheduler", ""
     else:
         mode = "SplitK" if s.scheduler == "splitk" else "Heuristic"
@@ -942,8 +985,7 @@ def render(spec: CutlassSpec, problem=None) -> str:
         layout_b_doc=("NN: B [K,N] row-major, N-contiguous" if nn
                       else "TN: B given as [N,K] row-major, K-contiguous"),
         tile_m=s.tile_m, tile_n=s.tile_n, tile_k=s.tile_k, cluster_m=s.cluster_m, cluster_n=s.cluster_n,
-        mainloop_schedule=("cutlass::gemm::KernelTmaWarpSpecializedCooperative" if s.schedule == "cooperative"
-                           else "cutlass::gemm::KernelTmaWarpSpecializedPingpong"),
+        mainloop_schedule=_MAINLOOP_SCHEDULE[s.schedule],
         epilogue_schedule=("cutlass::epilogue::NoSmemWarpSpecialized" if s.epilogue == "nosmem" else
                            "cutlass::epilogue::TmaWarpSpecializedCooperative" if s.schedule == "cooperative"
                            else "cutlass::epilogue::TmaWarpSpecialized"),
@@ -952,6 +994,12 @@ def render(spec: CutlassSpec, problem=None) -> str:
         raster=_CPP_RASTER[s.raster], swizzle=s.swizzle,
         meta_c=json.dumps(meta, separators=(", ", ": ")).replace("\\", "\\\\").replace('"', '\\"'),
     )
+
+
+_MAINLOOP_SCHEDULE = {"cooperative": "cutlass::gemm::KernelTmaWarpSpecializedCooperative",
+                      "pingpong": "cutlass::gemm::KernelTmaWarpSpecializedPingpong",
+                      "ws": "cutlass::gemm::KernelTmaWarpSpecialized",
+                      "tma": "cutlass::gemm::KernelTma"}
 
 
 def with_fields(spec: CutlassSpec, **changes) -> CutlassSpec:
