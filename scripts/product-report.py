@@ -33,13 +33,14 @@ def served_keys(manifest: dict) -> set:
     return {(e["M"], e["N"], e["K"], e["layout"]) for e in manifest.get("entries", [])}
 
 
-def run_served(db: sqlite3.Connection, run: int) -> tuple[set, set]:
+def run_served(db: sqlite3.Connection, run: int) -> tuple[dict, set]:
     """(neighbours, failed): the (M, N, K, layout)s gemmrl.matmul served in `run` with another
-    shape's kernel, and those whose pack kernel failed to build or load there (the call fell
-    back), from its verification records (runtime.pack_impl's `served`, `exact` and `failures`)."""
+    shape's kernel (each mapped to what served it: {'shape', 'spec_name', ...}), and those whose
+    pack kernel failed to build or load there (the call fell back), from its verification
+    records (runtime.pack_impl's `served`, `exact` and `failures`)."""
     from gemmrl.runtime.pack_impl import served_kernel
 
-    neighbours, failed = set(), set()
+    neighbours, failed = {}, set()
     for M, N, K, impl, details in db.execute(
             "SELECT M, N, K, impl, details FROM verifications WHERE run_id=? AND impl IN (?, ?)",
             (run, PAIRS[0][1], PAIRS[1][1])):
@@ -48,7 +49,7 @@ def run_served(db: sqlite3.Connection, run: int) -> tuple[set, set]:
         got = served_kernel(d)
         if got is not None:
             if got.get("exact") is False:
-                neighbours.add(key)
+                neighbours[key] = got
         elif isinstance(d.get("served"), dict) and d["served"].get("source_sha256"):
             failed.add(key)  # it named a kernel, and served_kernel refused it: that kernel failed
     return neighbours, failed
@@ -114,14 +115,43 @@ def summarize(times: dict, served: set, neighbours: set = frozenset()) -> dict:
     return res
 
 
+def neighbour_rows(times: dict, neighbours: dict) -> list[dict]:
+    """One row per (mode, shape, layout) a neighbour's kernel served: that shape, its distance
+    (runtime.dispatch.distance), the kernel, and torch.matmul's time over gemmrl.matmul's on the
+    same layout in the session; by mode, then shape."""
+    from gemmrl.runtime.dispatch import distance
+
+    rows = []
+    for (mode, _, M, N, K), t in times.items():
+        for layout, ours, torch_impl in PAIRS:
+            got = neighbours.get((M, N, K, layout))
+            if got is None or ours not in t or torch_impl not in t:
+                continue
+            try:
+                near = tuple(int(x) for x in str(got.get("shape")).lower().split("x"))
+                dist = round(distance((M, N, K), near), 3) if len(near) == 3 else None
+            except ValueError:
+                dist = None
+            rows.append({"mode": mode, "shape": f"{M}x{N}x{K}", "layout": layout, "neighbour": got.get("shape"),
+                         "distance": dist, "kernel": got.get("spec_name"), "us": t[ours][0],
+                         "torch_us": t[torch_impl][0], "vs_torch": over(t, ours, torch_impl)})
+    order = {m: i for i, m in enumerate(MODES)}
+    rows.sort(key=lambda r: (order.get(r["mode"], 99), tuple(int(x) for x in r["shape"].split("x")), r["layout"]))
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", type=int, required=True, help="the store's run id (a bench with --impl pack:DIR)")
-    ap.add_argument("--pack", required=True, help="the pack directory (or its manifest.json) that run used")
+    ap.add_argument("--pack", required=True, help="the pack directory (or its manifest.json) that run used; "
+                    "DIR@nearest=D as given to bench --impl pack: (recorded, the split is the run's own)")
     ap.add_argument("--db", default="results/gemmrl.sqlite")
     ap.add_argument("--json", help="also write the summary here")
     a = ap.parse_args(argv)
-    mf = Path(a.pack)
+    path, sep, nearest = a.pack.rpartition("@nearest=")
+    if not sep:
+        path, nearest = a.pack, None
+    mf = Path(path)
     mf = mf / "manifest.json" if mf.is_dir() else mf
     if not mf.is_file():
         ap.error(f"{a.pack}: no manifest.json")
@@ -139,7 +169,8 @@ def main(argv=None) -> int:
         return 1
     prov = json.loads(row[1] or "{}")
     print(f"run {a.run} on {row[0]} (driver {prov.get('driver')}, CUDA {prov.get('cuda')}, torch {prov.get('torch')}, "
-          f"commit {prov.get('commit')}, {prov.get('date')}); pack {mf.parent}")
+          f"commit {prov.get('commit')}, {prov.get('date')}); pack {mf.parent}"
+          + (f", neighbours within {nearest}" if nearest is not None else ""))
     print("| mode | call | against | shapes | geomean | min (shape) | below 0.99 | median diff us |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for mode, per in res.items():
@@ -150,9 +181,17 @@ def main(argv=None) -> int:
         if "noise" in per:
             n = per["noise"]
             print(f"| {mode} | noise | torch.matmul@repeat | | median {list(n.values())[0]:.4f} | max {n['max |1 - r|']:.4f} | | |")
+    rows = neighbour_rows(sessions(db, a.run), neighbours)
+    if rows:
+        print("\n| mode | shape | call | neighbour (distance) | its kernel | gemmrl.matmul us | torch.matmul us | ratio |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for r in rows:
+            print(f"| {r['mode']} | {r['shape']} | {r['layout']} | {r['neighbour']} ({r['distance']}) | `{r['kernel']}` "
+                  f"| {r['us']:.2f} | {r['torch_us']:.2f} | {r['vs_torch']:.3f} |")
     if a.json:
         Path(a.json).write_text(json.dumps({"run": a.run, "device": row[0], "provenance": prov, "pack": str(mf.parent),
-                                            "modes": res}, indent=1) + "\n")
+                                            "nearest": None if nearest is None else float(nearest),
+                                            "modes": res, "neighbours": rows}, indent=1) + "\n")
     return 0
 
 

@@ -360,6 +360,16 @@ def test_product_report_splits_served_and_fallback_calls_per_session(tmp_path):
     assert k["NN neighbour"]["shapes"] == 1 and abs(k["NN neighbour"]["geomean"] - 10 / 9) < 1e-9
     assert k["NN fallback"]["shapes"] == 2  # 128x64x64 and the failed kernel's 1024x64x64; not the neighbour's
     assert "| kernel | NN neighbour | torch.matmul | 1 | 1.111 |" in r.stdout
+    # each neighbour-served shape listed with what served it, at what distance, and its ratio
+    (row,) = json.loads(out.read_text())["neighbours"]
+    assert row["shape"] == "512x64x64" and row["neighbour"] == "256x64x64" and row["distance"] == 1.0
+    assert abs(row["vs_torch"] - 10 / 9) < 1e-9 and row["layout"] == "NN" and row["mode"] == "kernel"
+    assert json.loads(out.read_text())["nearest"] is None
+    r2 = subprocess.run([sys.executable, str(ROOT / "scripts" / "product-report.py"), "--run", str(run), "--pack",
+                         f"{tmp_path / 'pack'}@nearest=2", "--db", str(tmp_path / "s.sqlite"), "--json", str(out)],
+                        capture_output=True, text=True, env=ENV, timeout=300)
+    assert r2.returncode == 0, r2.stderr
+    assert json.loads(out.read_text())["nearest"] == 2.0 and "neighbours within 2" in r2.stdout
     bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "product-report.py"), "--run", "99", "--pack",
                           str(tmp_path / "pack"), "--db", str(tmp_path / "s.sqlite")],
                          capture_output=True, text=True, env=ENV, timeout=300)
