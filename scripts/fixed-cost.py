@@ -206,6 +206,15 @@ def main(argv=None) -> int:
     lt = impls_from_specs([f"cuBLASLt-auto-tuning-{args.layout.lower()}"], store=store, device=device)[0]
     lib = cublas_lib()
     records = []
+
+    def dump():  # after every anchor shape: a step cut by its time limit keeps what it measured
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({
+            "device": device, "torch": torch.__version__, "commit": _commit(),
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": sys.argv, "records": records,
+            "fits": summarize(records) + summarize(records, "kernel_mode_us")}, indent=1))
+
     for m, n, k_anchor in args.shapes:
         tag = f"{m}x{n}x{k_anchor}"
         anchor = Problem(m, n, k_anchor, dtype="fp16", acc="fp32")
@@ -289,6 +298,7 @@ def main(argv=None) -> int:
                       f"  kernel-mode {', '.join(_fmt(t) for t in rec['kernel_mode_us_reps'])} us/call"
                       f"  kernels/call {_fmt(rec.get('kernels_per_call'), '.1f')}"
                       f"  {', '.join(rec.get('names', []))[:70]}", flush=True)
+        dump()
     fits = summarize(records) + summarize(records, "kernel_mode_us")
     print(f"\n{'M':>6s} {'N':>6s} {'metric':15s} {'side':14s} {'intercept us':>12s} {'us/1024 K':>10s}"
           f" {'r2':>7s} {'n':>3s}")
@@ -301,12 +311,7 @@ def main(argv=None) -> int:
         else:
             print(f"{f['M']:6d} {f['N']:6d} {f['metric']:15s} {f['side']:14s} {f['intercept_us']:12.3f}"
                   f" {f['slope_us_per_1024k']:10.4f} {f['r2']:7.4f} {f['n']:3d}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({
-        "device": device, "torch": torch.__version__, "commit": _commit(),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": sys.argv,
-        "records": records, "fits": fits}, indent=1))
+    dump()
     return 0
 
 
