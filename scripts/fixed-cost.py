@@ -69,25 +69,26 @@ def fit_line(points: list[tuple[float, float]]) -> dict:
 
 
 def summarize(records: list[dict], metric: str = "duration_us") -> list[dict]:
-    """Per (M, N, side) the fit of `metric` against K over the records that have it (a number);
-    a side with fewer than two usable points (or one K only) gets an entry with 'skipped' and
-    no fit. Per (M, N) with both sides fitted, one more entry (side 'ours-cublaslt') with ours
+    """Per (M, N, anchor K, side) the fit of `metric` against K over the records that have it (a
+    number): two anchors of one M x N hold different configurations and are fitted apart. A
+    side with fewer than two usable points (or one K only) gets an entry with 'skipped' and
+    no fit. Per anchor with both sides fitted, one more entry (side 'ours-cublaslt') with ours
     minus cuBLASLt's intercept and slope. Entries are in the order the shapes first appear.
     Pure: tested on the CPU."""
-    points: dict[tuple[int, int], dict[str, list]] = {}
+    points: dict[tuple[int, int, int | None], dict[str, list]] = {}
     for r in records:
         if r.get("side") not in SIDES:
             continue
-        key = (int(r["M"]), int(r["N"]))
+        key = (int(r["M"]), int(r["N"]), None if r.get("anchor_k") is None else int(r["anchor_k"]))
         per = points.setdefault(key, {s: [] for s in SIDES})
         y = r.get(metric)
         if isinstance(y, (int, float)) and not isinstance(y, bool) and not math.isnan(y):
             per[r["side"]].append((r["K"], y))
     out = []
-    for (m, n), per in points.items():
+    for (m, n, ak), per in points.items():
         fits = {}
         for side in SIDES:
-            base = {"M": m, "N": n, "metric": metric, "side": side,
+            base = {"M": m, "N": n, "anchor_k": ak, "metric": metric, "side": side,
                     "ks": sorted(int(k) for k, _ in per[side])}
             try:
                 fits[side] = fit_line(per[side])
@@ -97,7 +98,7 @@ def summarize(records: list[dict], metric: str = "duration_us") -> list[dict]:
             out.append({**base, **fits[side]})
         if all(s in fits for s in SIDES):
             o, c = fits["ours"], fits["cublaslt"]
-            out.append({"M": m, "N": n, "metric": metric, "side": "ours-cublaslt",
+            out.append({"M": m, "N": n, "anchor_k": ak, "metric": metric, "side": "ours-cublaslt",
                         "d_intercept_us": o["intercept_us"] - c["intercept_us"],
                         "d_slope_us_per_k": o["slope_us_per_k"] - c["slope_us_per_k"],
                         "d_slope_us_per_1024k": o["slope_us_per_1024k"] - c["slope_us_per_1024k"]})

@@ -73,6 +73,18 @@ def test_summarize_fits_each_side_and_takes_the_difference(mod):
     assert all(f["metric"] == "duration_us" for f in out)
 
 
+def test_two_anchors_of_one_mxn_are_fitted_apart(mod):
+    """512x1024x1024 and 512x1024x4096 hold different winners and algorithms: one fit each (the
+    H100 run of 2026-11-26 had merged them into one line of ten points)."""
+    recs = [_rec(s, k, c + 0.001 * k, m=512, n=1024, anchor_k=1024) for s, c in (("ours", 3.0), ("cublaslt", 2.8))
+            for k in (128, 512, 2048)]
+    recs += [_rec(s, k, c + 0.002 * k, m=512, n=1024, anchor_k=4096) for s, c in (("ours", 3.5), ("cublaslt", 3.4))
+             for k in (128, 512, 2048)]
+    d = {f["anchor_k"]: f for f in mod.summarize(recs) if f["side"] == "ours-cublaslt"}
+    assert d[1024]["d_intercept_us"] == pytest.approx(0.2) and d[4096]["d_intercept_us"] == pytest.approx(0.1)
+    assert all(f["n"] == 3 for f in mod.summarize(recs) if f["side"] != "ours-cublaslt")
+
+
 def test_summarize_another_metric(mod):
     recs = [_rec(s, k, None, kernel_mode_us=c + 0.001 * k) for s, c in (("ours", 5.0), ("cublaslt", 4.5))
             for k in (128, 1024)]

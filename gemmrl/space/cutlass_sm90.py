@@ -421,13 +421,16 @@ def enumerate_specs(layout: str = "TN", dtype: str = "fp16", acc: str = "fp32") 
     return out
 
 
-def lean_twins(spec: CutlassSpec, problem=None) -> list[CutlassSpec]:
-    """The lean one-tile-per-CTA kernels with a persistent spec's tile, cluster, stages and
-    precision: 'ws' with either epilogue, 'tma' with the register-to-global one; those valid()
-    accepts (for `problem`, if given). Not in enumerate_specs: they are raced against a winner
-    (build.ahead.variants field 'lean'), and join the search's pool only if they win there."""
+def lean_twins(spec: CutlassSpec, problem=None, forms=None) -> list[CutlassSpec]:
+    """The lean one-tile-per-CTA kernel with a persistent spec's tile, cluster, stages and
+    precision: 'ws' with the TMA epilogue; with forms=LEAN_FORMS also 'ws' with the
+    register-to-global epilogue and 'tma' (which takes only that one); those valid() accepts (for
+    `problem`, if given). Raced against a winner (build.ahead.variants field 'lean'). On the
+    H100, run 158 (37 shapes whose persistent winner ran below cuBLASLt), the 'ws' twin won 22
+    races and the other two forms none: 1-8 us slower than it wherever the output has more than a
+    few tiles (results/README.md, eighteenth session), so only 'ws' is raced by default."""
     out = []
-    for schedule, epilogue in (("ws", "tma"), ("ws", "nosmem"), ("tma", "nosmem")):
+    for schedule, epilogue in (forms if forms is not None else (("ws", "tma"),)):
         twin = replace(spec, schedule=schedule, scheduler="tile", splits=1, raster="heuristic", swizzle=1,
                        reduction="deterministic", epilogue=epilogue, pdl=False)
         if twin != spec and valid(twin, problem) is None:
@@ -533,6 +536,9 @@ def heuristic_specs(problem, layout: str, acc: str | None = None, limit: int = 8
         if len(out) == limit:
             break
     return out
+
+
+LEAN_FORMS = (("ws", "tma"), ("ws", "nosmem"), ("tma", "nosmem"))  # (schedule, epilogue)
 
 
 # ---------------------------------------------------------------------------------------------
