@@ -282,7 +282,7 @@ def test_build_tuned_in_compiles_the_stored_winners_once_each(tmp_path, monkeypa
     monkeypatch.setenv("GEMMRL_CACHE", str(tmp_path / "cache"))
     db = tmp_path / "t.sqlite"
     store = Store(db)
-    cut = cutlass_sm90.heuristic_specs(Problem(256, 1024, 512), "TN")[0]
+    cut = next(s for s in cutlass_sm90.heuristic_specs(Problem(256, 1024, 512), "TN") if s.scheduler == "persistent")
     rw = raw.heuristic_specs(Problem(64, 1024, 4096), "TN")[0]
 
     def win(dev, p, fam, spec):

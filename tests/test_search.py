@@ -45,6 +45,15 @@ def _clip(x: float) -> float:
 
 
 def true_us(family: str, spec, problem: Problem) -> float:
+    if family == "cutlass_sm90" and spec.schedule in ("ws", "tma"):
+        # the lean one-tile-per-CTA kernels, as measured on the H100 (run 158): the ping-pong
+        # twin's time less half a microsecond of fixed cost while the tiles fit one wave; 1.2x
+        # its time on two waves, 1.45x on more
+        twin = replace(spec, schedule="pingpong", scheduler="persistent")
+        tiles = -(-problem.M // spec.tile_m) * -(-problem.N // spec.tile_n)
+        waves = -(-tiles // 132)
+        slower = 1.0 if waves == 1 else 1.2 if waves == 2 else 1.45
+        return true_us(family, twin, problem) * slower - (0.5 if waves == 1 else 0.0)
     nd = getattr(spec, "reduction", "deterministic") == "nondeterministic"
     # the simulated world prices a nondeterministic split-K kernel as its deterministic twin, plus
     # a modest hidden gain below: estimate_us's larger gain for it is a prior, not this world's truth
@@ -218,7 +227,13 @@ def test_pool_and_mutations_are_legal_and_local():
             for m in muts:
                 assert registry.get(f).valid(m, p) is None and m.name != s.name
                 changed = [k for k in s.__dataclass_fields__ if getattr(s, k) != getattr(m, k)]
-                assert 1 <= len(changed) <= 3, changed  # one field, plus its coupled repair
+                # one field, plus its coupled repair; into or out of the lean schedules the repair
+                # also resets what one tile per CTA has no use for (scheduler, split count and
+                # reduction, raster order and swizzle): the schedule and those alone
+                if "schedule" in changed and {s.schedule, m.schedule} & {"ws", "tma"}:
+                    assert set(changed) <= {"schedule", "scheduler", "splits", "reduction", "raster", "swizzle"}, changed
+                else:
+                    assert 1 <= len(changed) <= 3, changed
                 assert all(getattr(m, k) == getattr(s, k) for k in ("dtype", "acc") if hasattr(s, k))
                 assert m.layout in LAYOUTS
 

@@ -284,7 +284,8 @@ def _features(family: str, spec, problem: Problem, est_us: float) -> list[float]
               float(spec.raster == "along_n"), float(spec.layout == "NN"), spec.stages / 8,
               float(spec.reduction == "nondeterministic"), float(spec.reduction == "separate"),
               float(getattr(spec, "epilogue", "tma") == "nosmem"), float(tn % 64 != 0 and tn > 32),
-              float(spec.schedule == "ws"), float(spec.schedule == "tma")]
+              float(spec.schedule == "ws"), float(spec.schedule == "tma"),
+              float(spec.scheduler == "tile") * _log2(waves) / 4]
     elif family == "raw":
         swap = float(spec.swap_ab)
         st = spec.stages / 4

@@ -365,8 +365,9 @@ def enumerate_specs(layout: str = "TN", dtype: str = "fp16", acc: str = "fp32") 
     split-K 4-64 with the separate reduction kernel for a few tiles of both schedules (fp32
     accumulators only). Narrow tiles (64x16, 64x32, 128x32) and 64-row ping-pong tiles of the
     widths between (48 .. 176), persistent only, for small outputs; every persistent 64-row
-    ping-pong tile up to 128 wide again with the register-to-global epilogue (nosmem). The lean
-    kernels ('ws', 'tma') are not here: see lean_twins."""
+    ping-pong tile up to 128 wide again with the register-to-global epilogue (nosmem); and the
+    lean one-tile-per-CTA 'ws' kernel (TMA epilogue) over _LEAN_TILES. Its other forms (the
+    nosmem epilogue, 'tma') lost every race (run 158): not here."""
     out = []
     for schedule in ("cooperative", "pingpong"):
         for tm in _TILE_M:
@@ -418,7 +419,22 @@ def enumerate_specs(layout: str = "TN", dtype: str = "fp16", acc: str = "fp32") 
         twin = replace(spec, epilogue="nosmem")
         if valid(twin) is None:
             out.append(twin)
+    # the lean one-tile-per-CTA kernel ('ws', TMA epilogue) over the small tiles: about half a
+    # microsecond less fixed cost than the persistent kernels where the output is one wave of
+    # tiles or less (run 158, eighteenth session)
+    for tm, tn in _LEAN_TILES:
+        for tk in (64, 128):
+            if tk == 128 and tm + tn > 256:
+                continue
+            for cm, cn in CLUSTERS:
+                spec = CutlassSpec(tm, tn, tk, cm, cn, "ws", "tile", 1, 0, "heuristic", 1, layout, dtype, acc)
+                if valid(spec) is None:
+                    out.append(spec)
     return out
+
+
+# the lean kernel's tiles in the pool: those of the persistent winners its twins beat in run 158
+_LEAN_TILES = ((64, 16), (64, 32), (64, 64), (64, 128), (128, 32), (128, 64), (128, 128))
 
 
 def lean_twins(spec: CutlassSpec, problem=None, forms=None) -> list[CutlassSpec]:
@@ -458,6 +474,10 @@ SEPARATE_SPLITS = (4, 8, 16, 32, 64)
 SMS = 132  # H100 / H200 SXM
 L2_BYTES = 50 << 20  # H100 / H200
 SEPARATE_LAUNCH_US = 1.5  # a guess: the reduction kernel's launch and tail behind the GEMM
+LEAN_SAVING_US = 0.5  # the lean kernels' fixed cost below a persistent kernel's (run 158 races; fixed-cost.py fits)
+# a lean kernel's slowdown against its persistent twin per wave of tiles after the first, for
+# two at most (run 158: 1.14-1.29x on two waves, 1.33-1.65x on three to 42)
+LEAN_WAVE_COST = 0.25
 TURNSTILE_GBS = 50.0  # a guess at one SM's rate reading and writing a partial tile (estimate_us)
 
 
@@ -510,6 +530,11 @@ def estimate_us(spec: CutlassSpec, problem, tflops_per_sm: float = 5.5, gbs: flo
         partial_bytes = 2 * 4 * splits * problem.M * problem.N
         rate = l2_gbs if partial_bytes / 2 <= L2_BYTES * 0.6 else gbs
         return max(compute, memory) + SEPARATE_LAUNCH_US + partial_bytes / (rate * 1e3) + 3.0
+    if spec.scheduler == "tile":
+        # the lean one-tile-per-CTA kernels (run 158, H100): about 0.5 us less fixed cost than a
+        # persistent kernel within one wave of tiles; each further wave launches its CTAs again
+        slower = 1 + LEAN_WAVE_COST * min(waves - 1, 2)
+        return max(compute, memory) * slower + 3.0 - (LEAN_SAVING_US if waves == 1 else 0.0)
     if spec.scheduler == "streamk" and splits == 1 and tiles % usable:
         reduce = 2.0 + 8 * usable * spec.tile_m * spec.tile_n / (gbs * 1e3)  # the split last wave
     if splits > 1:
