@@ -32,9 +32,7 @@ import datetime as _dt
 import importlib.util
 import json
 import math
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -143,19 +141,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _commit() -> str | None:
-    if os.environ.get("GEMMRL_COMMIT"):
-        return os.environ["GEMMRL_COMMIT"]
-    try:
-        r = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT,
-                           timeout=10, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if r.returncode != 0:
-        return None
-    return r.stdout.strip() or None
-
-
 def _launch_gap():
     """scripts/launch-gap.py as a module (scripts/ is not a package): profile_graph, split_trace."""
     spec = importlib.util.spec_from_file_location("launch_gap", Path(__file__).resolve().parent / "launch-gap.py")
@@ -191,6 +176,7 @@ def main(argv=None) -> int:
 
     from gemmrl.baselines.impls import _stream, cublas_lib
     from gemmrl.bench import timing
+    from gemmrl.bench.env import git_commit
     from gemmrl.bench.select import impls_from_specs
     from gemmrl.core.problem import Problem
     from gemmrl.runtime.spec_impl import SpecImpl
@@ -211,7 +197,7 @@ def main(argv=None) -> int:
     def dump():  # after every anchor shape: a step cut by its time limit keeps what it measured
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({
-            "device": device, "torch": torch.__version__, "commit": _commit(),
+            "device": device, "torch": torch.__version__, "commit": git_commit(),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "command": sys.argv, "records": records,
             "fits": summarize(records) + summarize(records, "kernel_mode_us")}, indent=1))

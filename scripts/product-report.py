@@ -148,9 +148,12 @@ def main(argv=None) -> int:
     ap.add_argument("--db", default="results/gemmrl.sqlite")
     ap.add_argument("--json", help="also write the summary here")
     a = ap.parse_args(argv)
-    path, sep, nearest = a.pack.rpartition("@nearest=")
-    if not sep:
-        path, nearest = a.pack, None
+    from gemmrl.bench.select import _pack_spec
+
+    try:
+        path, nearest = _pack_spec(f"pack:{a.pack}")  # DIR[@nearest=D], as bench --impl takes it
+    except ValueError as e:
+        ap.error(str(e))
     mf = Path(path)
     mf = mf / "manifest.json" if mf.is_dir() else mf
     if not mf.is_file():
@@ -170,7 +173,7 @@ def main(argv=None) -> int:
     prov = json.loads(row[1] or "{}")
     print(f"run {a.run} on {row[0]} (driver {prov.get('driver')}, CUDA {prov.get('cuda')}, torch {prov.get('torch')}, "
           f"commit {prov.get('commit')}, {prov.get('date')}); pack {mf.parent}"
-          + (f", neighbours within {nearest}" if nearest is not None else ""))
+          + (f", neighbours within {nearest:g}" if nearest is not None else ""))
     print("| mode | call | against | shapes | geomean | min (shape) | below 0.99 | median diff us |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for mode, per in res.items():
@@ -190,7 +193,7 @@ def main(argv=None) -> int:
                   f"| {r['us']:.2f} | {r['torch_us']:.2f} | {r['vs_torch']:.3f} |")
     if a.json:
         Path(a.json).write_text(json.dumps({"run": a.run, "device": row[0], "provenance": prov, "pack": str(mf.parent),
-                                            "nearest": None if nearest is None else float(nearest),
+                                            "nearest": nearest,
                                             "modes": res, "neighbours": rows}, indent=1) + "\n")
     return 0
 

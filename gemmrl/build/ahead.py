@@ -62,8 +62,8 @@ def entries(jobs: list[BuildJob]) -> list[str]:
 # the CUTLASS fields a search restricted to built kernels (tune --built-only) never moved: the
 # ahead-of-time builds were each family's heuristic candidates, all with CUTLASS's own raster
 # order, swizzle 1 and as many stages as fit
-# ... and 'lean': the one-tile-per-CTA kernels with the spec's tile (cutlass_sm90.lean_twins),
-# which the search's pool does not hold
+# ... and 'lean': the one-tile-per-CTA kernel with the spec's tile (cutlass_sm90.lean_twins), which
+# the search's pool holds for seven small tiles only
 VARIANT_FIELDS = ("raster", "swizzle", "stages", "epilogue", "pdl", "cluster", "lean")
 
 

@@ -435,6 +435,7 @@ def enumerate_specs(layout: str = "TN", dtype: str = "fp16", acc: str = "fp32") 
 
 # the lean kernel's tiles in the pool: those of the persistent winners its twins beat in run 158
 _LEAN_TILES = ((64, 16), (64, 32), (64, 64), (64, 128), (128, 32), (128, 64), (128, 128))
+LEAN_FORMS = (("ws", "tma"), ("ws", "nosmem"), ("tma", "nosmem"))  # (schedule, epilogue)
 
 
 def lean_twins(spec: CutlassSpec, problem=None, forms=None) -> list[CutlassSpec]:
@@ -561,9 +562,6 @@ def heuristic_specs(problem, layout: str, acc: str | None = None, limit: int = 8
         if len(out) == limit:
             break
     return out
-
-
-LEAN_FORMS = (("ws", "tma"), ("ws", "nosmem"), ("tma", "nosmem"))  # (schedule, epilogue)
 
 
 # ---------------------------------------------------------------------------------------------
