@@ -177,6 +177,7 @@ def main(argv=None) -> int:
     from gemmrl.baselines.impls import _stream, cublas_lib
     from gemmrl.bench import timing
     from gemmrl.bench.env import git_commit
+    from gemmrl.bench.env import provenance as env_provenance
     from gemmrl.bench.select import impls_from_specs
     from gemmrl.core.problem import Problem
     from gemmrl.runtime.spec_impl import SpecImpl
@@ -193,11 +194,12 @@ def main(argv=None) -> int:
     lt = impls_from_specs([f"cuBLASLt-auto-tuning-{args.layout.lower()}"], store=store, device=device)[0]
     lib = cublas_lib()
     records = []
+    provenance = env_provenance()  # device, driver, CUDA, torch, commit, date: once, for the JSON
 
     def dump():  # after every anchor shape: a step cut by its time limit keeps what it measured
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({
-            "device": device, "torch": torch.__version__, "commit": git_commit(),
+            "device": device, "torch": torch.__version__, "commit": git_commit(), "provenance": provenance,
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "command": sys.argv, "records": records,
             "fits": summarize(records) + summarize(records, "kernel_mode_us")}, indent=1))
