@@ -3,7 +3,9 @@
 # minutes where tunes and benches of different shape sets must share one call:
 #   GEMMRL_COMMIT=<hash> STEPS="tune --shapes A ...; bench --shapes B ..." scripts/device-steps.sh OUT
 # A step may also be "pytest ARGS" (python3 -m pytest ARGS) or "scripts/NAME.py ARGS" (python3
-# scripts/NAME.py ARGS); those get no --db or --out, and find OUT in their environment.
+# scripts/NAME.py ARGS); those get no --db or --out, and find OUT in their environment; so does
+# "build ARGS" (gemmrl build, e.g. --tuned-in results/gemmrl.sqlite --variants epi: kernels the next
+# steps race, compiled on the device's cores into the cache they read).
 # STEPS run on GPU 0; on a machine with G GPUs, STEPS_1 .. STEPS_<G-1> run on the others at once
 # (each lane's steps in turn, all writing the one store).
 # Carry .ext/carry/nvidia_cutlass-*.whl and the build caches the steps need (.ext/carry/gcache*.txz,
@@ -48,6 +50,7 @@ lane() {
     [ "$g" = 0 ] && id=$i || id=$g.$i
     case "$verb" in
       tune|bench) extra+=(--out "$out/logs/results-$id");;
+      build) extra=();;  # kernels for later steps, into the one cache (build --tuned-in results/gemmrl.sqlite ...)
       pytest) cmd=(python3 -m); extra=(); label="python3 -m";;         # the GPU tests, say
       scripts/*.py) cmd=(python3); extra=(); label=python3; verb=$(basename "$verb" .py);;  # a diagnostic
     esac

@@ -110,6 +110,33 @@ def test_key_is_a_stable_content_hash():
         CutlassSpec.from_dict({**BASE.to_dict(), "warps": 4})
 
 
+def test_epilogue_subtile_override():
+    """epi_n: the TMA epilogue's subtile width, CUTLASS's EpilogueTileType override; 0 keeps
+    EpilogueTileAuto (and every older spec's key and source)."""
+    pp = CutlassSpec(128, 192, 64, 2, 1, "pingpong", "persistent")
+    assert "epi_n" not in pp.to_dict()
+    e96 = replace(pp, epi_n=96)
+    assert e96.name == "sm90_pp_128x192x64_c2x1_persist_s0_rh_sw1_tn_f16_f32_e96"
+    assert e96.to_dict()["epi_n"] == 96 and e96.key() != pp.key() and CutlassSpec.from_dict(e96.to_dict()) == e96
+    for spec in (e96, replace(e96, pdl=True), replace(BASE, epi_n=64)):
+        assert valid(spec) is None and CutlassSpec.from_name(spec.name) == spec
+    # the subtile rows CUTLASS requires: 64 for one warpgroup a tile, 128 for cooperative
+    assert cs.epilogue_tile(pp) == (64, 32) and cs.epilogue_tile(e96) == (64, 96)
+    assert cs.epilogue_tile(replace(BASE, epi_n=128)) == (128, 128)
+    # two staged subtiles: wider ones take shared memory from the mainloop's stages
+    assert cs.epilogue_smem_bytes(e96) == 2 * 64 * 96 * 2 + 1024  # 2 x 12 KiB, plus the C barriers' KiB
+    assert cs.pipeline_stages(replace(pp, epi_n=192)) == cs.pipeline_stages(pp) - 1
+    assert "multiple of 16 that divides" in valid(replace(pp, epi_n=80))
+    assert "multiple of 16 that divides" in valid(replace(pp, epi_n=-64))
+    assert "multiple of 16 that divides" in valid(replace(pp, epi_n=128))  # does not divide 192
+    assert "has none" in valid(replace(e96, epilogue="nosmem"))
+    assert "integer" in valid(replace(pp, epi_n=64.0))
+    src = render(e96)
+    assert "cute::Shape<cute::_64, cute::_96>, ElementAccumulator, ElementCompute," in src
+    assert "EpilogueTileAuto" not in src and "EpilogueTileAuto" in render(pp)
+    assert not any(s.epi_n for s in enumerate_specs("TN"))  # raced, not searched
+
+
 # -- valid(): every rule has a case that breaks only that rule ------------------------------------
 
 RULES = [
@@ -253,7 +280,7 @@ def test_golden_specs_are_in_the_space():
 MUTATIONS = {
     "tile_m": 256, "tile_n": 256, "tile_k": 128, "cluster_m": 2, "cluster_n": 2,
     "schedule": "pingpong", "scheduler": "streamk", "stages": 3, "raster": "along_m", "swizzle": 2,
-    "layout": "NN", "dtype": "bf16", "acc": "fp16", "epilogue": "nosmem", "pdl": True,
+    "layout": "NN", "dtype": "bf16", "acc": "fp16", "epilogue": "nosmem", "pdl": True, "epi_n": 64,
 }
 
 

@@ -56,6 +56,10 @@ SPECS = [
     CutlassSpec(64, 16, 128, 1, 1, "ws", "tile", 1, 0, "heuristic", 1, "TN", "fp16", "fp16", epilogue="nosmem"),
     CutlassSpec(128, 128, 64, 1, 1, "ws", "tile", 1, 0, "heuristic", 1, "NN", "bf16", "fp32"),
     CutlassSpec(128, 64, 64, 2, 1, "tma", "tile", 1, 0, "heuristic", 1, "TN", "fp16", "fp32", epilogue="nosmem"),
+    # wider TMA epilogue subtiles (epi_n): ping-pong 128x192 with 64x96 subtiles, TN; cooperative
+    # 256x128 with 128x128 ones, NN, 2x1 cluster
+    CutlassSpec(128, 192, 64, 2, 1, "pingpong", "persistent", 1, 0, "heuristic", 1, "TN", "fp16", "fp32", epi_n=96),
+    CutlassSpec(256, 128, 64, 2, 1, "cooperative", "persistent", 1, 0, "heuristic", 1, "NN", "fp16", "fp32", epi_n=128),
 ]
 PDL_SPECS = [s for s in SPECS if s.pdl]
 
@@ -125,7 +129,7 @@ def test_unaligned_shapes_are_refused_without_launching(built, spec):
     assert bool((c == 7).all()), "C changed although the call was refused"
 
 
-@pytest.mark.parametrize("spec", [SPECS[0], SPECS[2], SPECS[4], SPECS[5], SPECS[-4], SPECS[-1]], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", [SPECS[0], SPECS[2], SPECS[4], SPECS[5], SPECS[-6], SPECS[-3], SPECS[-2]], ids=lambda s: s.name)
 def test_cuda_graph_capture_and_replay(built, spec):
     """The call is capturable (stream-K's workspace clear is a memset node; the separate
     reduction's second kernel a programmatic dependent launch) and replays with the inputs'

@@ -165,7 +165,11 @@ def test_race_is_an_implementation_the_cli_names(tmp_path):
         assert r.k == 2 and r.built_only and r.twins == ("pdl",)
     (r,) = impls_from_specs(["race:2:pdl"], store, "NVIDIA H200")
     assert not r.built_only and r.twins == ("pdl",)
-    for bad in ("race:0", "race:x", "race:2:x", "race:2:built:y", "race:2:built:built", "race:2:pdl:pdl"):
+    # any variant field races: e.g. the epilogue subtile and the cluster, in VARIANT_FIELDS' order
+    (r,) = impls_from_specs(["race:1:built:epi:cluster:lean"], store, "NVIDIA H200")
+    assert r.k == 1 and r.built_only and r.twins == ("cluster", "lean", "epi")
+    for bad in ("race:0", "race:x", "race:2:x", "race:2:built:y", "race:2:built:built", "race:2:pdl:pdl",
+                "race:2:epi:epi", "race:2:tile_m"):
         with pytest.raises(ValueError, match=r"race:K\[:built\]"):
             impls_from_specs([bad], store, "NVIDIA H200")
 
@@ -200,7 +204,15 @@ def test_variants_move_one_field_the_built_only_search_never_moved():
     assert [(x.schedule, x.scheduler, x.epilogue) for x in lean] == [("ws", "tile", "tma")]
     assert all((x.tile_m, x.tile_n, x.tile_k, x.cluster_m, x.cluster_n, x.layout) == (64, 64, 64, 1, 2, "NN")
                for x in lean)
-    n_all = 9 + len(v)
+    # the TMA epilogue's wider subtiles: those of EPI_WIDTHS that divide the tile's 256 columns,
+    # and back to auto from an explicit one; none for the register-to-global epilogue
+    assert (spec.tile_n, spec.epi_n) == (256, 0)
+    e = variants(spec, p, ("epi",))
+    assert [x.epi_n for x in e] == [64, 128, 256] and all(replace(x, epi_n=0) == spec for x in e)
+    assert [x.epi_n for x in variants(e[0], p, ("epi",))] == [0, 128, 256]
+    assert [x.epi_n for x in variants(replace(spec, tile_n=192), p, ("epi",))] == [64, 96, 192]
+    assert variants(replace(spec, epilogue="nosmem"), p, ("epi",)) == []
+    n_all = 9 + len(v) + len(e)
     assert len(variants(spec, p)) == n_all and len({x.name for x in variants(spec, p)}) == n_all
     assert variants(raw.heuristic_specs(Problem(64, 1024, 4096), "TN")[0], p) == []  # per-shape family: none
     with pytest.raises(ValueError, match="variant fields"):

@@ -52,12 +52,16 @@ def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> li
                 parts = s.split(":")
                 k = parts[1] if len(parts) > 1 else "3"
                 opts = parts[2:]
-                if not k.isdigit() or int(k) < 1 or len(set(opts)) < len(opts) or set(opts) - {"built", "pdl", "lean"}:
-                    raise ValueError(f"race:K[:built][:pdl][:lean] needs a positive whole number of contenders, "
-                                     f"then optionally 'built', 'pdl' and 'lean'; got {s!r}")
-                # twins: each contender's programmatic-dependent twin, its lean one-tile-per-CTA ones
+                from gemmrl.build.ahead import VARIANT_FIELDS
+
+                if not k.isdigit() or int(k) < 1 or len(set(opts)) < len(opts) or set(opts) - {"built", *VARIANT_FIELDS}:
+                    raise ValueError(f"race:K[:built][:FIELD...] needs a positive whole number of contenders, "
+                                     f"then optionally 'built' and variant fields ({', '.join(VARIANT_FIELDS)}); "
+                                     f"got {s!r}")
+                # twins: each contender's variants in those fields, e.g. 'pdl' (its programmatic-
+                # dependent twin), 'lean' (its one-tile-per-CTA ones), 'epi' (wider epilogue subtiles)
                 out.append(Race(store, device, k=int(k), log=_log_stderr, built_only="built" in opts,
-                                twins=tuple(o for o in ("pdl", "lean") if o in opts)))
+                                twins=tuple(o for o in VARIANT_FIELDS if o in opts)))
             elif s.startswith("pack:"):
                 from gemmrl.runtime.pack_impl import PackMatmul
 
@@ -73,7 +77,7 @@ def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> li
                 raise ValueError(
                     f"unknown implementation {s!r}; known: baselines, exhaustive, "
                     f"{', '.join(all_named)}, cuda-l2:DIR, kernel:FILE, pack:DIR[@nearest=D], gemmrl:FAMILY, ours, tuned, "
-                    f"race[:K[:built][:pdl][:lean]]")
+                    f"race[:K[:built][:FIELD...]]")
     seen, unique = set(), []
     for i in out:
         if i.name not in seen:

@@ -64,15 +64,18 @@ def entries(jobs: list[BuildJob]) -> list[str]:
 # order, swizzle 1 and as many stages as fit
 # ... and 'lean': the one-tile-per-CTA kernel with the spec's tile (cutlass_sm90.lean_twins), which
 # the search's pool holds for seven small tiles only
-VARIANT_FIELDS = ("raster", "swizzle", "stages", "epilogue", "pdl", "cluster", "lean")
+# ... and 'epi': the TMA epilogue's subtile width (spec field epi_n), which the pool never sets
+VARIANT_FIELDS = ("raster", "swizzle", "stages", "epilogue", "pdl", "cluster", "lean", "epi")
+EPI_WIDTHS = (64, 96, 128, 192, 256)  # the 'epi' variants: those that divide the tile's width
 
 
 def variants(spec, problem, fields=VARIANT_FIELDS) -> list:
     """A CUTLASS spec's neighbours one field away, in `fields`: the other raster orders, the
     other swizzle sizes, one or two stages fewer than fit (explicit counts), and the other
     epilogue (TMA store or registers to global), the other launch (programmatic dependent or
-    not), the other cluster shapes, the lean one-tile-per-CTA kernels of the same tile; only
-    those the family accepts for `problem`.
+    not), the other cluster shapes, the lean one-tile-per-CTA kernels of the same tile, the TMA
+    epilogue's wider subtiles (EPI_WIDTHS that divide the tile, and auto); only those the family
+    accepts for `problem`.
     Other families: none."""
     from dataclasses import replace
 
@@ -100,6 +103,9 @@ def variants(spec, problem, fields=VARIANT_FIELDS) -> list:
                 if (cm, cn) != (spec.cluster_m, spec.cluster_n)]
     if "lean" in fields:
         out += cs.lean_twins(spec)
+    if "epi" in fields and spec.epilogue == "tma":
+        out += [replace(spec, epi_n=w) for w in (0,) + EPI_WIDTHS
+                if w != spec.epi_n and (w == 0 or spec.tile_n % w == 0)]
     return [v for v in out if cs.valid(v, problem) is None]
 
 

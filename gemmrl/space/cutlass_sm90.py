@@ -102,6 +102,7 @@ class CutlassSpec:
     reduction: str = "deterministic"  # split-K / stream-K only: REDUCTIONS
     epilogue: str = "tma"  # EPILOGUES; 'nosmem' with the persistent scheduler only
     pdl: bool = False  # programmatic dependent launch (see PDL below)
+    epi_n: int = 0  # TMA epilogue's subtile width (columns a store): 0 = CUTLASS's EpilogueTileAuto (32)
 
     @property
     def name(self) -> str:
@@ -109,13 +110,14 @@ class CutlassSpec:
         sm90_coop_128x256x64_c2x1_persist_s0_rh_sw1_tn_f16_f32 (split-K 8, nondeterministic
         reduction: ..._splitk8nd_...; separate reduction kernel: ..._splitk32sr_...; the
         register-to-global epilogue: ..._f32_nosmem; launched as a programmatic dependent:
-        ..._f32_pdl)."""
+        ..._f32_pdl; an explicit epilogue subtile 64 wide: ..._f32_e64)."""
         sched = f"splitk{self.splits}" if self.scheduler == "splitk" else _ABBREV.get(self.scheduler, self.scheduler)
         sched += _REDUCTION_SUFFIX.get(self.reduction, "")
         return (f"sm90_{_ABBREV.get(self.schedule, self.schedule)}_{self.tile_m}x{self.tile_n}x{self.tile_k}"
                 f"_c{self.cluster_m}x{self.cluster_n}_{sched}_s{self.stages}"
                 f"_{_ABBREV.get(self.raster, self.raster)}_sw{self.swizzle}_{str(self.layout).lower()}"
                 f"_{_ABBREV.get(self.dtype, self.dtype)}_{_ABBREV.get(self.acc, self.acc)}"
+                + (f"_e{self.epi_n}" if self.epi_n else "")
                 + ("" if self.epilogue == "tma" else f"_{self.epilogue}") + ("_pdl" if self.pdl else ""))
 
     def key(self) -> str:
@@ -124,7 +126,7 @@ class CutlassSpec:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict:
-        """The fields; `reduction`, `epilogue` and `pdl` only when they are not the default, so
+        """The fields; `reduction`, `epilogue`, `pdl` and `epi_n` only when they are not the default, so
         that every spec made before those fields existed keeps its key, its rendered source and
         its builds."""
         d = asdict(self)
@@ -134,6 +136,8 @@ class CutlassSpec:
             del d["epilogue"]
         if d["pdl"] is False:
             del d["pdl"]
+        if d["epi_n"] == 0:
+            del d["epi_n"]
         return d
 
     @staticmethod
@@ -164,12 +168,13 @@ class CutlassSpec:
             splits=int(sched[6:]) if sched.startswith("splitk") else 1, stages=int(g["stages"]),
             raster=inv[g["raster"]], swizzle=int(g["sw"]), layout=g["layout"].upper(),
             dtype=inv[g["dtype"]], acc=inv[g["acc"]], reduction=reduction, epilogue=g["epi"] or "tma",
-            pdl=bool(g["pdl"]))
+            pdl=bool(g["pdl"]), epi_n=int(g["epin"] or 0))
 
 
 _NAME_RE = re.compile(r"sm90_(?P<schedule>coop|pp|ws|tma)_(?P<tm>\d+)x(?P<tn>\d+)x(?P<tk>\d+)_c(?P<cm>\d+)x(?P<cn>\d+)"
                       r"_(?P<sched>persist|tile|streamk(?:nd)?|splitk\d+(?:nd|sr)?)_s(?P<stages>\d+)_(?P<raster>rh|rm|rn)_sw(?P<sw>\d+)"
-                      r"_(?P<layout>nn|tn)_(?P<dtype>f16|bf16)_(?P<acc>f32|f16)(?:_(?P<epi>nosmem))?(?P<pdl>_pdl)?")
+                      r"_(?P<layout>nn|tn)_(?P<dtype>f16|bf16)_(?P<acc>f32|f16)(?:_e(?P<epin>\d+))?(?:_(?P<epi>nosmem))?"
+                      r"(?P<pdl>_pdl)?")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,8 +198,12 @@ def accumulator_registers(spec: CutlassSpec) -> int:
 
 
 def epilogue_tile(spec: CutlassSpec) -> tuple[int, int]:
-    """EpilogueTileAuto: 128 x gcd(32, N) rows for cooperative, 64 x gcd(32, N) for ping-pong."""
+    """The TMA epilogue's subtile (rows, columns): EpilogueTileAuto is 128 x gcd(32, N) for
+    cooperative, 64 x gcd(32, N) for the one-warpgroup-a-tile kernels; with `epi_n`, the builder's
+    override (cute::Shape<rows, epi_n>, rows 128 or 64 as CUTLASS requires)."""
     rows = min(128 if spec.schedule == "cooperative" else 64, spec.tile_m)
+    if spec.epi_n:
+        return rows, spec.epi_n
     return rows, math.gcd(min(32, spec.tile_n), spec.tile_n)
 
 
@@ -257,7 +266,7 @@ def valid(spec: CutlassSpec, problem=None) -> str | None:
                            ("epilogue", EPILOGUES)):
         if getattr(s, fname) not in allowed:
             return f"{fname} must be one of {', '.join(allowed)}, got {getattr(s, fname)!r}"
-    for fname in ("tile_m", "tile_n", "tile_k", "cluster_m", "cluster_n", "splits", "stages", "swizzle"):
+    for fname in ("tile_m", "tile_n", "tile_k", "cluster_m", "cluster_n", "splits", "stages", "swizzle", "epi_n"):
         v = getattr(s, fname)
         if isinstance(v, bool) or not isinstance(v, int):
             return f"{fname} must be an integer, got {v!r}"
@@ -309,6 +318,12 @@ def valid(spec: CutlassSpec, problem=None) -> str | None:
                 f"(the small outputs it is for; not tried with partial tiles), not {s.scheduler!r}")
     if not isinstance(s.pdl, bool):
         return f"pdl must be true or false, got {s.pdl!r}"
+    if s.epi_n:
+        if s.epilogue != "tma":
+            return f"epi_n sets the TMA epilogue's subtile; the {s.epilogue!r} epilogue has none (epi_n 0)"
+        if s.epi_n < 0 or s.epi_n % 16 or s.tile_n % s.epi_n:
+            return (f"epi_n must be 0 (auto) or a multiple of 16 that divides tile_n={s.tile_n} "
+                    f"(CUTLASS's epilogue tile override), got {s.epi_n}")
     if s.swizzle not in SWIZZLES:
         return f"swizzle must be one of {', '.join(map(str, SWIZZLES))}, got {s.swizzle}"
     regs = accumulator_registers(s)
@@ -652,7 +667,7 @@ using TileSchedulerTag = ${scheduler_tag};
 
 using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-    cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, ElementCompute,
+    ${epilogue_tile}, ElementAccumulator, ElementCompute,
     void, LayoutD, kAlignment,  // no C operand: beta is 0 and C is never read
     ElementD, LayoutD, kAlignment, EpilogueSchedule>::CollectiveOp;
 
@@ -1019,6 +1034,8 @@ def render(spec: CutlassSpec, problem=None) -> str:
                            "cutlass::epilogue::TmaWarpSpecializedCooperative" if s.schedule == "cooperative"
                            else "cutlass::epilogue::TmaWarpSpecialized"),
         scheduler_tag=scheduler_tag, scheduler_args=scheduler_args, stage_count=stage_count,
+        epilogue_tile=("cutlass::epilogue::collective::EpilogueTileAuto" if not s.epi_n else
+                       "cute::Shape<cute::_{}, cute::_{}>".format(*epilogue_tile(s))),
         smem_capacity=SMEM_CAPACITY,
         raster=_CPP_RASTER[s.raster], swizzle=s.swizzle,
         meta_c=json.dumps(meta, separators=(", ", ": ")).replace("\\", "\\\\").replace('"', '\\"'),
