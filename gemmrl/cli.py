@@ -965,10 +965,12 @@ def store_cmd(db, compress, merge_from, since_run):
                    "--top are not used): what `gemmrl bench --impl tuned` and a pack load, ready before a GPU "
                    "session")
 @click.option("--device", "tuned_device", default=None, metavar="NAME",
-              help="with --tuned-in: only the winners tuned on this GPU model (as torch names it)")
+              help="with --tuned-in: only the winners tuned on this GPU model (as torch names it, or a unique "
+                   "part of the name: H200)")
 @click.option("--variants", "variant_opt", default=None, metavar="FIELDS",
               help="with --tuned-in: also each CUTLASS winner's neighbours in these fields (comma-separated: "
-                   "raster, swizzle, stages, epilogue, pdl, cluster), for a --built-only search around the winners")
+                   "raster, swizzle, stages, epilogue, pdl, cluster, lean, epi), for a --built-only search "
+                   "around the winners or a race of them (bench --impl race:K:built:FIELD)")
 @click.option("--acc-only", "acc_only", default=None, type=click.Choice(["fp32", "fp16"]),
               help="with --tuned-in: only the winners of this accumulator")
 @click.option("--jobs", default=None, type=click.IntRange(1, 1024), help="parallel nvcc processes (default: CPUs)")
@@ -1015,6 +1017,14 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
         if not Path(tuned_db).exists():
             raise click.ClickException(f"no store at {tuned_db}")
         store = Store(tuned_db, readonly=True)
+        if tuned_device:  # the GPU named, or the only one of the store's tuned GPUs whose name holds it
+            tuned = sorted({c[0] for c in store.tuned_choices(TUNED)})
+            if tuned_device not in tuned and (part := [d for d in tuned if tuned_device.lower() in d.lower()]):
+                if len(part) > 1:
+                    store.close()
+                    raise click.ClickException(f"--device {tuned_device!r} names {len(part)} GPUs "
+                                               f"({', '.join(part)}): give more of the name")
+                tuned_device = part[0]
         choices = [c for c in store.tuned_choices(TUNED, tuned_device) if acc_only in (None, c[1].acc)]
         if click.get_current_context().get_parameter_source("shape_spec") is not ParameterSource.DEFAULT:
             wanted = {(p.M, p.N, p.K) for p in _problems(shape_spec, dtype, acc)}

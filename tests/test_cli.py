@@ -308,6 +308,10 @@ def test_build_tuned_in_compiles_the_stored_winners_once_each(tmp_path, monkeypa
     assert r.exit_code == 0 and "1 distinct kernels" in r.output and cut.name not in r.output, r.output
     r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--dry-run", "--device", "NVIDIA H100 80GB HBM3"])
     assert "1 distinct kernels for the winners of 1 tuned" in r.output and rw.name not in r.output, r.output
+    r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--dry-run", "--device", "h100"])  # part of it
+    assert "1 distinct kernels for the winners of 1 tuned" in r.output and rw.name not in r.output, r.output
+    r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--dry-run", "--device", "NVIDIA"])
+    assert r.exit_code == 1 and "names 2 GPUs" in r.output, r.output
     r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--device", "NVIDIA A100"])
     assert r.exit_code == 1 and "holds no gemmrl-tuned winners on 'NVIDIA A100'" in r.output
     r = CliRunner().invoke(main, ["build", "--tuned-in", str(tmp_path / "none.sqlite")])
