@@ -231,6 +231,27 @@ def test_the_search_never_proposes_a_programmatic_dependent_launch():
         assert not any(getattr(s, "pdl", False) for _, s in candidate_pool(p, ("NN", "TN"), ("cutlass_sm90",)))
 
 
+def test_the_search_moves_the_epilogue_subtile_width():
+    """epi_n is on a ladder (auto, 64, 96, 128, 192, 256): a step moves it to a neighbour the tile
+    divides; a move that leaves the tile or epilogue without that subtile is repaired to auto."""
+    from dataclasses import replace
+
+    from gemmrl.search.policy import _features, mutations
+    from gemmrl.space import cutlass_sm90 as cs
+
+    p = Problem(8192, 8192, 128)
+    pp = cs.CutlassSpec(128, 192, 64, 2, 1, "pingpong", "persistent")
+    assert [m.epi_n for m in mutations("cutlass_sm90", pp, p) if m.epi_n] == [64]
+    e96 = replace(pp, epi_n=96)
+    moved = mutations("cutlass_sm90", e96, p)
+    assert {m.epi_n for m in moved if (m.tile_m, m.tile_n, m.epilogue) == (128, 192, "tma")} >= {0, 64, 96}
+    assert replace(e96, epilogue="nosmem", epi_n=0) in moved  # the nosmem epilogue has no subtile
+    assert all(cs.valid(m, p) is None for m in moved)
+    assert all(m.epi_n == 0 or m.tile_n % m.epi_n == 0 for m in moved)
+    # the cost model sees the width
+    assert _features("cutlass_sm90", e96, p, 10.0) != _features("cutlass_sm90", pp, p, 10.0)
+
+
 def test_the_search_mutates_the_raster_order_too():
     from gemmrl.search.policy import mutations
     from gemmrl.space import cutlass_sm90 as cs

@@ -148,7 +148,8 @@ _LADDERS = {
         "tile_m": (64, 128, 192, 256), "tile_n": (16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 224, 256),
         "tile_k": (32, 64, 128), "cluster_m": (1, 2), "cluster_n": (1, 2),
         "splits": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), "stages": (0, 2, 3, 4, 5, 6, 7, 8), "swizzle": cutlass_sm90.SWIZZLES,
-        "raster": cutlass_sm90.RASTERS},  # the pool has CUTLASS's heuristic order only
+        "raster": cutlass_sm90.RASTERS,  # the pool has CUTLASS's heuristic order only
+        "epi_n": (0, 64, 96, 128, 192, 256)},  # the TMA epilogue's subtile width (0: CUTLASS's 32)
     "raw": {
         "block_m": (16, 32, 64, 128, 256), "block_n": (16, 32, 64, 128, 256), "block_k": (16, 32, 64, 128),
         "warps_m": (1, 2, 4, 8), "warps_n": (1, 2, 4, 8), "stages": (2, 3, 4),
@@ -174,6 +175,8 @@ def _repairs(family: str, spec) -> list:
             out.append(replace(s, scheduler="persistent", splits=1))
         if s.schedule == "pingpong" and s.scheduler not in ("persistent", "tile"):
             out.append(replace(s, scheduler="persistent", splits=1))
+        if s.epi_n and (s.epilogue != "tma" or s.tile_n % s.epi_n):  # a subtile the new tile or epilogue lacks
+            out.append(replace(s, epi_n=0))
         return out
     if family == "raw":
         from gemmrl.space import raw
@@ -286,6 +289,9 @@ def _features(family: str, spec, problem: Problem, est_us: float) -> list[float]
               float(getattr(spec, "epilogue", "tma") == "nosmem"), float(tn % 64 != 0 and tn > 32),
               float(spec.schedule == "ws"), float(spec.schedule == "tma"),
               float(spec.scheduler == "tile") * _log2(waves) / 4]
+        # the TMA epilogue's subtile width: wider ones store an output-heavy (short-K) tile faster (run 166)
+        epi = _log2(cutlass_sm90.epilogue_tile(spec)[1]) / 8 if getattr(spec, "epilogue", "tma") == "tma" else 0.0
+        f += [epi, epi * lK]
     elif family == "raw":
         swap = float(spec.swap_ab)
         st = spec.stages / 4
