@@ -446,3 +446,62 @@ def test_replay_cost_reads_repeat_pairs_from_a_store(tmp_path):
     assert "GPU X: 4 repeat pairs, fitted on 3: fixed cost 4.00 us a replay" in r.stdout
     res = json.loads(out.read_text())["GPU X"]
     assert res["beyond_tolerance"] == 3 and res["beyond_tolerance_without_it"] == 0
+
+
+def test_race_bands_compares_the_race_with_the_session_before(tmp_path):
+    """scripts/race-bands.py: per shape, cuBLASLt autotuned (the faster layout) over the winner in
+    the race's session and in the latest earlier one, the kernels chosen in each, by FLOPs band."""
+    import json as _json
+
+    from gemmrl.core.problem import Problem
+    from gemmrl.store.db import Store
+
+    db = tmp_path / "s.sqlite"
+    store = Store(db)
+    old_run, other, race = (store.start_run("x", "GPU X", {}, {}) for _ in range(3))
+    a, b = Problem(1024, 1024, 1024), Problem(4096, 4096, 128)  # 2^31 and 2^32 FLOPs
+
+    def timed(run, p, ours, nn, tn):
+        store.record_session(run, f"s{run}", "GPU X", p, "kernel", "kernel:v1", {
+            "gemmrl-tuned": {"median_us": ours, "n": 10}, "cuBLASLt-auto-tuning-nn": {"median_us": nn, "n": 10},
+            "cuBLASLt-auto-tuning-tn": {"median_us": tn, "n": 10}})
+
+    def picked(run, p, name, epi):
+        store.record_verification(run, "GPU X", p, "gemmrl-tuned", True, "", {
+            "impl": {"chosen": {"family": "f", "name": name, "spec": {"epi_n": epi}}}})
+
+    timed(old_run, a, 10.0, 9.0, 9.5)   # 0.90 before
+    timed(other, a, 11.0, 9.9, 9.9)     # 0.90, the latest earlier session: it counts
+    timed(race, a, 9.0, 9.9, 9.0)       # 1.00 now
+    picked(old_run, a, "k_auto", 0)
+    picked(race, a, "k_e96", 96)
+    timed(old_run, b, 20.0, 19.0, 18.0)  # 0.90 before
+    timed(race, b, 19.0, 19.0, 19.0)     # 1.00 now, same kernel
+    picked(old_run, b, "k2", 0)
+    picked(race, b, "k2", 0)
+    timed(old_run, Problem(64, 64, 64), 2.0, 2.0, 2.0)  # not in the race: left out
+    store.close()
+    out = tmp_path / "bands.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "race-bands.py"), "--db", str(db), "--device", "gpu x",
+                        "--runs", str(race), "--field", "epi_n", "--json", str(out)],
+                       capture_output=True, text=True, env=ENV)
+    assert r.returncode == 0, r.stderr
+    got = _json.loads(out.read_text())
+    rows = {(s["M"], s["K"]): s for s in got["shapes"]}
+    assert set(rows) == {(1024, 1024), (4096, 128)}
+    ra = rows[(1024, 1024)]
+    assert round(ra["now"], 6) == 1.0 and round(ra["before"], 6) == 0.9 and ra["before_run"] == other
+    assert (ra["kernel_before"], ra["kernel"], ra["changed"], ra["won_by_field"]) == ("k_auto", "k_e96", True, True)
+    rb = rows[(4096, 128)]
+    assert (rb["changed"], rb["won_by_field"]) == (False, False) and round(rb["before"], 6) == 0.9
+    total = got["bands"][-1]
+    assert (total["flops"], total["shapes"], total["changed"], total["won_by_field"], total["at_or_above_1"]) == \
+        ("all", 2, 1, 1, 2)
+    assert [b["flops"] for b in got["bands"]] == ["2^31", "2^32", "all"]
+    assert "| 2^31 | 1 | 1 | 1 | 1.000 | 0.900 | 1 |" in r.stdout
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "race-bands.py"), "--db", str(db), "--device", "GPU X",
+                        "--runs", "99"], capture_output=True, text=True, env=ENV)
+    assert r.returncode == 1 and "timed no gemmrl-tuned" in r.stderr
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "race-bands.py"), "--db", str(db), "--device", "GPU X",
+                        "--runs", "a,b"], capture_output=True, text=True, env=ENV)
+    assert r.returncode == 2 and "--runs takes run ids" in r.stderr
