@@ -451,7 +451,9 @@ NOSMEM = CutlassSpec(64, 32, 128, 1, 2, "pingpong", "persistent", 1, 0, "heurist
 # one-tile-per-CTA kernels (producer + one consumer warpgroup; one warpgroup doing both)
 LEAN_WS = CutlassSpec(64, 64, 64, 1, 2, "ws", "tile", layout="NN")
 LEAN_TMA = CutlassSpec(128, 64, 64, 2, 1, "tma", "tile", epilogue="nosmem")
-COMPILED = [GOLDEN_SPECS[0], GOLDEN_SPECS[1], SR, replace(NOSMEM, pdl=True), LEAN_WS, LEAN_TMA]
+# ... and a wider TMA epilogue subtile (CUTLASS's EpilogueTileType override): ping-pong 128x192, 64x96
+EPI = CutlassSpec(128, 192, 64, 2, 1, "pingpong", "persistent", epi_n=96)
+COMPILED = [GOLDEN_SPECS[0], GOLDEN_SPECS[1], SR, replace(NOSMEM, pdl=True), LEAN_WS, LEAN_TMA, EPI]
 THREADS = {"cooperative": 384, "pingpong": 384, "ws": 256, "tma": 128}
 
 
