@@ -436,7 +436,7 @@ def report_prefix(subject: str, device: str, dtype: str, acc: str) -> str:
 def _open_for_reading(db, device, *, require_measured: bool):
     """The store, read-only, and the device to read: the one named (or the only one whose name
     holds --device, case aside: `--device H100`), or the only one measured."""
-    from gemmrl.store.db import Store, unpack_if_missing
+    from gemmrl.store.db import Store, device_by_part, unpack_if_missing
 
     unpack_if_missing(db)  # a store committed as DB.xz
     if not Path(db).exists():
@@ -448,12 +448,12 @@ def _open_for_reading(db, device, *, require_measured: bool):
             raise click.ClickException(f"the store holds {len(devices)} devices ({', '.join(devices)}): "
                                        "name one with --device")
         device = devices[0]
-    elif device not in devices and (part := [d for d in devices if device.lower() in d.lower()]):
-        if len(part) > 1:
-            raise click.ClickException(f"--device {device!r} names {len(part)} devices ({', '.join(part)}): "
-                                       "give more of the name")
-        device = part[0]
-    elif require_measured and device not in devices:
+    else:
+        try:
+            device = device_by_part(device, devices)
+        except ValueError as e:
+            raise click.ClickException(str(e)) from None
+    if require_measured and device not in devices:
         raise click.ClickException(f"no measurements for {device!r}; the store has: {', '.join(devices)}")
     return store, device
 
@@ -1011,20 +1011,18 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
         if pending_db is not None or max_shapes is not None:
             raise click.UsageError("--tuned-in builds stored winners: --pending-in and --max-shapes do not apply")
         from gemmrl.search.run import TUNED
-        from gemmrl.store.db import Store, unpack_if_missing
+        from gemmrl.store.db import Store, device_by_part, unpack_if_missing
 
         unpack_if_missing(tuned_db)
         if not Path(tuned_db).exists():
             raise click.ClickException(f"no store at {tuned_db}")
         store = Store(tuned_db, readonly=True)
         if tuned_device:  # the GPU named, or the only one of the store's tuned GPUs whose name holds it
-            tuned = sorted({c[0] for c in store.tuned_choices(TUNED)})
-            if tuned_device not in tuned and (part := [d for d in tuned if tuned_device.lower() in d.lower()]):
-                if len(part) > 1:
-                    store.close()
-                    raise click.ClickException(f"--device {tuned_device!r} names {len(part)} GPUs "
-                                               f"({', '.join(part)}): give more of the name")
-                tuned_device = part[0]
+            try:
+                tuned_device = device_by_part(tuned_device, store.tuned_devices(TUNED), "GPUs")
+            except ValueError as e:
+                store.close()
+                raise click.ClickException(str(e)) from None
         choices = [c for c in store.tuned_choices(TUNED, tuned_device) if acc_only in (None, c[1].acc)]
         if click.get_current_context().get_parameter_source("shape_spec") is not ParameterSource.DEFAULT:
             wanted = {(p.M, p.N, p.K) for p in _problems(shape_spec, dtype, acc)}

@@ -116,16 +116,6 @@ def markdown(table: list[dict], field: str | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def resolve_device(db, part: str) -> str:
-    names = [r[0] for r in db.execute("SELECT DISTINCT device FROM measurements")]
-    if part in names:
-        return part
-    hits = [n for n in names if part.lower() in n.lower()]
-    if len(hits) != 1:
-        raise SystemExit(f"--device {part!r} names {len(hits)} devices of {names}")
-    return hits[0]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--db", default="results/gemmrl.sqlite")
@@ -144,8 +134,16 @@ def main(argv=None) -> int:
         ap.error("--runs names no run")
     if not Path(a.db).exists():
         ap.error(f"no store at {a.db} (python3 -m gemmrl.cli store unpacks the committed one)")
+    from gemmrl.store.db import device_by_part
+
     db = sqlite3.connect(f"file:{a.db}?mode=ro", uri=True)
-    device = resolve_device(db, a.device)
+    names = [r[0] for r in db.execute("SELECT DISTINCT device FROM measurements")]
+    try:
+        device = device_by_part(a.device, names)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if device not in names:
+        raise SystemExit(f"--device {a.device!r} names none of the store's devices ({', '.join(names)})")
     rows = race_rows(db, device, a.acc, runs, a.field)
     if not rows:
         print(f"runs {a.runs} timed no {SUBJECT} beside cuBLASLt autotuned on {device} ({a.acc})", file=sys.stderr)

@@ -76,6 +76,19 @@ def packed_path(path: str | Path) -> Path:
     return path.with_name(path.name + ".xz")
 
 
+def device_by_part(name: str, names, noun: str = "devices") -> str:
+    """The one of `names` that `name` is, or the only one whose name holds it, case aside
+    (`H200` for "NVIDIA H200"); `name` itself where none holds it (the caller says what that
+    means). ValueError where it names several."""
+    names = list(names)
+    if name in names:
+        return name
+    part = [d for d in names if name.lower() in d.lower()]
+    if len(part) > 1:
+        raise ValueError(f"--device {name!r} names {len(part)} {noun} ({', '.join(part)}): give more of the name")
+    return part[0] if part else name
+
+
 def is_baseline(impl: str) -> bool:
     """Whether a measured implementation is a baseline the search's reward divides by: not
     gemmrl's own (gemmrl-tuned, gemmrl.matmul, ...) and not a session's noise repeat."""
@@ -482,6 +495,10 @@ class Store:
 
     def devices(self) -> list[str]:
         return [r[0] for r in self.db.execute("SELECT DISTINCT device FROM measurements ORDER BY device")]
+
+    def tuned_devices(self, impl: str) -> list[str]:
+        """The GPUs with a stored `impl` choice (gemmrl-tuned: what `gemmrl build --tuned-in` reads)."""
+        return [r[0] for r in self.db.execute("SELECT DISTINCT device FROM tuning WHERE impl=? ORDER BY device", (impl,))]
 
     # search trials: every candidate a policy proposed, with its outcome and reward -----------
     def record_trial(self, run_id: int | None, device: str, problem: Problem, candidate: str,
