@@ -134,7 +134,36 @@ def test_epilogue_subtile_override():
     src = render(e96)
     assert "cute::Shape<cute::_64, cute::_96>, ElementAccumulator, ElementCompute," in src
     assert "EpilogueTileAuto" not in src and "EpilogueTileAuto" in render(pp)
-    assert not any(s.epi_n for s in enumerate_specs("TN"))  # raced, not searched
+    # the pool carries one wider subtile for three persistent ping-pong tiles, and no other
+    wider = [s for s in enumerate_specs("TN") if s.epi_n]
+    assert wider and {(s.tile_m, s.tile_n, s.epi_n) for s in wider} == {
+        (m, n, e) for (m, n), e in cs.EPI_TWINS.items()}
+    assert all(s.schedule == "pingpong" and s.scheduler == "persistent" and valid(s) is None
+               and replace(s, epi_n=0) in enumerate_specs("TN") for s in wider)
+
+
+def test_wider_subtile_priced_against_its_automatic_twin():
+    """estimate_us charges a wider epilogue subtile what its races measured (subtile_us): the
+    stores it saves per wave against the stages it gives up and a fixed cost, so the twin ranks
+    first on an output-heavy short-K shape and not on a one-wave one."""
+    from gemmrl.space.cutlass_sm90 import estimate_us, heuristic_specs
+    pp = CutlassSpec(128, 192, 64, 2, 1, "pingpong", "persistent", 1, 0, "heuristic", 1, "TN", "fp16", "fp32")
+    e96 = replace(pp, epi_n=96)
+    assert cs.epilogue_stores(pp) == 2 * 6 and cs.epilogue_stores(e96) == 2 * 2
+    assert cs.subtile_us(pp, 40) == 0.0 and cs.subtile_us(replace(e96, epilogue="nosmem"), 40) == 0.0
+    lost = cs.pipeline_stages(pp) - cs.pipeline_stages(e96)
+    assert cs.subtile_us(e96, 3) == pytest.approx(
+        3 * (cs.EPI_STAGE_US * lost - cs.EPI_STORE_US * 8) + cs.EPI_FIXED_US)
+    big, one_wave = Problem(16384, 8192, 64), Problem(1024, 2048, 64)  # 42 waves of 128x192; 1
+    assert estimate_us(e96, big) < estimate_us(pp, big)
+    assert estimate_us(e96, one_wave) > estimate_us(pp, one_wave)
+    # a width that gives up a stage for too few stores saved stays behind its twin
+    e192 = replace(pp, epi_n=192)
+    assert cs.pipeline_stages(e192) < cs.pipeline_stages(pp)
+    assert estimate_us(e192, big) > estimate_us(e96, big)
+    first = {s.name for s in heuristic_specs(big, "TN", limit=3)}
+    assert any(s.endswith("_e96") for s in first)
+    assert not any(s.epi_n for s in heuristic_specs(one_wave, "TN", limit=8))
 
 
 # -- valid(): every rule has a case that breaks only that rule ------------------------------------
@@ -603,8 +632,9 @@ def test_split_k_16_is_offered_for_small_tiles_only_and_ranks_on_long_k_small_mn
         det = [s for s in specs if s.reduction == "deterministic" and s.schedule != "ws"]
         nd = [s for s in specs if s.reduction == "nondeterministic"]
         # 267 before split-K 16, 15 more (5 tiles x 3 cluster shapes), then 42 ping-pong tiles of
-        # odd widths and 60 register-to-global (nosmem) twins of the persistent 64-row ones
-        assert len(det) <= 410
+        # odd widths and 60 register-to-global (nosmem) twins of the persistent 64-row ones, and
+        # the 24 wider-subtile twins (EPI_TWINS' persistent ping-pong tiles)
+        assert len([s for s in det if s.epi_n]) == 24 and len(det) <= 434
         # every split-K spec of a tile up to 128x128 again with the nondeterministic reduction
         assert sorted(s.name for s in nd) == sorted(
             replace(s, reduction="nondeterministic").name for s in det

@@ -505,3 +505,54 @@ def test_race_bands_compares_the_race_with_the_session_before(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "race-bands.py"), "--db", str(db), "--device", "GPU X",
                         "--runs", "a,b"], capture_output=True, text=True, env=ENV)
     assert r.returncode == 2 and "--runs takes run ids" in r.stderr
+
+
+def test_epi_price_fit_recovers_the_prices_a_race_log_was_made_with(tmp_path):
+    """scripts/epi-price-fit.py: race log lines whose wider twins were timed with known per-store,
+    per-stage and fixed prices give those prices back; the prior picks the twin only where it
+    pays, a held-out log is fitted apart, and a log with no epi race says so."""
+    from dataclasses import replace
+
+    from gemmrl.core.problem import Problem
+    from gemmrl.space import cutlass_sm90 as cs
+
+    store_us, stage_us, fixed_us = 0.05, 0.3, 0.7
+    base = cs.CutlassSpec(128, 192, 64, 2, 1, "pingpong", "persistent", 1, 0, "heuristic", 1, "TN", "fp16", "fp32")
+    small = cs.CutlassSpec(64, 256, 64, 1, 1, "pingpong", "persistent", 1, 0, "heuristic", 1, "NN", "fp16", "fp32")
+
+    def line(p, spec, widths, t0=50.0):
+        w = -(-p.M // spec.tile_m) * -(-p.N // spec.tile_n)
+        w = -(-w // (cs.SMS - cs.SMS % (spec.cluster_m * spec.cluster_n)))
+        items = [f"{spec.name}={t0:.3f}"]
+        for e in widths:
+            s = replace(spec, epi_n=e)
+            saved = (store_us * w * (cs.epilogue_stores(spec) - cs.epilogue_stores(s))
+                     - stage_us * w * (cs.pipeline_stages(spec) - cs.pipeline_stages(s)) - fixed_us)
+            items.append(f"{s.name}={t0 - saved:.3f}")
+        return f"{p.shape} candidates (median us): " + ", ".join(items) + "\n"
+
+    shapes = [Problem(16384, 8192, 64), Problem(8192, 8192, 128), Problem(1024, 2048, 256),
+              Problem(16384, 16384, 256), Problem(4096, 4096, 512), Problem(2048, 1024, 128)]
+    log = tmp_path / "race.log"
+    log.write_text("run 1: noise\n" + "".join(line(p, base, (64, 96, 192)) for p in shapes)
+                   + "".join(line(p, small, (64, 128)) for p in shapes[:3])
+                   + "64x64x64 candidates (median us): raw_nn_fp16_16x32x128_w1x2_s4_k1=3.0\n")
+    held = tmp_path / "held.log"
+    held.write_text("".join(line(p, base, (96,)) for p in (Problem(12288, 8192, 64), Problem(512, 512, 128))))
+    out = tmp_path / "fit.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "epi-price-fit.py"), str(log),
+                        "--holdout-from", str(held), "--json", str(out)],
+                       capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(out.read_text())
+    assert d["pairs"] == 6 * 3 + 3 * 2 + 2 and d["shapes"] == 8
+    assert d["fit"] == pytest.approx({"store_us": store_us, "stage_us": stage_us, "fixed_us": fixed_us}, abs=2e-3)
+    assert d["pick_fit"]["saved_us"] == pytest.approx(d["pick_fit"]["best_us"], abs=0.1)  # exact prices pick the best
+    assert 0 < d["pick_fit"]["twin_taken"] < 8  # one-wave shapes keep the automatic subtile
+    assert d["holdout"]["fit_on_first"]["store_us"] == pytest.approx(store_us, abs=2e-3)
+    assert d["module"]["store_us"] == cs.EPI_STORE_US
+    empty = tmp_path / "none.log"
+    empty.write_text("nothing raced\n")
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "epi-price-fit.py"), str(empty)],
+                       capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 1 and "no epi race lines" in r.stderr

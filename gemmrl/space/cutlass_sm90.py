@@ -382,7 +382,8 @@ def enumerate_specs(layout: str = "TN", dtype: str = "fp16", acc: str = "fp32") 
     widths between (48 .. 176), persistent only, for small outputs; every persistent 64-row
     ping-pong tile up to 128 wide again with the register-to-global epilogue (nosmem); and the
     lean one-tile-per-CTA 'ws' kernel (TMA epilogue) over _LEAN_TILES. Its other forms (the
-    nosmem epilogue, 'tma') lost every race (run 158): not here."""
+    nosmem epilogue, 'tma') lost every race (run 158): not here. The persistent ping-pong tiles
+    of EPI_TWINS come again with that wider epilogue subtile (epi_n)."""
     out = []
     for schedule in ("cooperative", "pingpong"):
         for tm in _TILE_M:
@@ -428,6 +429,14 @@ def enumerate_specs(layout: str = "TN", dtype: str = "fp16", acc: str = "fp32") 
                                    layout, dtype, acc)
                 if valid(spec) is None:
                     out.append(spec)
+    # a wider TMA epilogue subtile for the persistent ping-pong tiles whose winners it beat most
+    # often when raced (runs 166-177): estimate_us prices it (subtile_us), so it outranks its
+    # automatic twin only over many waves of output-heavy tiles
+    for spec in [s for s in out if s.schedule == "pingpong" and s.scheduler == "persistent"
+                 and (s.tile_m, s.tile_n) in EPI_TWINS]:
+        twin = replace(spec, epi_n=EPI_TWINS[(spec.tile_m, spec.tile_n)])
+        if valid(twin) is None:
+            out.append(twin)
     # the register-to-global epilogue for the persistent 64-row ping-pong tiles up to 128 wide
     for spec in [s for s in out if s.schedule == "pingpong" and s.tile_m == 64 and s.tile_n <= 128
                  and s.scheduler == "persistent"]:
@@ -447,6 +456,12 @@ def enumerate_specs(layout: str = "TN", dtype: str = "fp16", acc: str = "fp32") 
                     out.append(spec)
     return out
 
+
+# (tile_m, tile_n) -> the subtile width the pool also carries for that persistent ping-pong
+# tile: where a wider twin beat the winner by 1% or more in races 166-177 it was 96 on 34 of 70
+# 128x192 winners, 64 on 10 of 27 64x256 ones and 128 on 4 of 25 128x128 ones (other tiles and
+# widths: 3 wins or fewer; scripts/epi-price-fit.py reads the same logs)
+EPI_TWINS = {(128, 192): 96, (64, 256): 64, (128, 128): 128}
 
 # the lean kernel's tiles in the pool: those of the persistent winners its twins beat in run 158
 _LEAN_TILES = ((64, 16), (64, 32), (64, 64), (64, 128), (128, 32), (128, 64), (128, 128))
@@ -495,6 +510,35 @@ LEAN_SAVING_US = 0.5  # the lean kernels' fixed cost below a persistent kernel's
 # two at most (run 158: 1.14-1.29x on two waves, 1.33-1.65x on three to 42)
 LEAN_WAVE_COST = 0.25
 TURNSTILE_GBS = 50.0  # a guess at one SM's rate reading and writing a partial tile (estimate_us)
+# The wider TMA epilogue subtile (spec field epi_n) against its twin on the automatic subtile,
+# per wave of tiles: each TMA store fewer saves EPI_STORE_US, each mainloop stage the wider
+# staging buffers take costs EPI_STAGE_US, and a wider subtile costs EPI_FIXED_US once. Fitted
+# (least squares, scripts/epi-price-fit.py) on 932 (winner, wider twin) pairs timed side by side
+# in one session on 262 H200 shapes (runs 166-167 and 174-177): the priced prior picks the
+# twin it rates fastest on 93 shapes, saving 786 of the 867 us the best twins save over all 262
+# (fitted on runs 166-167 alone, it took the twin on 1 of run 174-177's 106 shapes, where twins
+# saved 4.9 us at best: results/h200/epi-price-fit.json).
+EPI_STORE_US = 0.040
+EPI_STAGE_US = 0.36
+EPI_FIXED_US = 0.82
+
+
+def epilogue_stores(spec: CutlassSpec) -> int:
+    """TMA stores a tile's epilogue issues: one a subtile (epilogue_tile)."""
+    em, en = epilogue_tile(spec)
+    return (spec.tile_m // em) * (spec.tile_n // en)
+
+
+def subtile_us(spec: CutlassSpec, waves: float) -> float:
+    """What a wider TMA epilogue subtile (epi_n) adds to its twin on the automatic subtile over
+    `waves` waves of tiles: negative where the stores it saves outweigh the stages it gives up
+    and its fixed cost (EPI_*_US); 0 for the automatic subtile and the other epilogues."""
+    if not spec.epi_n or spec.epilogue != "tma":
+        return 0.0
+    auto = replace(spec, epi_n=0)
+    stores_saved = epilogue_stores(auto) - epilogue_stores(spec)
+    stages_lost = pipeline_stages(auto) - pipeline_stages(spec)
+    return waves * (EPI_STAGE_US * stages_lost - EPI_STORE_US * stores_saved) + EPI_FIXED_US
 
 
 def estimate_us(spec: CutlassSpec, problem, tflops_per_sm: float = 5.5, gbs: float = 3300.0,
@@ -510,7 +554,8 @@ def estimate_us(spec: CutlassSpec, problem, tflops_per_sm: float = 5.5, gbs: flo
     units on fewer SMs the rate falls as sqrt(units / SMs) (issue #3: 256x256x16384 split-K 8 on
     64 of 132 SMs took 22 us where the model said 14; fitted on the store's 790 timed CUTLASS
     trials on the H200, rank correlation within a shape 0.18 -> 0.21, spread of the log error
-    unchanged at 0.21). It is what lets split-K 16 outrank split-K 8 where 8 leaves SMs idle."""
+    unchanged at 0.21). It is what lets split-K 16 outrank split-K 8 where 8 leaves SMs idle.
+    A wider epilogue subtile is priced against its automatic twin (subtile_us)."""
     tiles_m = -(-problem.M // spec.tile_m)
     tiles_n = -(-problem.N // spec.tile_n)
     tiles = tiles_m * tiles_n
@@ -545,12 +590,14 @@ def estimate_us(spec: CutlassSpec, problem, tflops_per_sm: float = 5.5, gbs: flo
         # ranks a shape's candidates with a rank correlation of 0.55; left as it is
         partial_bytes = 2 * 4 * splits * problem.M * problem.N
         rate = l2_gbs if partial_bytes / 2 <= L2_BYTES * 0.6 else gbs
-        return max(compute, memory) + SEPARATE_LAUNCH_US + partial_bytes / (rate * 1e3) + 3.0
+        return (max(compute, memory) + SEPARATE_LAUNCH_US + partial_bytes / (rate * 1e3) + 3.0
+                + subtile_us(spec, waves))
     if spec.scheduler == "tile":
         # the lean one-tile-per-CTA kernels (run 158, H100): about 0.5 us less fixed cost than a
         # persistent kernel within one wave of tiles; each further wave launches its CTAs again
         slower = 1 + LEAN_WAVE_COST * min(waves - 1, 2)
-        return max(compute, memory) * slower + 3.0 - (LEAN_SAVING_US if waves == 1 else 0.0)
+        return (max(compute, memory) * slower + 3.0 - (LEAN_SAVING_US if waves == 1 else 0.0)
+                + subtile_us(spec, waves))
     if spec.scheduler == "streamk" and splits == 1 and tiles % usable:
         reduce = 2.0 + 8 * usable * spec.tile_m * spec.tile_n / (gbs * 1e3)  # the split last wave
     if splits > 1:
@@ -560,7 +607,7 @@ def estimate_us(spec: CutlassSpec, problem, tflops_per_sm: float = 5.5, gbs: flo
             # a prior, not yet fitted: the turnstile the fitted term includes is gone, each of
             # the splits - 1 waits passing one fp32 partial tile at TURNSTILE_GBS per SM
             reduce = max(2.0, reduce - 0.5 * (splits - 1) * 2 * 4 * spec.tile_m * spec.tile_n / (TURNSTILE_GBS * 1e3))
-    return max(compute, memory) + reduce + 3.0
+    return max(compute, memory) + reduce + 3.0 + subtile_us(spec, waves)
 
 
 def heuristic_specs(problem, layout: str, acc: str | None = None, limit: int = 8) -> list[CutlassSpec]:
