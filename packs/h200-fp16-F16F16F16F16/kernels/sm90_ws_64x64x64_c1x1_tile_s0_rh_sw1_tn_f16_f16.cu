@@ -1,6 +1,6 @@
-// sm90_coop_128x64x128_c2x1_persist_s0_rh_sw1_tn_f16_f16: a CUTLASS 3.x sm90 GEMM behind the gemmrl kernel ABI (gemmrl/runtime/abi.py).
+// sm90_ws_64x64x64_c1x1_tile_s0_rh_sw1_tn_f16_f16: a CUTLASS 3.x sm90 GEMM behind the gemmrl kernel ABI (gemmrl/runtime/abi.py).
 // Rendered by gemmrl.space.cutlass_sm90 (render version 1) from the spec
-//   {"acc":"fp16","cluster_m":2,"cluster_n":1,"dtype":"fp16","layout":"TN","raster":"heuristic","schedule":"cooperative","scheduler":"persistent","splits":1,"stages":0,"swizzle":1,"tile_k":128,"tile_m":128,"tile_n":64}
+//   {"acc":"fp16","cluster_m":1,"cluster_n":1,"dtype":"fp16","layout":"TN","raster":"heuristic","schedule":"ws","scheduler":"tile","splits":1,"stages":0,"swizzle":1,"tile_k":64,"tile_m":64,"tile_n":64}
 // Do not edit: change the spec or the renderer. Generic over M, N, K; residues are handled by
 // TMA (out-of-bounds loads read zeros, stores are clipped). C = A @ B^T, C is not read.
 #include <atomic>
@@ -41,11 +41,11 @@ using LayoutB = cutlass::layout::ColumnMajor;  // TN: B given as [N,K] row-major
 using LayoutD = cutlass::layout::RowMajor;  // C [M,N] row-major
 constexpr int kAlignment = 8;  // elements: 16 bytes, TMA's minimum
 
-using TileShape = cute::Shape<cute::_128, cute::_64, cute::_128>;
-using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
-using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
-using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
-using TileSchedulerTag = cutlass::gemm::PersistentScheduler;
+using TileShape = cute::Shape<cute::_64, cute::_64, cute::_64>;
+using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecialized;
+using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
+using TileSchedulerTag = void;
 
 using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -170,7 +170,7 @@ typename Gemm::Arguments make_arguments(const void* A, const void* B, void* C, i
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) const char* gemmrl_meta(void) {
-  return "{\"layout\": \"TN\", \"dtype\": \"fp16\", \"acc\": \"fp16\", \"name\": \"sm90_coop_128x64x128_c2x1_persist_s0_rh_sw1_tn_f16_f16\", \"family\": \"cutlass_sm90\", \"key\": \"8f967be357befa6f\"}";
+  return "{\"layout\": \"TN\", \"dtype\": \"fp16\", \"acc\": \"fp16\", \"name\": \"sm90_ws_64x64x64_c1x1_tile_s0_rh_sw1_tn_f16_f16\", \"family\": \"cutlass_sm90\", \"key\": \"372af9c267ce4cf8\"}";
 }
 
 // Resources CUTLASS chose, for people and tests: {"smem_bytes", "stages", "threads"}.
