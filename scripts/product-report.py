@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The product against torch.matmul in one bench run: gemmrl.matmul-nn against torch.matmul and
+"""The product against torch.matmul in one bench run (or one call's lanes): gemmrl.matmul-nn against torch.matmul and
 gemmrl.matmul-tn against torch.matmul-tn (`bench --impl pack:DIR`), split by whether the pack
 serves the (shape, layout) with a kernel of its own, with a neighbour's kernel (an unseen shape;
 known from the run's verification records, which name the entry that served), or it falls back,
@@ -9,6 +9,7 @@ within each session by the reports' rule: the paired within-round ratio where a 
 in the same sessions gives the noise. No GPU needed:
 
     python3 scripts/product-report.py --run 124 --pack packs/h100-fp16-F32F16F16F32 [--json OUT]
+    python3 scripts/product-report.py --run 190,191,192,193 --pack ...   (one call's four lanes)
 
 Pass the pack as it was when the run measured it (for an older run: `git show COMMIT:PATH`)."""
 
@@ -33,8 +34,12 @@ def served_keys(manifest: dict) -> set:
     return {(e["M"], e["N"], e["K"], e["layout"]) for e in manifest.get("entries", [])}
 
 
-def run_served(db: sqlite3.Connection, run: int) -> tuple[dict, set]:
-    """(neighbours, failed): the (M, N, K, layout)s gemmrl.matmul served in `run` with another
+def _in(runs) -> str:
+    return ", ".join("?" * len(runs))
+
+
+def run_served(db: sqlite3.Connection, runs: tuple) -> tuple[dict, set]:
+    """(neighbours, failed): the (M, N, K, layout)s gemmrl.matmul served in `runs` with another
     shape's kernel (each mapped to what served it: {'shape', 'spec_name', ...}), and those whose
     pack kernel failed to build or load there (the call fell back), from its verification
     records (runtime.pack_impl's `served`, `exact` and `failures`)."""
@@ -42,8 +47,8 @@ def run_served(db: sqlite3.Connection, run: int) -> tuple[dict, set]:
 
     neighbours, failed = {}, set()
     for M, N, K, impl, details in db.execute(
-            "SELECT M, N, K, impl, details FROM verifications WHERE run_id=? AND impl IN (?, ?)",
-            (run, PAIRS[0][1], PAIRS[1][1])):
+            f"SELECT M, N, K, impl, details FROM verifications WHERE run_id IN ({_in(runs)}) AND impl IN (?, ?)",
+            (*runs, PAIRS[0][1], PAIRS[1][1])):
         d = (json.loads(details or "{}") or {}).get("impl") or {}
         key = (M, N, K, "TN" if impl == PAIRS[1][1] else "NN")
         got = served_kernel(d)
@@ -55,13 +60,13 @@ def run_served(db: sqlite3.Connection, run: int) -> tuple[dict, set]:
     return neighbours, failed
 
 
-def sessions(db: sqlite3.Connection, run: int) -> dict:
+def sessions(db: sqlite3.Connection, runs: tuple) -> dict:
     """(mode, session, M, N, K) -> {impl: (time, paired)}: medians, means in server mode, and the
     record's paired ratios {other: t_other / t_self} where it has them (the reports' rule)."""
     out: dict = defaultdict(dict)
     q = ("SELECT mode, session, M, N, K, impl, median_us, mean_us, details FROM measurements "
-         "WHERE run_id=? AND status='ok'")
-    for mode, session, M, N, K, impl, med, mean, details in db.execute(q, (run,)):
+         f"WHERE run_id IN ({_in(runs)}) AND status='ok'")
+    for mode, session, M, N, K, impl, med, mean, details in db.execute(q, tuple(runs)):
         t = mean if mode == "server" else med
         if t and t > 0:
             paired = (json.loads(details or "{}") or {}).get("paired") or {}
@@ -142,7 +147,9 @@ def neighbour_rows(times: dict, neighbours: dict) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--run", type=int, required=True, help="the store's run id (a bench with --impl pack:DIR)")
+    ap.add_argument("--run", required=True,
+                    help="the store's run id (a bench with --impl pack:DIR), or several, comma-separated: "
+                         "one call's lanes (scripts/device-steps.sh), each a share of the shapes, on one GPU model")
     ap.add_argument("--pack", required=True, help="the pack directory (or its manifest.json) that run used; "
                     "DIR@nearest=D as given to bench --impl pack: (recorded, the split is the run's own)")
     ap.add_argument("--db", default="results/gemmrl.sqlite")
@@ -160,18 +167,32 @@ def main(argv=None) -> int:
         ap.error(f"{a.pack}: no manifest.json")
     if not Path(a.db).is_file():
         ap.error(f"{a.db}: no store")
+    try:
+        runs = tuple(dict.fromkeys(int(x) for x in a.run.split(",") if x.strip()))
+    except ValueError:
+        ap.error(f"--run takes run ids, comma-separated: got {a.run!r}")
+    if not runs:
+        ap.error("--run: no run id given")
     db = sqlite3.connect(a.db)
-    row = db.execute("SELECT device, provenance FROM runs WHERE id=?", (a.run,)).fetchone()
-    if row is None:
-        ap.error(f"run {a.run} is not in {a.db}")
+    rows = {}
+    for r in runs:
+        row = db.execute("SELECT device, provenance FROM runs WHERE id=?", (r,)).fetchone()
+        if row is None:
+            ap.error(f"run {r} is not in {a.db}")
+        rows[r] = row
+    devices = {row[0] for row in rows.values()}
+    if len(devices) > 1:
+        ap.error(f"runs {a.run} timed different GPUs ({', '.join(sorted(devices))}): one report a GPU model")
+    row = rows[runs[0]]
+    label = f"run {runs[0]}" if len(runs) == 1 else "runs " + ",".join(map(str, runs))
     # a pack kernel that failed in the run (not built, not loaded) left the call to the fallback
-    neighbours, failed = run_served(db, a.run)
-    res = summarize(sessions(db, a.run), served_keys(json.loads(mf.read_text())) - failed, neighbours)
+    neighbours, failed = run_served(db, runs)
+    res = summarize(sessions(db, runs), served_keys(json.loads(mf.read_text())) - failed, neighbours)
     if not res:
-        print(f"run {a.run} timed no gemmrl.matmul beside torch.matmul", file=sys.stderr)
+        print(f"{label} timed no gemmrl.matmul beside torch.matmul", file=sys.stderr)
         return 1
     prov = json.loads(row[1] or "{}")
-    print(f"run {a.run} on {row[0]} (driver {prov.get('driver')}, CUDA {prov.get('cuda')}, torch {prov.get('torch')}, "
+    print(f"{label} on {row[0]} (driver {prov.get('driver')}, CUDA {prov.get('cuda')}, torch {prov.get('torch')}, "
           f"commit {prov.get('commit')}, {prov.get('date')}); pack {mf.parent}"
           + (f", neighbours within {nearest:g}" if nearest is not None else ""))
     print("| mode | call | against | shapes | geomean | min (shape) | below 0.99 | median diff us |")
@@ -184,17 +205,17 @@ def main(argv=None) -> int:
         if "noise" in per:
             n = per["noise"]
             print(f"| {mode} | noise | torch.matmul@repeat | | median {list(n.values())[0]:.4f} | max {n['max |1 - r|']:.4f} | | |")
-    rows = neighbour_rows(sessions(db, a.run), neighbours)
-    if rows:
+    nrows = neighbour_rows(sessions(db, runs), neighbours)
+    if nrows:
         print("\n| mode | shape | call | neighbour (distance) | its kernel | gemmrl.matmul us | torch.matmul us | ratio |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-        for r in rows:
+        for r in nrows:
             print(f"| {r['mode']} | {r['shape']} | {r['layout']} | {r['neighbour']} ({r['distance']}) | `{r['kernel']}` "
                   f"| {r['us']:.2f} | {r['torch_us']:.2f} | {r['vs_torch']:.3f} |")
     if a.json:
-        Path(a.json).write_text(json.dumps({"run": a.run, "device": row[0], "provenance": prov, "pack": str(mf.parent),
-                                            "nearest": nearest,
-                                            "modes": res, "neighbours": rows}, indent=1) + "\n")
+        Path(a.json).write_text(json.dumps({"run": runs[0] if len(runs) == 1 else list(runs), "device": row[0],
+                                            "provenance": prov, "pack": str(mf.parent), "nearest": nearest,
+                                            "modes": res, "neighbours": nrows}, indent=1) + "\n")
     return 0
 
 

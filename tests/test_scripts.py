@@ -376,6 +376,55 @@ def test_product_report_splits_served_and_fallback_calls_per_session(tmp_path):
     assert bad.returncode == 2 and "run 99 is not in" in bad.stderr
 
 
+def test_product_report_takes_one_calls_lanes_together(tmp_path):
+    """--run A,B: the runs of one call's lanes (a share of the shapes each) reported as one, with
+    each lane's verification records; runs of two GPU models, or a bad list, refused."""
+    import json
+
+    from gemmrl.core.problem import Problem
+    from gemmrl.store.db import Store
+
+    st = Store(tmp_path / "s.sqlite")
+    prov = {"driver": "1", "cuda": "13.0", "torch": "2", "commit": "abc"}
+    lanes = [st.start_run("gemmrl bench", "GPU X", prov, {}) for _ in range(2)]
+    other = st.start_run("gemmrl bench", "GPU Y", prov, {})
+    for run, p, ours in ((lanes[0], Problem(64, 64, 64), 8.0), (lanes[1], Problem(128, 64, 64), 5.0),
+                         (lanes[1], Problem(256, 64, 64), 11.0)):
+        st.record_session(run, f"{p.mnk}-{run}", "GPU X", p, "kernel", "v3", {
+            "gemmrl.matmul-nn": {"median_us": ours, "n": 5}, "torch.matmul": {"median_us": 10.0, "n": 5}})
+    st.record_session(other, "y", "GPU Y", Problem(64, 64, 64), "kernel", "v3", {
+        "gemmrl.matmul-nn": {"median_us": 1.0, "n": 5}, "torch.matmul": {"median_us": 10.0, "n": 5}})
+    # lane 1's 256x64x64 entry failed to build there: that call fell back
+    st.record_verification(lanes[1], "GPU X", Problem(256, 64, 64), "gemmrl.matmul-nn", True, "ok",
+                           {"impl": {"served": {"shape": "256x64x64", "exact": True, "source_sha256": "bb"},
+                                     "failures": {"bb": "no build"}}})
+    st.close()
+    (tmp_path / "pack").mkdir()
+    (tmp_path / "pack" / "manifest.json").write_text(json.dumps({"entries": [
+        {"M": m, "N": 64, "K": 64, "layout": "NN"} for m in (64, 128, 256)]}))
+
+    def report(runs, out=None):
+        return subprocess.run([sys.executable, str(ROOT / "scripts" / "product-report.py"), "--run", runs, "--pack",
+                               str(tmp_path / "pack"), "--db", str(tmp_path / "s.sqlite")]
+                              + (["--json", str(out)] if out else []),
+                              capture_output=True, text=True, env=ENV, timeout=300)
+
+    out = tmp_path / "r.json"
+    r = report(f"{lanes[0]},{lanes[1]}", out)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(out.read_text())
+    assert d["run"] == lanes and f"runs {lanes[0]},{lanes[1]} on GPU X" in r.stdout
+    k = d["modes"]["kernel"]
+    assert k["NN served"]["shapes"] == 2 and abs(k["NN served"]["geomean"] - (1.25 * 2.0) ** 0.5) < 1e-9
+    assert k["NN fallback"]["shapes"] == 1 and k["NN fallback"]["min_shape"] == "256x64x64"
+    one = report(str(lanes[0]), out)
+    assert one.returncode == 0 and json.loads(out.read_text())["run"] == lanes[0]
+    assert json.loads(out.read_text())["modes"]["kernel"]["NN served"]["shapes"] == 1
+    mixed = report(f"{lanes[0]},{other}")
+    assert mixed.returncode == 2 and "different GPUs" in mixed.stderr
+    assert report("1,x").returncode == 2 and "comma-separated" in report("1,x").stderr
+
+
 def test_autotune_check_summarizes_choices_against_the_heuristic_in_the_independent_session(tmp_path):
     """The summary is read from the CSV the GPU run writes: each choice's time over the heuristic's
     first suggestion in the independent session (geomean, worst, how many beyond 2%), picking
