@@ -7,6 +7,7 @@ import os
 import math
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import click
@@ -499,6 +500,16 @@ def report(db, out, device, subject, dtype, acc, versus, since_run):
                 raise click.ClickException(str(e)) from None
     for p in paths:
         click.echo(p)
+    mixed = {}
+    for r in records:
+        if r["impl"] == subj and r.get("protocol"):
+            mixed.setdefault(r["mode"], Counter())[r["protocol"]] += 1
+    for mode, per in sorted(mixed.items()):
+        if len(per) > 1:  # ratios under different yardsticks: say so beside the numbers
+            click.echo(f"note: {mode} mode mixes measuring protocols ("
+                       + ", ".join(f"{n} shape{'s' * (n != 1)} {proto}" for proto, n in per.most_common())
+                       + "): the summary's 'protocols'; retime the older ones to compare like with like",
+                       err=True)
 
 
 @main.command()

@@ -102,6 +102,24 @@ def test_report_writes_cuda_l2_layout_from_the_store(tmp_path):
     assert (out / "torch_matmul_h100_F32F16F16F32_speedup_vs_flops.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_report_notes_a_mode_whose_shapes_mix_measuring_protocols(tmp_path):
+    db = tmp_path / "s.sqlite"
+    st = Store(db)
+    _fill(st)  # both shapes kernel:v1
+    r = CliRunner().invoke(main, ["report", "--db", str(db), "--out", str(tmp_path / "res")])
+    assert r.exit_code == 0 and "mixes measuring protocols" not in r.output
+    run = st.start_run("gemmrl bench", "NVIDIA H100 80GB HBM3", {}, {})
+    st.record_session(run, "v3", "NVIDIA H100 80GB HBM3", Problem(64, 64, 64), "kernel", "kernel:v3:ci=0.005", {
+        n: {"median_us": 4.0, "n": 20, "status": "ok", "details": {}} for n in ("torch.matmul", "cuBLAS-nn")})
+    st.close()
+    r = CliRunner().invoke(main, ["report", "--db", str(db), "--out", str(tmp_path / "res")])
+    assert r.exit_code == 0, r.output
+    assert ("note: kernel mode mixes measuring protocols (1 shape kernel:v3:ci=0.005, 1 shape kernel:v1)"
+            in r.output)
+    summary = json.loads((tmp_path / "res" / "h100" / "torch_matmul_h100_F32F16F16F32_summary.json").read_text())
+    assert summary["protocols"] == {"kernel": {"kernel:v1": 1, "kernel:v3:ci=0.005": 1}}
+
+
 def test_report_versus_writes_the_head_to_head_and_refuses_an_unknown_impl(tmp_path):
     db = tmp_path / "s.sqlite"
     _fill(Store(db))

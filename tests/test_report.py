@@ -347,6 +347,22 @@ def test_summary_counts_host_sessions_that_stopped_before_their_precision_target
     assert "precision" not in summarize(all_records(), "gemmrl")
 
 
+def test_summary_counts_the_subjects_shapes_per_measuring_protocol():
+    """A mode whose shapes come from sessions of different protocols mixes yardsticks: the
+    summary says how many of the subject's shapes each protocol timed (baselines not counted)."""
+    records = [rec(64, 64, 64, "gemmrl", "offline", 10.0, protocol="offline:v2"),
+               rec(128, 64, 64, "gemmrl", "offline", 10.0, protocol="offline:v3:ci=0.005"),
+               rec(256, 64, 64, "gemmrl", "offline", 10.0, protocol="offline:v3:ci=0.005"),
+               rec(256, 64, 64, "torch.matmul", "offline", 11.0, protocol="offline:v1"),
+               rec(64, 64, 64, "gemmrl", "kernel", 3.0, protocol="kernel:v3:ci=0.005"),
+               rec(128, 64, 64, "gemmrl", "kernel", 3.0)]  # no protocol named: not counted
+    s = summarize(records, "gemmrl")
+    assert s["protocols"] == {"kernel": {"kernel:v3:ci=0.005": 1},
+                              "offline": {"offline:v2": 1, "offline:v3:ci=0.005": 2}}
+    assert "protocols" not in summarize(all_records(), "gemmrl")  # records without one
+    assert "protocols" not in summarize(records, None)
+
+
 def test_summary_roofline_flags_times_beyond_the_floor():
     records = offline_records() + [rec(2048, 2048, 2048, "gemmrl", "offline", 1.0)]
     s = summarize(records, "gemmrl", PEAKS)

@@ -106,7 +106,8 @@ def _problem(rec: dict, where: str) -> Problem:
 class _Rec:
     """A checked record: its Problem, impl, mode, times and device."""
 
-    __slots__ = ("problem", "impl", "mode", "median", "mean", "p90", "n", "device", "paired", "ci_reached")
+    __slots__ = ("problem", "impl", "mode", "median", "mean", "p90", "n", "device", "paired", "ci_reached",
+                 "protocol")
 
     def __init__(self, rec: dict, index: int):
         if not isinstance(rec, dict):
@@ -127,6 +128,7 @@ class _Rec:
         n = rec.get("n")
         self.n = None if n is None else int(n)
         self.device = None if rec.get("device") is None else str(rec["device"])
+        self.protocol = None if rec.get("protocol") is None else str(rec["protocol"])
         details = rec.get("details")
         # a mode timed with a precision target: whether sampling met it (False: stopped at a cap)
         reached = details.get("ci_reached") if isinstance(details, dict) else None
@@ -518,6 +520,18 @@ def _precision(recs: Sequence[_Rec]) -> dict:
     return out
 
 
+def _protocols(recs: Sequence[_Rec], subject: str) -> dict:
+    """Per mode: how many shapes the subject's records timed under each measuring protocol (the
+    store's `protocol`, e.g. 'offline:v2' or 'offline:v3:ci=0.005'). A mode whose shapes come
+    from sessions of different protocols mixes yardsticks: retime the older ones before reading
+    a change between reports as a change in the kernels."""
+    by: dict[str, dict] = defaultdict(lambda: defaultdict(int))
+    for r in recs:
+        if r.impl == subject and r.protocol is not None:
+            by[r.mode][r.protocol] += 1
+    return {mode: dict(sorted(by[mode].items())) for mode in _sorted_modes(by)}
+
+
 def _roofline_summary(recs: Sequence[_Rec], peaks: dict) -> dict:
     """Per mode, per impl: median and max roofline fraction, and the shapes beyond the physical
     floor (fraction > 1: a timing or correctness problem, or peaks measured too low)."""
@@ -549,6 +563,7 @@ def summarize(records: Iterable[dict], subject: str | None, peaks: dict | None =
      'noise': {mode: {impl: {count, median, p90, max, share_within_2pct, worst}}},
      'precision': {mode: {shapes_with_target, target_not_reached, not_reached}}  (only where
      host timing had a precision target),
+     'protocols': {mode: {protocol: shapes}}  (the subject's records, where they name one),
      'roofline': {mode: {impl: {...}}}  (only with peaks)}.
     Modes are those where the subject has records; with subject None, 'modes' is empty."""
     records = list(records)
@@ -565,6 +580,8 @@ def summarize(records: Iterable[dict], subject: str | None, peaks: dict | None =
     out["noise"] = _noise(recs)
     if precision := _precision(recs):
         out["precision"] = precision
+    if subject is not None and (protocols := _protocols(recs, subject)):
+        out["protocols"] = protocols
     if peaks is not None:
         _check_peaks(peaks)
         out["roofline"] = _roofline_summary(recs, peaks)
