@@ -605,3 +605,56 @@ def test_epi_price_fit_recovers_the_prices_a_race_log_was_made_with(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "epi-price-fit.py"), str(empty)],
                        capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode == 1 and "no epi race lines" in r.stderr
+
+
+def test_stale_shapes_lists_what_a_retime_should_take(tmp_path):
+    """scripts/stale-shapes.py: a shape is stale in a mode where its latest session of the winner
+    timed another kernel, ran under an older protocol than asked, predates a winner stored
+    without a verification to compare, or does not exist; fresh ones are left out; --lanes
+    splits every Nth by FLOPs."""
+    import sqlite3
+    import time as _time
+
+    from gemmrl.core.problem import Problem
+    from gemmrl.store.db import Store
+
+    db = tmp_path / "s.sqlite"
+    st = Store(db)
+    dev = "NVIDIA H200"
+    same, changed, old_proto, unverified, never = (Problem(m, 64, 64) for m in (64, 128, 256, 512, 1024))
+    for p in (same, changed, old_proto, unverified, never):
+        st.put_tuning(dev, p, "gemmrl-tuned", b"{}", f"k_{p.M} (best of 2/2)", 1.0)
+    run = st.start_run("gemmrl bench", dev, {}, {})
+    for p, proto, timed in ((same, "offline:v3:ci=0.005", "k_64"), (changed, "offline:v3:ci=0.005", "k_old"),
+                            (old_proto, "offline:v2", "k_256")):
+        st.record_session(run, f"s{p.M}", dev, p, "offline", proto, {"gemmrl-tuned": {"median_us": 5.0, "n": 5}})
+        st.record_verification(run, dev, p, "gemmrl-tuned", True, "", {"impl": {"chosen": {"name": timed}}})
+    st.record_session(run, "s512", dev, unverified, "offline", "offline:v3", {"gemmrl-tuned": {"median_us": 5.0, "n": 5}})
+    st.finish_run(run)
+    _time.sleep(0.01)
+    st.put_tuning(dev, unverified, "gemmrl-tuned", b"{}", "k_512b (best of 2/2)", 1.0)  # a new winner since
+    st.close()
+    c = sqlite3.connect(db)  # the run took 8 s over its 4 shapes: 2 s a shape
+    c.execute("UPDATE runs SET finished = started + 8 WHERE id=?", (run,))
+    c.commit()
+    c.close()
+
+    def stale(*args):
+        return subprocess.run([sys.executable, str(ROOT / "scripts" / "stale-shapes.py"), "--db", str(db),
+                               "--device", "H200", "--mode", "offline", *args],
+                              capture_output=True, text=True, env=ENV, timeout=300)
+
+    out = tmp_path / "r.txt"
+    r = stale("--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "3 stale shapes" in r.stdout and "at the 2.0 s a shape" in r.stdout
+    assert [l for l in out.read_text().splitlines() if not l.startswith("#")] == ["128x64x64", "512x64x64", "1024x64x64"]
+    r = stale("--protocol", "offline:v3", "--out", str(out), "--lanes", "2")
+    assert r.returncode == 0, r.stderr
+    assert "4 stale shapes" in r.stdout and "1 protocol offline:v2" in r.stdout and "1 winner changed" in r.stdout
+    lanes = [[l for l in (tmp_path / f"r-l{i}.txt").read_text().splitlines() if not l.startswith("#")] for i in (0, 1)]
+    assert lanes == [["128x64x64", "512x64x64"], ["256x64x64", "1024x64x64"]]
+    assert stale("--protocol", "server:v5").returncode == 2
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "stale-shapes.py"), "--db", str(db),
+                        "--device", "H200", "--mode", "server"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0 and "5 stale shapes (no finished run timed server mode alone" in r.stdout

@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Which shapes a host-mode (or kernel-mode) retime of the tuned winners should take next, from
+the store alone (no GPU): for every shape with a winner on a device and accumulator, the latest
+session of the winner in `--mode` is stale when
+- it timed another kernel than today's winner (a race or tune changed the winner since), known
+  from that run's passed verification of gemmrl-tuned; where the run verified nothing of it
+  (older benches), when the winner was stored after that session;
+- or it ran under an older protocol than `--protocol` names (e.g. offline:v3: the sessions of
+  offline:v2 measure another yardstick: the summary's 'protocols' counts them);
+- or no session of the winner in that mode exists.
+Writes the stale shapes smallest first, one a line (a bench --shapes FILE), or split into
+`--lanes N` files (every Nth by FLOPs, for scripts/device-steps.sh's lanes), and says what the
+retime will cost at the seconds a shape that mode's recent runs took.
+
+    python3 scripts/stale-shapes.py --device H200 --acc fp32 --mode offline --protocol offline:v3 \\
+        --out results/shapes/retime-h200-fp32.txt --lanes 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sqlite3
+import statistics
+import sys
+from pathlib import Path
+
+SUBJECT = "gemmrl-tuned"
+
+
+def protocol_version(protocol: str) -> tuple[str, int]:
+    """('offline', 3) from 'offline:v3:ci=0.005'; version 0 where none is named."""
+    mode, _, rest = protocol.partition(":")
+    v = rest.split(":")[0]
+    return mode, int(v[1:]) if v.startswith("v") and v[1:].isdigit() else 0
+
+
+def stale_shapes(db: sqlite3.Connection, device: str, acc: str, mode: str, protocol: str | None = None,
+                 dtype: str = "fp16") -> list[tuple[tuple[int, int, int], str]]:
+    """[((M, N, K), why)] for the stale shapes, smallest FLOPs first."""
+    want = protocol_version(protocol)[1] if protocol else 0
+    winners = {}
+    for M, N, K, info, created in db.execute(
+            "SELECT M, N, K, info, created FROM tuning WHERE device=? AND acc=? AND dtype=? AND impl=?",
+            (device, acc, dtype, SUBJECT)):
+        winners[(M, N, K)] = (info.split(" ")[0], created)
+    latest = {}
+    for M, N, K, run, proto, created in db.execute(
+            "SELECT M, N, K, run_id, protocol, created FROM measurements WHERE device=? AND acc=? AND dtype=? "
+            "AND impl=? AND mode=? AND status='ok' ORDER BY id", (device, acc, dtype, SUBJECT, mode)):
+        latest[(M, N, K)] = (run, proto, created)
+    out = []
+    for shape, (name, won) in winners.items():
+        if shape not in latest:
+            out.append((shape, "never timed in this mode"))
+            continue
+        run, proto, at = latest[shape]
+        if protocol_version(proto)[1] < want:
+            out.append((shape, f"protocol {proto}"))
+            continue
+        row = db.execute("SELECT details FROM verifications WHERE device=? AND acc=? AND dtype=? AND impl=? "
+                         "AND run_id=? AND M=? AND N=? AND K=? AND passed=1 ORDER BY id DESC LIMIT 1",
+                         (device, acc, dtype, SUBJECT, run, *shape)).fetchone()
+        if row is not None:
+            timed = ((json.loads(row[0] or "{}").get("impl") or {}).get("chosen") or {}).get("name")
+            if timed != name:
+                out.append((shape, f"timed {timed}, winner now {name}"))
+        elif won > at:
+            out.append((shape, "winner stored after the session"))
+    out.sort(key=lambda x: (x[0][0] * x[0][1] * x[0][2], x[0]))
+    return out
+
+
+def seconds_per_shape(db: sqlite3.Connection, device: str, mode: str, last: int = 8) -> float | None:
+    """The median wall seconds a shape of the `last` finished runs that timed the subject in only
+    this mode took (run time over the shapes it timed), or None."""
+    rows = db.execute(
+        "SELECT r.id, r.started, r.finished, COUNT(DISTINCT m.M || 'x' || m.N || 'x' || m.K || m.acc), "
+        "COUNT(DISTINCT m.mode) FROM runs r JOIN measurements m ON m.run_id = r.id WHERE r.device=? "
+        "AND r.finished IS NOT NULL AND r.id IN (SELECT run_id FROM measurements WHERE impl=? AND mode=?) "
+        "GROUP BY r.id ORDER BY r.id DESC", (device, SUBJECT, mode)).fetchall()
+    per = [(f - s) / n for _, s, f, n, modes in rows if modes == 1 and n and f > s][:last]
+    return statistics.median(per) if per else None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--db", default="results/gemmrl.sqlite")
+    ap.add_argument("--device", required=True, help="the GPU as the store names it, or a unique part of it (H200)")
+    ap.add_argument("--acc", choices=("fp32", "fp16"), default="fp32")
+    ap.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16")
+    ap.add_argument("--mode", choices=("kernel", "offline", "server"), required=True)
+    ap.add_argument("--protocol", help="the oldest protocol that counts as current, e.g. offline:v3")
+    ap.add_argument("--out", help="write the shapes here (with --lanes: OUT's stem -l0 .. -l<N-1>)")
+    ap.add_argument("--lanes", type=int, default=1, help="split into this many files, every Nth by FLOPs")
+    a = ap.parse_args(argv)
+    if a.lanes < 1:
+        ap.error("--lanes must be at least 1")
+    if a.protocol and protocol_version(a.protocol)[0] != a.mode:
+        ap.error(f"--protocol {a.protocol} is not a {a.mode} protocol")
+    if not Path(a.db).is_file():
+        ap.error(f"{a.db}: no store (gemmrl store unpacks a committed one)")
+    from gemmrl.store.db import device_by_part
+
+    db = sqlite3.connect(a.db)
+    devices = [d for (d,) in db.execute("SELECT DISTINCT device FROM tuning")]
+    try:
+        device = device_by_part(a.device, devices)
+    except ValueError as e:
+        ap.error(str(e))
+    stale = stale_shapes(db, device, a.acc, a.mode, a.protocol, a.dtype)
+    why: dict[str, int] = {}
+    for _, w in stale:
+        key = "winner changed" if w.startswith("timed") else w
+        why[key] = why.get(key, 0) + 1
+    sps = seconds_per_shape(db, device, a.mode)
+    cost = (f", about {sps * len(stale) / 60:.0f} GPU-minutes at the {sps:.1f} s a shape of recent {a.mode} runs"
+            if sps else f" (no finished run timed {a.mode} mode alone: no cost estimate)")
+    print(f"{device}, acc {a.acc}, {a.mode}: {len(stale)} stale shapes{cost}; "
+          + ", ".join(f"{n} {k}" for k, n in sorted(why.items(), key=lambda x: -x[1])))
+    if a.out and stale:
+        shapes = [f"{M}x{N}x{K}" for (M, N, K), _ in stale]
+        head = f"# {device} acc {a.acc}: shapes whose {a.mode}-mode session of {SUBJECT} is stale " \
+               f"(scripts/stale-shapes.py{' --protocol ' + a.protocol if a.protocol else ''}): {len(shapes)}"
+        out = Path(a.out)
+        if a.lanes == 1:
+            out.write_text(head + "\n" + "\n".join(shapes) + "\n")
+            print(out)
+        else:
+            for i in range(a.lanes):
+                p = out.with_name(f"{out.stem}-l{i}{out.suffix}")
+                p.write_text(f"{head}, lane {i} of {a.lanes}\n" + "\n".join(shapes[i::a.lanes]) + "\n")
+                print(p)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
