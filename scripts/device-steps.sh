@@ -7,7 +7,8 @@
 # "build ARGS" (gemmrl build, e.g. --tuned-in results/gemmrl.sqlite --variants epi: kernels the next
 # steps race, compiled on the device's cores into the cache they read).
 # STEPS run on GPU 0; on a machine with G GPUs, STEPS_1 .. STEPS_<G-1> run on the others at once
-# (each lane's steps in turn, all writing the one store).
+# (each lane's steps in turn, all writing the one store). PRE="build ...; ..." runs first, alone
+# (its logs step-pre.N-VERB.log), e.g. the kernels every lane will time compiled on all cores.
 # Carry .ext/carry/nvidia_cutlass-*.whl and the build caches the steps need (.ext/carry/gcache*.txz,
 # unpacked into the one cache every step reads). Each step gets --db (and --out for tune and
 # bench, under OUT/logs) and whatever is left of TOTAL_S (default 560) less 60 s as its timeout,
@@ -39,7 +40,7 @@ if [ -n "${BG:-}" ]; then
 fi
 # lane g: its steps in turn on GPU g (STEPS is lane 0, STEPS_1 lane 1, ...); the lanes at once
 lane() {
-  local g=$1 spec=$2 i args argv cap verb extra budget log
+  local g=$1 spec=$2 tag=${3:-} i args argv cap verb extra budget log
   IFS=';' read -ra steps <<< "$spec"
   for i in "${!steps[@]}"; do
     read -ra argv <<< "${steps[$i]}"
@@ -47,7 +48,7 @@ lane() {
     cap=""
     if [[ ${argv[0]} =~ ^@([0-9]+)$ ]]; then cap=${BASH_REMATCH[1]}; argv=("${argv[@]:1}"); fi
     verb=${argv[0]}; extra=(--db "$db"); cmd=(python3 -m gemmrl.cli); label=gemmrl
-    [ "$g" = 0 ] && id=$i || id=$g.$i
+    if [ -n "$tag" ]; then id=$tag.$i; elif [ "$g" = 0 ]; then id=$i; else id=$g.$i; fi
     case "$verb" in
       tune|bench) extra+=(--out "$out/logs/results-$id");;
       build) extra=();;  # kernels for later steps, into the one cache (build --tuned-in results/gemmrl.sqlite ...)
@@ -70,6 +71,9 @@ for var in ${!STEPS_*}; do
     && echo "warning: $var is set but this machine has $ngpu GPU(s): its steps do not run" | tee -a "$out/logs/steps.txt"
 done
 LANE_GPUS=($(seq 0 $((ngpu - 1))))
+# PRE: steps run in turn before any lane starts (GPU 0 visible), e.g. a build on every core whose
+# kernels the lanes' host-timed steps then load, with no compiler beside their timing
+[ -n "${PRE:-}" ] && lane 0 "$PRE" pre
 pids=()
 lane 0 "$STEPS" & pids+=($!)
 for g in $(seq 1 $((ngpu - 1))); do

@@ -156,7 +156,7 @@ def test_device_steps_runs_each_step_in_turn_with_its_cap_and_returns_the_store(
     # two lanes (GPUs): STEPS_1 runs beside STEPS; a lane for a GPU the machine lacks is named
     out2 = tmp_path / "out2"
     env2 = {**env, "STEPS": "store", "STEPS_1": "store --db-missing-option", "STEPS_2": "store",
-            "STEPS_GPUS": "2", "FULL_STORE": "1", "BG": ""}
+            "STEPS_GPUS": "2", "FULL_STORE": "1", "BG": "", "PRE": "scripts/hello.py pre; store"}
     (repo / "results" / "gemmrl.sqlite").unlink()  # a fresh store for the second call
     store = Store(repo / "results" / "gemmrl.sqlite")
     store.close()
@@ -166,7 +166,13 @@ def test_device_steps_runs_each_step_in_turn_with_its_cap_and_returns_the_store(
     assert "== step 0: gemmrl store" in r.stdout and "== step 1.0: gemmrl store --db-missing-option" in r.stdout
     assert "STEPS_2 is set but this machine has 2 GPU(s)" in r.stdout
     with tarfile.open(out2 / "logs.tgz") as t:
-        assert {"logs/step-0-store.log", "logs/step-1.0-store.log"} <= set(t.getnames())
+        assert {"logs/step-0-store.log", "logs/step-1.0-store.log", "logs/step-pre.0-hello.log",
+                "logs/step-pre.1-store.log"} <= set(t.getnames())
+    # PRE ran alone, before either lane started
+    lines = r.stdout.splitlines()
+    first_lane = min(i for i, l in enumerate(lines) if l.startswith("== step 0:") or l.startswith("== step 1.0:"))
+    assert max(i for i, l in enumerate(lines) if "(step pre.1)" in l) < first_lane
+    assert (out2 / "hello.txt").read_text() == "pre"
     assert (out2 / "gemmrl.sqlite.xz").exists() and not (out2 / "gemmrl-delta.sqlite.xz").exists()
 
 
