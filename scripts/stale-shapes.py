@@ -8,9 +8,10 @@ session of the winner in `--mode` is stale when
 - or it ran under an older protocol than `--protocol` names (e.g. offline:v3: the sessions of
   offline:v2 measure another yardstick: the summary's 'protocols' counts them);
 - or no session of the winner in that mode exists.
-Writes the stale shapes smallest first, one a line (a bench --shapes FILE), or split into
-`--lanes N` files (every Nth by FLOPs, for scripts/device-steps.sh's lanes), and says what the
-retime will cost at the seconds a shape that mode's recent runs took.
+Writes the stale shapes smallest first, one a line (a bench --shapes FILE, or the build step
+that compiles their winners), and with `--lanes N` also N files of every Nth by FLOPs (for
+scripts/device-steps.sh's lanes); says what the retime will cost at the seconds a shape that
+mode's recent runs took.
 
     python3 scripts/stale-shapes.py --device H200 --acc fp32 --mode offline --protocol offline:v3 \\
         --out results/shapes/retime-h200-fp32.txt --lanes 4
@@ -91,7 +92,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16")
     ap.add_argument("--mode", choices=("kernel", "offline", "server"), required=True)
     ap.add_argument("--protocol", help="the oldest protocol that counts as current, e.g. offline:v3")
-    ap.add_argument("--out", help="write the shapes here (with --lanes: OUT's stem -l0 .. -l<N-1>)")
+    ap.add_argument("--out", help="write the shapes here (with --lanes N, also a share each in OUT's stem -l0 .. -l<N-1>)")
     ap.add_argument("--lanes", type=int, default=1, help="split into this many files, every Nth by FLOPs")
     a = ap.parse_args(argv)
     if a.lanes < 1:
@@ -123,10 +124,9 @@ def main(argv=None) -> int:
         head = f"# {device} acc {a.acc}: shapes whose {a.mode}-mode session of {SUBJECT} is stale " \
                f"(scripts/stale-shapes.py{' --protocol ' + a.protocol if a.protocol else ''}): {len(shapes)}"
         out = Path(a.out)
-        if a.lanes == 1:
-            out.write_text(head + "\n" + "\n".join(shapes) + "\n")
-            print(out)
-        else:
+        out.write_text(head + "\n" + "\n".join(shapes) + "\n")  # all of them: what a build step compiles
+        print(out)
+        if a.lanes > 1:
             for i in range(a.lanes):
                 p = out.with_name(f"{out.stem}-l{i}{out.suffix}")
                 p.write_text(f"{head}, lane {i} of {a.lanes}\n" + "\n".join(shapes[i::a.lanes]) + "\n")

@@ -660,6 +660,8 @@ def test_stale_shapes_lists_what_a_retime_should_take(tmp_path):
     assert "4 stale shapes" in r.stdout and "1 protocol offline:v2" in r.stdout and "1 winner changed" in r.stdout
     lanes = [[l for l in (tmp_path / f"r-l{i}.txt").read_text().splitlines() if not l.startswith("#")] for i in (0, 1)]
     assert lanes == [["128x64x64", "512x64x64"], ["256x64x64", "1024x64x64"]]
+    assert [l for l in out.read_text().splitlines() if not l.startswith("#")] == [
+        "128x64x64", "256x64x64", "512x64x64", "1024x64x64"]  # all of them too: the build step's list
     assert stale("--protocol", "server:v5").returncode == 2
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "stale-shapes.py"), "--db", str(db),
                         "--device", "H200", "--mode", "server"], capture_output=True, text=True, env=ENV, timeout=300)
