@@ -16,6 +16,9 @@
 # cleanly, keeping what it measured); a step's failure does not stop the next. OUT gets logs.tgz (a log per step) and the store,
 # compressed, as OUT/gemmrl.sqlite.xz: only this call's runs, as OUT/gemmrl-delta.sqlite.xz, unless
 # FULL_STORE=1 (scripts/device-common.sh).
+# CACHE_BACK=FILE: the builds a step listed in FILE (`build ... --entries FILE`) come back packed as
+# OUT/gcache-back.txz (carry it in a later call, as .ext/carry/gcache-NAME.txz, instead of
+# compiling them again).
 # BG="command" runs beside the steps at the lowest CPU priority (CPU work for a later call, such
 # as scripts/cuda-l2-prebuild.py), its output in OUT/bg.log; the call waits for it until TOTAL_S
 # less 30 s, then stops it (SIGTERM, and up to 15 s for its own clean-up).
@@ -90,6 +93,13 @@ if [ -n "$bgpid" ]; then
     echo "background: stopped after $SECONDS s" | tee -a "$out/logs/steps.txt"
   else
     wait "$bgpid"; echo "background: exit $? after $SECONDS s" | tee -a "$out/logs/steps.txt"
+  fi
+fi
+if [ -n "${CACHE_BACK:-}" ]; then
+  if [ -s "$CACHE_BACK" ]; then
+    XZ_OPT=-T0 scripts/pack-build-cache.sh "$GEMMRL_CACHE" "$out/gcache-back.txz" "@$CACHE_BACK" 2>&1 | tee -a "$out/logs/steps.txt"
+  else
+    echo "CACHE_BACK: $CACHE_BACK lists no builds" | tee -a "$out/logs/steps.txt"
   fi
 fi
 [ -n "${FULL_STORE:-}" ] && since=""

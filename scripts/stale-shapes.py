@@ -11,7 +11,10 @@ session of the winner in `--mode` is stale when
 Writes the stale shapes smallest first, one a line (a bench --shapes FILE, or the build step
 that compiles their winners), and with `--lanes N` also N files of every Nth by FLOPs (for
 scripts/device-steps.sh's lanes); says what the retime will cost at the seconds a shape that
-mode's recent runs took.
+mode's recent runs took. With `--top-kernels K`, OUT (and its lanes) keeps only the shapes whose
+winner's build is one of the K builds that serve the most stale shapes (one wave of a build on K
+cores buys the most timed shapes), and OUT's stem + '-rest' lists the others (their kernels
+compiled elsewhere, for a later call).
 
     python3 scripts/stale-shapes.py --device H200 --acc fp32 --mode offline --protocol offline:v3 \\
         --out results/shapes/retime-h200-fp32.txt --lanes 4
@@ -72,6 +75,40 @@ def stale_shapes(db: sqlite3.Connection, device: str, acc: str, mode: str, proto
     return out
 
 
+def split_by_kernels(store, device: str, acc: str, shapes: list, top: int,
+                     dtype: str = "fp16") -> tuple[list, list, int]:
+    """(covered, rest, builds): `shapes` ((M, N, K) tuples, order kept) split into those whose
+    winner's build (the source `gemmrl build --tuned-in` compiles for it) is one of the `top`
+    builds that serve the most of them (ties: the first served), and the rest; `builds`: how many
+    distinct builds they all need."""
+    from gemmrl.build.ahead import job_for
+    from gemmrl.space import registry
+
+    want = set(shapes)
+    build = {}
+    for _dev, problem, fam, fields in store.tuned_choices(SUBJECT, device):
+        shape = (problem.M, problem.N, problem.K)
+        if problem.acc == acc and problem.dtype == dtype and shape in want:
+            build[shape] = job_for(registry.get(fam).spec_type()(**fields), problem).source
+    count: dict[str, int] = {}
+    for s in shapes:
+        count[build[s]] = count.get(build[s], 0) + 1
+    order = {k: i for i, k in enumerate(count)}
+    keep = set(sorted(count, key=lambda k: (-count[k], order[k]))[:top])
+    covered = [s for s in shapes if build[s] in keep]
+    return covered, [s for s in shapes if build[s] not in keep], len(count)
+
+
+def write_lanes(out: Path, head: str, shapes: list[str], lanes: int) -> None:
+    out.write_text(head + "\n" + "\n".join(shapes) + "\n")  # all of them: what a build step compiles
+    print(out)
+    if lanes > 1:
+        for i in range(lanes):
+            p = out.with_name(f"{out.stem}-l{i}{out.suffix}")
+            p.write_text(f"{head}, lane {i} of {lanes}\n" + "\n".join(shapes[i::lanes]) + "\n")
+            print(p)
+
+
 def seconds_per_shape(db: sqlite3.Connection, device: str, mode: str, last: int = 8) -> float | None:
     """The median wall seconds a shape of the `last` finished runs that timed the subject in only
     this mode took (run time over the shapes it timed), or None."""
@@ -94,9 +131,13 @@ def main(argv=None) -> int:
     ap.add_argument("--protocol", help="the oldest protocol that counts as current, e.g. offline:v3")
     ap.add_argument("--out", help="write the shapes here (with --lanes N, also a share each in OUT's stem -l0 .. -l<N-1>)")
     ap.add_argument("--lanes", type=int, default=1, help="split into this many files, every Nth by FLOPs")
+    ap.add_argument("--top-kernels", type=int, default=0,
+                    help="OUT keeps the shapes of the K builds serving the most stale shapes; the rest go to OUT's stem-rest")
     a = ap.parse_args(argv)
     if a.lanes < 1:
         ap.error("--lanes must be at least 1")
+    if a.top_kernels < 0 or (a.top_kernels and not a.out):
+        ap.error("--top-kernels takes a positive count, and --out")
     if a.protocol and protocol_version(a.protocol)[0] != a.mode:
         ap.error(f"--protocol {a.protocol} is not a {a.mode} protocol")
     if not Path(a.db).is_file():
@@ -120,17 +161,25 @@ def main(argv=None) -> int:
     print(f"{device}, acc {a.acc}, {a.mode}: {len(stale)} stale shapes{cost}; "
           + ", ".join(f"{n} {k}" for k, n in sorted(why.items(), key=lambda x: -x[1])))
     if a.out and stale:
-        shapes = [f"{M}x{N}x{K}" for (M, N, K), _ in stale]
+        shapes = [shape for shape, _ in stale]
         head = f"# {device} acc {a.acc}: shapes whose {a.mode}-mode session of {SUBJECT} is stale " \
-               f"(scripts/stale-shapes.py{' --protocol ' + a.protocol if a.protocol else ''}): {len(shapes)}"
+               f"(scripts/stale-shapes.py{' --protocol ' + a.protocol if a.protocol else ''})"
         out = Path(a.out)
-        out.write_text(head + "\n" + "\n".join(shapes) + "\n")  # all of them: what a build step compiles
-        print(out)
-        if a.lanes > 1:
-            for i in range(a.lanes):
-                p = out.with_name(f"{out.stem}-l{i}{out.suffix}")
-                p.write_text(f"{head}, lane {i} of {a.lanes}\n" + "\n".join(shapes[i::a.lanes]) + "\n")
-                print(p)
+        if a.top_kernels:
+            from gemmrl.store.db import Store
+
+            store = Store(a.db, readonly=True)
+            shapes, rest, n_kernels = split_by_kernels(store, device, a.acc, shapes, a.top_kernels, a.dtype)
+            store.close()
+            print(f"the {min(a.top_kernels, n_kernels)} builds serving the most of them (of {n_kernels}) "
+                  f"serve {len(shapes)}; {len(rest)} left for later")
+            if rest:
+                rest_out = out.with_name(f"{out.stem}-rest{out.suffix}")
+                rest_out.write_text(f"{head}, the builds outside the top {a.top_kernels}: {len(rest)}\n"
+                                    + "\n".join(f"{M}x{N}x{K}" for M, N, K in rest) + "\n")
+                print(rest_out)
+            head += f", the top {a.top_kernels} builds'"
+        write_lanes(out, f"{head}: {len(shapes)}", [f"{M}x{N}x{K}" for M, N, K in shapes], a.lanes)
     return 0
 
 
