@@ -633,78 +633,84 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
 
     status = "partial"
     try:
-        measure(("baselines",), "baselines (the reward's yardstick), kernel mode")
-        baseline_fn = best_baseline_from_store(store, device, "kernel")
-        if ray_address is not None:
-            import ray
-
-            ray.init(address=ray_address)
-            evaluate, close = ray_backend.ray_evaluator(ray_address, store, device, str(db), baseline_fn,
-                                                        log=lambda m: click.echo(m, err=True))
+        base = measure(("baselines",), "baselines (the reward's yardstick), kernel mode")
+        # a SIGTERM there (a device call's timeout) stops the run: the runner caught it and left
+        # SIGTERM ignored for its own clean exit, so a search started now could not be stopped
+        if base.get("stopped"):
+            click.echo("stopped while measuring the baselines: no search and no final timing; "
+                       "a rerun resumes from what the store holds", err=True)
         else:
-            evaluate, close = isolated_evaluator(store, device, str(db), baseline_fn,
-                                                 log=lambda m: click.echo(m, err=True))
-        best: dict = {}
+            baseline_fn = best_baseline_from_store(store, device, "kernel")
+            if ray_address is not None:
+                import ray
 
-        def on_trial(t):
-            if t.reward > best.get(t.problem, 0.0):
-                best[t.problem] = t.reward
-                click.echo(f"{t.problem.shape:>20}  best {t.reward:6.3f}x  {t.candidate.name}", err=True)
-        try:
-            t_search = time.monotonic()
-            res = run_tune(problems, store, device, evaluate, candidates=candidates, batch=batch,
-                           budget_s=budget_s or float("inf"), layouts=lays, run_id=run_id, on_trial=on_trial,
-                           deadline=time.monotonic() + wall_s if wall_s else None,
-                           generic_built_only=built_only, families=fams, match=match, more=more,
-                           transfer_from=transfer_from)
-            search_wall = time.monotonic() - t_search
-        finally:
-            close()
-        won = sum(1 for t in res.best.values() if t.reward > 1.0)
-        click.echo(f"tuned {len(res.best)} shapes with {len(res.trials)} new candidates in {search_wall:.1f} s "
-                   f"of wall time ({res.device_s:.0f} device s); faster than the best baseline on {won}"
-                   + (f"; stopped: {res.stopped}" if res.stopped else ""), err=True)
-        if not no_report:
-            write_curves({"model-free": res.per_shape_curve()}, Path(out) / env.gpu_slug(device) / "tune_curve")
-        final = shapes_to_time(problems, res.trials, store, device, kernel_only.protocol("kernel"))
-        # the winner as stored, or chosen again by a race of the search's best (search/race.py)
-        # with --race 1 too: a new winner must beat the one it replaces in one session (the
-        # search's trial times and those of an earlier run do not compare); no incumbent, no race
-        winner = f"race:{race}" + (":built" if built_only else "")
-        raced = (f" (raced against up to {race - 1} more" if race > 1 else " (raced") + " and the incumbent)"
-        counts: dict = {}
-        if not final:
-            click.echo("no new winners to time", err=True)
-        elif reuse_baselines:
-            counts = measure(("baselines", winner), f"the winners of {len(final)} shapes{raced}, verified in "
-                             "full and timed (baselines from the store)", probs=final)
-        else:  # the ratios the report shows come from one timing session per shape
-            counts = measure(("baselines", winner), f"the winners of {len(final)} shapes{raced}, verified in "
-                             "full and timed beside the baselines, all measured again in one session per shape",
-                             runner.RunConfig(modes=("kernel",), retime=True), probs=final)
-        cut = bool(counts.get("stopped"))  # SIGTERM or Ctrl-C during the final timing
-        if cut:
-            click.echo("the final timing was stopped; a rerun times the winners left", err=True)
-        # a winner the full verification rejects gives way to the shape's next-best candidate
-        for attempt in range(0 if cut else RUNNER_UP_ROUNDS):
-            failed = rejected_winners(store, device, final, run_id)
-            if not failed:
-                break
-            promoted = []
-            for p, reason in failed.items():
-                t = promote_runner_up(store, device, p, reason, run_id)
-                click.echo(f"{p.shape}: the winner failed the final verification; "
-                           + (f"next: {t.candidate.name}" if t else "no other candidate passed, the libraries serve it"),
-                           err=True)
-                if t is not None:
-                    promoted.append(p)
-            if not promoted:
-                break
-            measure(("baselines", "tuned") if not reuse_baselines else ("tuned",),
-                    f"the runners-up of {len(promoted)} shapes, verified in full and timed",
-                    runner.RunConfig(modes=("kernel",), retime=True), probs=promoted)
-            final = promoted
-        status = "partial" if cut else "done"
+                ray.init(address=ray_address)
+                evaluate, close = ray_backend.ray_evaluator(ray_address, store, device, str(db), baseline_fn,
+                                                            log=lambda m: click.echo(m, err=True))
+            else:
+                evaluate, close = isolated_evaluator(store, device, str(db), baseline_fn,
+                                                     log=lambda m: click.echo(m, err=True))
+            best: dict = {}
+
+            def on_trial(t):
+                if t.reward > best.get(t.problem, 0.0):
+                    best[t.problem] = t.reward
+                    click.echo(f"{t.problem.shape:>20}  best {t.reward:6.3f}x  {t.candidate.name}", err=True)
+            try:
+                t_search = time.monotonic()
+                res = run_tune(problems, store, device, evaluate, candidates=candidates, batch=batch,
+                               budget_s=budget_s or float("inf"), layouts=lays, run_id=run_id, on_trial=on_trial,
+                               deadline=time.monotonic() + wall_s if wall_s else None,
+                               generic_built_only=built_only, families=fams, match=match, more=more,
+                               transfer_from=transfer_from)
+                search_wall = time.monotonic() - t_search
+            finally:
+                close()
+            won = sum(1 for t in res.best.values() if t.reward > 1.0)
+            click.echo(f"tuned {len(res.best)} shapes with {len(res.trials)} new candidates in {search_wall:.1f} s "
+                       f"of wall time ({res.device_s:.0f} device s); faster than the best baseline on {won}"
+                       + (f"; stopped: {res.stopped}" if res.stopped else ""), err=True)
+            if not no_report:
+                write_curves({"model-free": res.per_shape_curve()}, Path(out) / env.gpu_slug(device) / "tune_curve")
+            final = shapes_to_time(problems, res.trials, store, device, kernel_only.protocol("kernel"))
+            # the winner as stored, or chosen again by a race of the search's best (search/race.py)
+            # with --race 1 too: a new winner must beat the one it replaces in one session (the
+            # search's trial times and those of an earlier run do not compare); no incumbent, no race
+            winner = f"race:{race}" + (":built" if built_only else "")
+            raced = (f" (raced against up to {race - 1} more" if race > 1 else " (raced") + " and the incumbent)"
+            counts: dict = {}
+            if not final:
+                click.echo("no new winners to time", err=True)
+            elif reuse_baselines:
+                counts = measure(("baselines", winner), f"the winners of {len(final)} shapes{raced}, verified in "
+                                 "full and timed (baselines from the store)", probs=final)
+            else:  # the ratios the report shows come from one timing session per shape
+                counts = measure(("baselines", winner), f"the winners of {len(final)} shapes{raced}, verified in "
+                                 "full and timed beside the baselines, all measured again in one session per shape",
+                                 runner.RunConfig(modes=("kernel",), retime=True), probs=final)
+            cut = bool(counts.get("stopped"))  # SIGTERM or Ctrl-C during the final timing
+            if cut:
+                click.echo("the final timing was stopped; a rerun times the winners left", err=True)
+            # a winner the full verification rejects gives way to the shape's next-best candidate
+            for attempt in range(0 if cut else RUNNER_UP_ROUNDS):
+                failed = rejected_winners(store, device, final, run_id)
+                if not failed:
+                    break
+                promoted = []
+                for p, reason in failed.items():
+                    t = promote_runner_up(store, device, p, reason, run_id)
+                    click.echo(f"{p.shape}: the winner failed the final verification; "
+                               + (f"next: {t.candidate.name}" if t else "no other candidate passed, the libraries serve it"),
+                               err=True)
+                    if t is not None:
+                        promoted.append(p)
+                if not promoted:
+                    break
+                measure(("baselines", "tuned") if not reuse_baselines else ("tuned",),
+                        f"the runners-up of {len(promoted)} shapes, verified in full and timed",
+                        runner.RunConfig(modes=("kernel",), retime=True), probs=promoted)
+                final = promoted
+            status = "partial" if cut else "done"
     finally:
         store.finish_run(run_id, status)
     if not no_report:

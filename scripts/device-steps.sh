@@ -13,7 +13,8 @@
 # unpacked into the one cache every step reads). Each step gets --db (and --out for tune and
 # bench, under OUT/logs) and whatever is left of TOTAL_S (default 560) less 60 s as its timeout,
 # or less: a step written "@SECONDS tune ..." is cut after that many seconds (SIGTERM: it stops
-# cleanly, keeping what it measured); a step's failure does not stop the next. OUT gets logs.tgz (a log per step) and the store,
+# cleanly, keeping what it measured; one still running 30 s later is killed, so the store still
+# comes back); a step's failure does not stop the next. OUT gets logs.tgz (a log per step) and the store,
 # compressed, as OUT/gemmrl.sqlite.xz: only this call's runs, as OUT/gemmrl-delta.sqlite.xz, unless
 # FULL_STORE=1 (scripts/device-common.sh).
 # CACHE_BACK=FILE: the builds a step listed in FILE (`build ... --entries FILE`) come back packed as
@@ -63,7 +64,7 @@ lane() {
     [ -n "$cap" ] && [ "$cap" -lt "$budget" ] && budget=$cap
     log=$out/logs/step-$id-$verb.log
     echo "== step $id: $label ${argv[*]} (timeout ${budget} s)" | tee -a "$out/logs/steps.txt"
-    CUDA_VISIBLE_DEVICES=${LANE_GPUS[$g]} OUT=$out GEMMRL_TEST_OUT=$out/logs timeout "$budget" "${cmd[@]}" "${argv[@]}" "${extra[@]}" > "$log" 2>&1
+    CUDA_VISIBLE_DEVICES=${LANE_GPUS[$g]} OUT=$out GEMMRL_TEST_OUT=$out/logs timeout -k 30 "$budget" "${cmd[@]}" "${argv[@]}" "${extra[@]}" > "$log" 2>&1
     echo "exit $? after $SECONDS s (step $id)" | tee -a "$out/logs/steps.txt"
     grep -E "^tuned|^the winners|^measured|deadline" "$log" | tail -3
   done

@@ -360,10 +360,11 @@ def test_build_tuned_in_compiles_the_stored_winners_once_each(tmp_path, monkeypa
     assert "1 already built, 0 to compile" in r.output
 
 
-def test_tune_whose_final_timing_is_stopped_ends_partial_and_promotes_no_runner_up(tmp_path, monkeypatch):
+def test_tune_stopped_in_its_baselines_or_final_timing_ends_partial_and_goes_no_further(tmp_path, monkeypatch):
     """A SIGTERM (a device call's timeout) during tune's final timing: the runner returns with
     counts['stopped']; the run must be recorded 'partial', not 'done', and no runner-up round may
-    start on the strength of winners that were never timed. The GPU parts are replaced."""
+    start on the strength of winners that were never timed. One during the baselines: no search
+    starts. The GPU parts are replaced."""
     from types import SimpleNamespace
 
     import gemmrl.bench.env as env
@@ -415,6 +416,18 @@ def test_tune_whose_final_timing_is_stopped_ends_partial_and_promotes_no_runner_
     assert r.exit_code == 0 and seen_kw[-1]["more"] == 3, r.output
     r = CliRunner().invoke(main, ["tune", "--shapes", "64x64x64", "--more", "0"])
     assert r.exit_code == 2 and "--more" in r.output
+    # stopped while measuring the baselines: the runner left SIGTERM ignored for its clean exit, so
+    # no search may start (nothing could stop it), and the run is partial
+    n_tunes = len(seen_kw)
+    monkeypatch.setattr(runner, "run_isolated", lambda probs, specs, store, cfg, **kw: calls.append(specs)
+                        or {"stopped": True})
+    db = tmp_path / "cut-baselines.sqlite"
+    r = CliRunner().invoke(main, ["tune", "--shapes", "64x64x64", "--db", str(db), "--no-report"])
+    assert r.exit_code == 0 and "stopped while measuring the baselines" in r.output, r.output
+    store = Store(db)
+    assert store.runs()[-1]["status"] == "partial"
+    store.close()
+    assert len(seen_kw) == n_tunes and calls[-1] == ("baselines",) and calls[-2] != ("baselines",)
 
 
 def test_cuda_l2_imports_a_carried_prebuilt_module(tmp_path):
