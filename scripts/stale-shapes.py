@@ -173,8 +173,9 @@ def main(argv=None) -> int:
             store.close()
             print(f"the {min(a.top_kernels, n_kernels)} builds serving the most of them (of {n_kernels}) "
                   f"serve {len(shapes)}; {len(rest)} left for later")
+            rest_out = out.with_name(f"{out.stem}-rest{out.suffix}")
+            rest_out.unlink(missing_ok=True)  # an earlier split's, stale now
             if rest:
-                rest_out = out.with_name(f"{out.stem}-rest{out.suffix}")
                 rest_out.write_text(f"{head}, the builds outside the top {a.top_kernels}: {len(rest)}\n"
                                     + "\n".join(f"{M}x{N}x{K}" for M, N, K in rest) + "\n")
                 print(rest_out)

@@ -124,7 +124,7 @@ def test_device_steps_runs_each_step_in_turn_with_its_cap_and_returns_the_store(
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
     (repo / "results").mkdir()
-    for name in ("device-steps.sh", "device-common.sh"):
+    for name in ("device-steps.sh", "device-common.sh", "pack-build-cache.sh"):
         shutil.copy(ROOT / "scripts" / name, repo / "scripts")
     store = Store(repo / "results" / "gemmrl.sqlite")
     store.put_tuning("Fake GPU", Problem(64, 64, 64), "gemmrl-tuned", b"{}", "x", 1.0)
@@ -156,7 +156,13 @@ def test_device_steps_runs_each_step_in_turn_with_its_cap_and_returns_the_store(
     # two lanes (GPUs): STEPS_1 runs beside STEPS; a lane for a GPU the machine lacks is named
     out2 = tmp_path / "out2"
     env2 = {**env, "STEPS": "store", "STEPS_1": "store --db-missing-option", "STEPS_2": "store",
-            "STEPS_GPUS": "2", "FULL_STORE": "1", "BG": "", "PRE": "scripts/hello.py pre; store"}
+            "STEPS_GPUS": "2", "FULL_STORE": "1", "BG": "", "PRE": "scripts/hello.py pre; store",
+            "CACHE_BACK": str(tmp_path / "entries.txt")}
+    # CACHE_BACK: the builds a step listed come back packed, and only those
+    for key in ("builds/k1", "builds/k2"):
+        (tmp_path / "cache" / key).mkdir(parents=True)
+        (tmp_path / "cache" / key / "lib.so").write_text(key)
+    (tmp_path / "entries.txt").write_text("builds/k1\n")
     (repo / "results" / "gemmrl.sqlite").unlink()  # a fresh store for the second call
     store = Store(repo / "results" / "gemmrl.sqlite")
     store.close()
@@ -174,6 +180,8 @@ def test_device_steps_runs_each_step_in_turn_with_its_cap_and_returns_the_store(
     assert max(i for i, l in enumerate(lines) if "(step pre.1)" in l) < first_lane
     assert (out2 / "hello.txt").read_text() == "pre"
     assert (out2 / "gemmrl.sqlite.xz").exists() and not (out2 / "gemmrl-delta.sqlite.xz").exists()
+    with tarfile.open(out2 / "gcache-back.txz") as t:
+        assert set(t.getnames()) == {"builds/k1", "builds/k1/lib.so"}
 
 
 def test_trial_final_gap_reads_the_store(tmp_path):
@@ -666,3 +674,51 @@ def test_stale_shapes_lists_what_a_retime_should_take(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "stale-shapes.py"), "--db", str(db),
                         "--device", "H200", "--mode", "server"], capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode == 0 and "5 stale shapes (no finished run timed server mode alone" in r.stdout
+
+
+def test_stale_shapes_top_kernels_keeps_the_shapes_one_build_wave_serves(tmp_path):
+    """scripts/stale-shapes.py --top-kernels K: OUT (and its lanes) keeps the stale shapes whose
+    winner's build is one of the K builds serving the most of them; the rest go to OUT's stem
+    -rest. A generic CUTLASS spec is one build for all its shapes; a raw kernel is one a shape."""
+    import json
+
+    from gemmrl.core.problem import Problem
+    from gemmrl.space import cutlass_sm90, raw
+    from gemmrl.store.db import Store
+
+    db = tmp_path / "s.sqlite"
+    st = Store(db)
+    dev = "NVIDIA H200"
+    common = next(s for s in cutlass_sm90.heuristic_specs(Problem(256, 1024, 512), "TN") if s.scheduler == "persistent")
+    other = next(s for s in cutlass_sm90.heuristic_specs(Problem(256, 1024, 512), "NN") if s.scheduler == "persistent")
+    rw = raw.heuristic_specs(Problem(64, 1024, 4096), "TN")[0]
+
+    def win(p, fam, spec):
+        st.put_tuning(dev, p, "gemmrl-tuned", json.dumps({"family": fam, "spec": dict(spec.__dict__)}).encode(),
+                      f"{spec.name} (best of 2/2)", 1.0)
+    for m in (256, 512, 1024):  # three shapes, one build
+        win(Problem(m, 1024, 512), "cutlass_sm90", common)
+    win(Problem(2048, 1024, 512), "cutlass_sm90", other)
+    win(Problem(64, 1024, 4096), "raw", rw)
+    win(Problem(128, 1024, 4096), "raw", rw)  # the same raw spec, another shape: another build
+    st.close()
+
+    def stale(*args):
+        return subprocess.run([sys.executable, str(ROOT / "scripts" / "stale-shapes.py"), "--db", str(db),
+                               "--device", "H200", "--mode", "offline", *args],
+                              capture_output=True, text=True, env=ENV, timeout=300)
+
+    def shapes(path):
+        return [l for l in path.read_text().splitlines() if not l.startswith("#")]
+
+    out = tmp_path / "r.txt"
+    r = stale("--out", str(out), "--top-kernels", "1", "--lanes", "2")
+    assert r.returncode == 0, r.stderr
+    assert "the 1 builds serving the most of them (of 4) serve 3; 3 left for later" in r.stdout
+    assert shapes(out) == ["256x1024x512", "512x1024x512", "1024x1024x512"]
+    assert shapes(tmp_path / "r-l0.txt") == ["256x1024x512", "1024x1024x512"]
+    assert sorted(shapes(tmp_path / "r-rest.txt")) == ["128x1024x4096", "2048x1024x512", "64x1024x4096"]
+    r = stale("--out", str(out), "--top-kernels", "9")
+    assert r.returncode == 0 and "(of 4) serve 6; 0 left" in r.stdout and len(shapes(out)) == 6
+    assert not (tmp_path / "r-rest.txt").exists()  # the first split's rest is gone
+    assert stale("--top-kernels", "2").returncode == 2  # needs --out
