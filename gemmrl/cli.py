@@ -66,6 +66,17 @@ def main():
     stop_cleanly_on_sigterm()
 
 
+def _cublas_version() -> str:
+    """The cuBLAS / cuBLASLt versions a run's provenance records (a pack's cuBLASLt algorithms are
+    valid for the version they were chosen under), or why they are unknown."""
+    try:
+        from gemmrl.baselines.impls import cublas_lib
+
+        return cublas_lib().version()
+    except Exception as e:  # the report says so; torch.matmul still runs
+        return f"unavailable: {e}"[:200]
+
+
 def stop_cleanly_on_sigterm() -> None:
     """`timeout`, batch schedulers and a `--gpus` parent stop a run with SIGTERM, which by default
     ends Python at once: make it a SystemExit instead, so the run's finally blocks still run (the
@@ -233,13 +244,7 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, h
     store = Store(db)
     device = torch.cuda.get_device_name()
     impls = build_impls(impl_opts, store, device)
-    try:
-        from gemmrl.baselines.impls import cublas_lib
-
-        cublas_version = cublas_lib().version()
-    except Exception as e:  # the report says so; torch.matmul still runs
-        cublas_version = f"unavailable: {e}"[:200]
-    prov = env.provenance(cublas_version)
+    prov = env.provenance(_cublas_version())
     cfg = runner.RunConfig(modes=modes, do_verify=not no_verify, retime=retime,
                            kernel=timing.KernelSettings(**kernel_precision(quick, kernel_ci, kernel_max_s,
                                                                            kernel_stat)),
@@ -616,7 +621,7 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
 
     store = Store(db)
     device = torch.cuda.get_device_name()
-    prov = env.provenance()
+    prov = env.provenance(_cublas_version())  # packs read it: their lt_algos need it
     if transfer_from is not None:
         transfer_from = _check_transfer_source(store, transfer_from, device, prov.get("capability"))
     run_id = store.start_run(" ".join(["gemmrl"] + sys.argv[1:]), device, prov,
@@ -810,7 +815,7 @@ def llm_cmd(shape_spec, dtype, acc, layout, turns, samples, token_budget, db, ex
 
     store = Store(db)
     device = torch.cuda.get_device_name()
-    run_id = store.start_run(" ".join(["gemmrl"] + sys.argv[1:]), device, env.provenance(),
+    run_id = store.start_run(" ".join(["gemmrl"] + sys.argv[1:]), device, env.provenance(_cublas_version()),
                              {"turns": turns, "samples": samples, "layout": layout, "model": client.model})
     click.echo("baselines (the reward's yardstick), kernel mode", err=True)
     runner.run_isolated(problems, ("baselines",), store, runner.RunConfig(modes=("kernel",)), device=device,

@@ -299,6 +299,14 @@ def test_export_carries_the_autotuned_cublaslt_algorithms_of_unserved_layouts(st
     m = _manifest(export_pack(bare, DEV, tmp_path / "p-bare", "fp16", "fp32"))
     assert "lt_algos" not in m and load_pack(tmp_path / "p-bare").lt_algos == {}
     bare.close()
+    # a newer run without the version (a tune's, before they recorded it) beside a bench that has
+    # it: the version comes from the bench, and the algorithms ship
+    run2 = s.start_run("gemmrl tune", DEV, {k: v for k, v in PROV.items() if k != "cublas"}, {})
+    _win(s, run2, Problem(2048, 2048, 2048), "gemmrl-cutlass_sm90+raw", CUT_TN, "cutlass_sm90", ours=10.0,
+         baselines={"torch.matmul": 12.0})
+    m = _manifest(export_pack(s, DEV, tmp_path / "p-mixed", "fp16", "fp32"))
+    assert run2 in m["stamp"]["runs"] and m["stamp"]["cublas"] == PROV["cublas"]
+    assert m["lt_version"] == 130100 and len(m["lt_algos"]) == 3
 
 
 def test_v3_sessions_judge_lt_algos_and_winners_by_their_paired_ratios(store, tmp_path):

@@ -443,14 +443,18 @@ def _stamp(store, device: str, run_ids: set) -> dict:
     from gemmrl import __version__
     from gemmrl.bench.env import gpu_slug
 
-    runs = [r for r in store.runs() if r["id"] in run_ids and r["device"] == device]
-    prov = max(runs, key=lambda r: r["id"])["provenance"] if runs else {}
+    runs = sorted((r for r in store.runs() if r["id"] in run_ids and r["device"] == device),
+                  key=lambda r: r["id"], reverse=True)
     stamp = {"device": device, "gpu": gpu_slug(device), "gemmrl": __version__,
              "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
              "runs": sorted(run_ids)}
+    # each from the newest run that recorded it: a tune's provenance has no cuBLAS version (before
+    # 2026-11-26 it did not load the library first), and a pack whose newest run was a tune lost
+    # its lt_algos, which need the version the stored algorithms were chosen under
     for key in ("capability", "sm_count", "cuda", "driver", "torch", "cublas", "commit"):
-        if prov.get(key) not in (None, ""):
-            stamp[key] = prov[key]
+        value = next((r["provenance"][key] for r in runs if r["provenance"].get(key) not in (None, "")), None)
+        if value is not None:
+            stamp[key] = value
     cudas = sorted({str(r["provenance"].get("cuda")) for r in runs if r["provenance"].get("cuda")})
     if len(cudas) > 1:
         stamp["cuda_seen"] = cudas
