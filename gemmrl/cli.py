@@ -922,16 +922,21 @@ def pack(db, device, dtype, acc, min_speedup, out_dir):
 @click.option("--compress", is_flag=True,
               help="write DB.xz beside the store (what git keeps: about a tenth of the size); any command "
                    "that finds DB missing and DB.xz present unpacks it first")
+@click.option("--small", is_flag=True,
+              help="with --compress: a VACUUMed copy at xz's strongest setting, about 10%% smaller and several "
+                   "times slower (the committed store, which every device call carries)")
 @click.option("--merge", "merge_from", default=None, metavar="OTHER",
               help="first add another store's runs that this one lacks (a second machine's, or a copy a "
                    "device call sent back), with their measurements, trials and winners; OTHER.xz is read too")
 @click.option("--since-run", "since_run", default=None, type=click.IntRange(0, None), metavar="N",
               help="with --merge: only OTHER's runs after run N (and the winners and quarantines written since): "
                    "merged into a new DB, the work of one device call, small enough to send back")
-def store_cmd(db, compress, merge_from, since_run):
+def store_cmd(db, compress, small, merge_from, since_run):
     """What the store holds (runs, measurements, trials, tuned shapes per device); --compress packs it."""
     from gemmrl.store.db import Store, StoreError, decompress, pack, unpack_if_missing
 
+    if small and not compress:
+        raise click.UsageError("--small goes with --compress")
     if since_run is not None and merge_from is None:
         raise click.UsageError("--since-run goes with --merge")
     unpack_if_missing(db)
@@ -965,7 +970,7 @@ def store_cmd(db, compress, merge_from, since_run):
     store.close()
     if compress:
         try:
-            out = pack(db)
+            out = pack(db, small=small)
         except StoreError as e:
             raise click.ClickException(str(e)) from None
         click.echo(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")

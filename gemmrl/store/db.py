@@ -144,27 +144,38 @@ def decompress(packed: str | Path, path: str | Path) -> Path:
     return path
 
 
-def pack(path: str | Path, preset: int = 6) -> Path:
-    """Write the store's .xz beside it (what git keeps), after folding in its write-ahead log."""
+def pack(path: str | Path, preset: int = 6, small: bool = False) -> Path:
+    """Write the store's .xz beside it (what git keeps), after folding in its write-ahead log.
+    `small`: compress a VACUUMed copy (the rows packed into the fewest pages) at xz's strongest
+    setting instead, several times slower: on 2026-11-26's 228 MB store, 22.6 MB against 25.0,
+    which matters since every device call carries the committed .xz within a 64 MiB limit."""
     import lzma
     import shutil
 
     path, packed = Path(path), packed_path(path)
     if not path.exists():
         raise StoreError(f"no store at {path}")
+    tmp = packed.with_name(f".{packed.name}.writing-{os.getpid()}")
+    vac = path.with_name(f".{path.name}.vacuum-{os.getpid()}")
     db = sqlite3.connect(str(path), timeout=60)
     try:
         db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        if small:
+            vac.unlink(missing_ok=True)
+            db.execute("VACUUM INTO ?", (str(vac),))
     finally:
         db.close()
-    tmp = packed.with_name(f".{packed.name}.writing-{os.getpid()}")
+    if small:
+        preset = 9 | lzma.PRESET_EXTREME
     try:
-        with open(path, "rb") as src, lzma.open(tmp, "wb", preset=preset) as dst:
+        with open(vac if small else path, "rb") as src, lzma.open(tmp, "wb", preset=preset) as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
         os.replace(tmp, packed)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    finally:
+        vac.unlink(missing_ok=True)
     os.utime(path)  # the file stays the newer of the two: it is the one being worked on
     return packed
 
