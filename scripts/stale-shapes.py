@@ -81,15 +81,16 @@ def split_by_kernels(store, device: str, acc: str, shapes: list, top: int,
     winner's build (the source `gemmrl build --tuned-in` compiles for it) is one of the `top`
     builds that serve the most of them (ties: the first served), and the rest; `builds`: how many
     distinct builds they all need."""
-    from gemmrl.build.ahead import job_for
-    from gemmrl.space import registry
+    from gemmrl.build.ahead import plan_tuned
 
     want = set(shapes)
     build = {}
-    for _dev, problem, fam, fields in store.tuned_choices(SUBJECT, device):
+    for choice in store.tuned_choices(SUBJECT, device):
+        problem = choice[1]
         shape = (problem.M, problem.N, problem.K)
         if problem.acc == acc and problem.dtype == dtype and shape in want:
-            build[shape] = job_for(registry.get(fam).spec_type()(**fields), problem).source
+            jobs, _ = plan_tuned([choice])  # what `gemmrl build --tuned-in` compiles for it
+            build[shape] = jobs[0].source if jobs else f"unbuildable {shape}"  # an unknown family: its own
     count: dict[str, int] = {}
     for s in shapes:
         count[build[s]] = count.get(build[s], 0) + 1
