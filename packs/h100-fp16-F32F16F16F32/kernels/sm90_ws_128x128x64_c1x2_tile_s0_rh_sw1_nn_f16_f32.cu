@@ -1,8 +1,8 @@
-// sm90_ws_64x128x128_c2x1_tile_s0_rh_sw1_tn_f16_f32: a CUTLASS 3.x sm90 GEMM behind the gemmrl kernel ABI (gemmrl/runtime/abi.py).
+// sm90_ws_128x128x64_c1x2_tile_s0_rh_sw1_nn_f16_f32: a CUTLASS 3.x sm90 GEMM behind the gemmrl kernel ABI (gemmrl/runtime/abi.py).
 // Rendered by gemmrl.space.cutlass_sm90 (render version 1) from the spec
-//   {"acc":"fp32","cluster_m":2,"cluster_n":1,"dtype":"fp16","layout":"TN","raster":"heuristic","schedule":"ws","scheduler":"tile","splits":1,"stages":0,"swizzle":1,"tile_k":128,"tile_m":64,"tile_n":128}
+//   {"acc":"fp32","cluster_m":1,"cluster_n":2,"dtype":"fp16","layout":"NN","raster":"heuristic","schedule":"ws","scheduler":"tile","splits":1,"stages":0,"swizzle":1,"tile_k":64,"tile_m":128,"tile_n":128}
 // Do not edit: change the spec or the renderer. Generic over M, N, K; residues are handled by
-// TMA (out-of-bounds loads read zeros, stores are clipped). C = A @ B^T, C is not read.
+// TMA (out-of-bounds loads read zeros, stores are clipped). C = A @ B, C is not read.
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -37,12 +37,12 @@ using ElementD = cutlass::half_t;  // the ABI's C
 using ElementAccumulator = float;
 using ElementCompute = float;
 using LayoutA = cutlass::layout::RowMajor;  // A [M,K] row-major: K-contiguous
-using LayoutB = cutlass::layout::ColumnMajor;  // TN: B given as [N,K] row-major, K-contiguous
+using LayoutB = cutlass::layout::RowMajor;  // NN: B [K,N] row-major, N-contiguous
 using LayoutD = cutlass::layout::RowMajor;  // C [M,N] row-major
 constexpr int kAlignment = 8;  // elements: 16 bytes, TMA's minimum
 
-using TileShape = cute::Shape<cute::_64, cute::_128, cute::_128>;
-using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+using TileShape = cute::Shape<cute::_128, cute::_128, cute::_64>;
+using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
 using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecialized;
 using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
 using TileSchedulerTag = void;
@@ -72,7 +72,7 @@ static_assert(CollectiveMainloop::DispatchPolicy::Stages >= 2, "the mainloop nee
 enum Status : int {
   kOk = 0,
   kBadSize = 1,           // M, N or K not positive
-  kBadLeadingDim = 2,     // lda < K, ldb < K, or ldc < N
+  kBadLeadingDim = 2,     // lda < K, ldb < N, or ldc < N
   kMisalignedExtent = 3,  // K, N, lda, ldb or ldc not a multiple of 8 elements (16 bytes)
   kBadPointer = 4,        // A, B or C null or not 16-byte aligned
   kNoDevice = 5,          // the current device or its SM count could not be queried
@@ -144,7 +144,7 @@ typename Gemm::Arguments make_arguments(const void* A, const void* B, void* C, i
   using StrideB = typename GemmKernel::StrideB;
   using StrideD = typename GemmKernel::StrideD;
   StrideA stride_a = cute::make_stride(int64_t(lda), cute::Int<1>{}, int64_t(lda) * M);
-  StrideB stride_b = cute::make_stride(int64_t(ldb), cute::Int<1>{}, int64_t(ldb) * N);
+  StrideB stride_b = cute::make_stride(cute::Int<1>{}, int64_t(ldb), int64_t(ldb) * K);
   StrideD stride_d = cute::make_stride(int64_t(ldc), cute::Int<1>{}, int64_t(ldc) * M);
 
   typename Gemm::Arguments args{};
@@ -170,7 +170,7 @@ typename Gemm::Arguments make_arguments(const void* A, const void* B, void* C, i
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) const char* gemmrl_meta(void) {
-  return "{\"layout\": \"TN\", \"dtype\": \"fp16\", \"acc\": \"fp32\", \"name\": \"sm90_ws_64x128x128_c2x1_tile_s0_rh_sw1_tn_f16_f32\", \"family\": \"cutlass_sm90\", \"key\": \"0291e2e4d891701e\"}";
+  return "{\"layout\": \"NN\", \"dtype\": \"fp16\", \"acc\": \"fp32\", \"name\": \"sm90_ws_128x128x64_c1x2_tile_s0_rh_sw1_nn_f16_f32\", \"family\": \"cutlass_sm90\", \"key\": \"f7b36be63fdb6948\"}";
 }
 
 // Resources CUTLASS chose, for people and tests: {"smem_bytes", "stages", "threads"}.
@@ -192,7 +192,7 @@ extern "C" __attribute__((visibility("default"))) size_t gemmrl_workspace_bytes(
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
   int sms = sm_count(device);
   if (sms <= 0) return 0;
-  return Gemm::get_workspace_size(make_arguments(nullptr, nullptr, nullptr, M, N, K, K, K, N,
+  return Gemm::get_workspace_size(make_arguments(nullptr, nullptr, nullptr, M, N, K, K, N, N,
                                                  device, sms));
 }
 
@@ -200,7 +200,7 @@ extern "C" __attribute__((visibility("default"))) int gemmrl_run(
     const void* A, const void* B, void* C, int M, int N, int K, int lda, int ldb, int ldc,
     void* workspace, cudaStream_t stream) {
   if (M <= 0 || N <= 0 || K <= 0) return kBadSize;
-  if (lda < K || ldb < K || ldc < N) return kBadLeadingDim;
+  if (lda < K || ldb < N || ldc < N) return kBadLeadingDim;
   if (K % kAlignment || N % kAlignment || lda % kAlignment || ldb % kAlignment || ldc % kAlignment)
     return kMisalignedExtent;
   if (!A || !B || !C || (reinterpret_cast<uintptr_t>(A) | reinterpret_cast<uintptr_t>(B) |
