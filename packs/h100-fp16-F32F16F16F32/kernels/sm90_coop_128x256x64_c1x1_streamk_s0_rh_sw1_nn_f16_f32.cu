@@ -1,8 +1,8 @@
-// sm90_coop_128x256x64_c2x1_persist_s0_rh_sw4_tn_f16_f32: a CUTLASS 3.x sm90 GEMM behind the gemmrl kernel ABI (gemmrl/runtime/abi.py).
+// sm90_coop_128x256x64_c1x1_streamk_s0_rh_sw1_nn_f16_f32: a CUTLASS 3.x sm90 GEMM behind the gemmrl kernel ABI (gemmrl/runtime/abi.py).
 // Rendered by gemmrl.space.cutlass_sm90 (render version 1) from the spec
-//   {"acc":"fp32","cluster_m":2,"cluster_n":1,"dtype":"fp16","layout":"TN","raster":"heuristic","schedule":"cooperative","scheduler":"persistent","splits":1,"stages":0,"swizzle":4,"tile_k":64,"tile_m":128,"tile_n":256}
+//   {"acc":"fp32","cluster_m":1,"cluster_n":1,"dtype":"fp16","layout":"NN","raster":"heuristic","schedule":"cooperative","scheduler":"streamk","splits":1,"stages":0,"swizzle":1,"tile_k":64,"tile_m":128,"tile_n":256}
 // Do not edit: change the spec or the renderer. Generic over M, N, K; residues are handled by
-// TMA (out-of-bounds loads read zeros, stores are clipped). C = A @ B^T, C is not read.
+// TMA (out-of-bounds loads read zeros, stores are clipped). C = A @ B, C is not read.
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -37,15 +37,15 @@ using ElementD = cutlass::half_t;  // the ABI's C
 using ElementAccumulator = float;
 using ElementCompute = float;
 using LayoutA = cutlass::layout::RowMajor;  // A [M,K] row-major: K-contiguous
-using LayoutB = cutlass::layout::ColumnMajor;  // TN: B given as [N,K] row-major, K-contiguous
+using LayoutB = cutlass::layout::RowMajor;  // NN: B [K,N] row-major, N-contiguous
 using LayoutD = cutlass::layout::RowMajor;  // C [M,N] row-major
 constexpr int kAlignment = 8;  // elements: 16 bytes, TMA's minimum
 
 using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
-using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
 using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
 using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
-using TileSchedulerTag = cutlass::gemm::PersistentScheduler;
+using TileSchedulerTag = cutlass::gemm::StreamKScheduler;
 
 using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -72,7 +72,7 @@ static_assert(CollectiveMainloop::DispatchPolicy::Stages >= 2, "the mainloop nee
 enum Status : int {
   kOk = 0,
   kBadSize = 1,           // M, N or K not positive
-  kBadLeadingDim = 2,     // lda < K, ldb < K, or ldc < N
+  kBadLeadingDim = 2,     // lda < K, ldb < N, or ldc < N
   kMisalignedExtent = 3,  // K, N, lda, ldb or ldc not a multiple of 8 elements (16 bytes)
   kBadPointer = 4,        // A, B or C null or not 16-byte aligned
   kNoDevice = 5,          // the current device or its SM count could not be queried
@@ -144,7 +144,7 @@ typename Gemm::Arguments make_arguments(const void* A, const void* B, void* C, i
   using StrideB = typename GemmKernel::StrideB;
   using StrideD = typename GemmKernel::StrideD;
   StrideA stride_a = cute::make_stride(int64_t(lda), cute::Int<1>{}, int64_t(lda) * M);
-  StrideB stride_b = cute::make_stride(int64_t(ldb), cute::Int<1>{}, int64_t(ldb) * N);
+  StrideB stride_b = cute::make_stride(cute::Int<1>{}, int64_t(ldb), int64_t(ldb) * K);
   StrideD stride_d = cute::make_stride(int64_t(ldc), cute::Int<1>{}, int64_t(ldc) * M);
 
   typename Gemm::Arguments args{};
@@ -163,14 +163,19 @@ typename Gemm::Arguments make_arguments(const void* A, const void* B, void* C, i
   args.hw_info.device_id = device;
   args.hw_info.sm_count = sms;
   args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::Heuristic;
-  args.scheduler.max_swizzle_size = 4;
+  args.scheduler.max_swizzle_size = 1;
+  args.scheduler.splits = 1;
+  args.scheduler.decomposition_mode =
+      cutlass::gemm::kernel::detail::DecompositionMode::Heuristic;
+  args.scheduler.reduction_mode =
+      cutlass::gemm::kernel::detail::ReductionMode::Deterministic;
   return args;
 }
 
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) const char* gemmrl_meta(void) {
-  return "{\"layout\": \"TN\", \"dtype\": \"fp16\", \"acc\": \"fp32\", \"name\": \"sm90_coop_128x256x64_c2x1_persist_s0_rh_sw4_tn_f16_f32\", \"family\": \"cutlass_sm90\", \"key\": \"acc6f932bfcb15f4\"}";
+  return "{\"layout\": \"NN\", \"dtype\": \"fp16\", \"acc\": \"fp32\", \"name\": \"sm90_coop_128x256x64_c1x1_streamk_s0_rh_sw1_nn_f16_f32\", \"family\": \"cutlass_sm90\", \"key\": \"42251905d37baae5\"}";
 }
 
 // Resources CUTLASS chose, for people and tests: {"smem_bytes", "stages", "threads"}.
@@ -192,7 +197,7 @@ extern "C" __attribute__((visibility("default"))) size_t gemmrl_workspace_bytes(
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
   int sms = sm_count(device);
   if (sms <= 0) return 0;
-  return Gemm::get_workspace_size(make_arguments(nullptr, nullptr, nullptr, M, N, K, K, K, N,
+  return Gemm::get_workspace_size(make_arguments(nullptr, nullptr, nullptr, M, N, K, K, N, N,
                                                  device, sms));
 }
 
@@ -200,7 +205,7 @@ extern "C" __attribute__((visibility("default"))) int gemmrl_run(
     const void* A, const void* B, void* C, int M, int N, int K, int lda, int ldb, int ldc,
     void* workspace, cudaStream_t stream) {
   if (M <= 0 || N <= 0 || K <= 0) return kBadSize;
-  if (lda < K || ldb < K || ldc < N) return kBadLeadingDim;
+  if (lda < K || ldb < N || ldc < N) return kBadLeadingDim;
   if (K % kAlignment || N % kAlignment || lda % kAlignment || ldb % kAlignment || ldc % kAlignment)
     return kMisalignedExtent;
   if (!A || !B || !C || (reinterpret_cast<uintptr_t>(A) | reinterpret_cast<uintptr_t>(B) |
