@@ -717,3 +717,35 @@ def test_served_kernel_names_the_entry_unless_it_failed_in_that_run():
     assert served_kernel({"served": None}) is None and served_kernel(None) is None
     assert served_kernel({"served": {"shape": "64x64x64"}}) is None  # no source named
 
+
+
+def test_a_lone_session_whose_baselines_ran_slow_does_not_ship_a_winner(store, tmp_path):
+    """A winner timed in one session ships on it, unless that session's baselines ran more than
+    BASELINE_DRIFT slower than the same baselines in the shape's other sessions (the median of
+    each one's ratio to its median elsewhere): on the H100 a session where every library ran 10%
+    slow let a kernel in that then served its shape at 0.933 of torch.matmul. Within the drift,
+    or with no other session, the one session decides as before; a faster library timed only in
+    other sessions is not held against it."""
+    from gemmrl.runtime.pack import BASELINE_DRIFT
+
+    run = store.start_run("gemmrl bench", DEV, PROV, {})
+    slow, steady, lone = Problem(256, 8192, 4096), Problem(512, 8192, 4096), Problem(1024, 8192, 4096)
+    spec = cutlass_sm90.heuristic_specs(slow, "TN")[0]
+    for p, scale, ours in ((slow, 1.10, 19.5), (steady, 1.015, 18.2), (lone, 1.0, 17.5)):
+        for i, t in enumerate((18.1, 17.9, 18.0)):  # the libraries' earlier sessions (no kernel of ours)
+            store.record_session(run, f"h{p.M}-{i}", DEV, p, "kernel", "kp1", {
+                "torch.matmul": {"median_us": t, "n": 50}, "cuBLAS-tn": {"median_us": t + 1.0, "n": 50},
+                "cuBLASLt-exhaustive-tn": {"median_us": 16.0, "n": 50}})  # never beside our kernel
+        store.put_tuning(DEV, p, "gemmrl-tuned", _choice(spec, "cutlass_sm90"), spec.name, 9.0)
+        store.record_verification(run, DEV, p, "gemmrl-tuned", True, "ok", {})
+        store.record_session(run, f"w{p.M}", DEV, p, "kernel", "kp1", {  # the winner's one session
+            "gemmrl-tuned": {"median_us": ours, "n": 50},
+            "torch.matmul": {"median_us": 18.0 * scale, "n": 50}, "cuBLAS-tn": {"median_us": 19.0 * scale, "n": 50}})
+    m = _manifest(export_pack(store, DEV, tmp_path / "p", "fp16", "fp32"))
+    rows = {(e["M"], e["N"], e["K"]) for e in m["entries"]}
+    assert 0.10 > BASELINE_DRIFT > 0.015
+    assert (256, 8192, 4096) not in rows  # 19.5 us beat a slow 19.8 us session; torch.matmul usually takes 18.0
+    assert any("256x8192x4096" in s and "10.0% slower" in s and "2 baselines" in s for s in m["skipped"])
+    assert (512, 8192, 4096) in rows  # its session's baselines 1.5% over the usual: it decides
+    assert (1024, 8192, 4096) in rows  # the exhaustive 16 us elsewhere does not count against it
+    assert (256, 4096, 4096) in rows  # the fixture's winners have no other session: unchanged

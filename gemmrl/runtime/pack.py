@@ -13,7 +13,9 @@ place with os.replace, so a reader sees a whole pack or none.
 What goes in: for every problem whose stored gemmrl winner (tuning rows of impls 'gemmrl-*')
 passed verification on the device, and, when kernel-mode measurements exist, was at least
 `min_speedup` times faster than the best baseline measured beside it (by the median over the
-sessions since it was chosen, where there are several). When several gemmrl impls
+sessions since it was chosen, where there are several; a winner with one session is left out
+when that session's baselines ran more than BASELINE_DRIFT slower than the same baselines in the
+shape's other sessions: a slow library session alone must not ship a kernel). When several gemmrl impls
 won the same (problem, layout), the fastest measured one is kept.
 
 `load_pack` trusts nothing: every field, family, spec and file hash is checked, and all problems
@@ -172,6 +174,44 @@ def _best_baseline(latest: dict, session: dict) -> tuple[str | None, float | Non
     return name, pool[name]
 
 
+# a winner with one kernel-mode session ships on that session alone, unless that session's
+# baselines ran more than this much slower than the same baselines in the shape's other sessions
+# (the median over the baselines of each one's ratio to its median elsewhere): on the H100, 256x4096x4096 entered the pack on a session (run 223) where every
+# library ran 10% slower than in runs 206, 211 and 225, and served it at 0.933 of torch.matmul
+BASELINE_DRIFT = 0.03
+
+
+def _baseline_history(every_session: dict) -> dict:
+    """(M, N, K, baseline impl) -> [(session, median us)] over every kernel-mode session
+    (_kernel_sessions' value)."""
+    from gemmrl.report.export import is_baseline
+
+    out: dict = {}
+    for (M, N, K, session), t in every_session.items():
+        for impl, (us, _) in t.items():
+            if is_baseline(impl):
+                out.setdefault((M, N, K, impl), []).append((session, us))
+    return out
+
+
+def _session_drift(history: dict, shape: tuple, session: str, timed: dict) -> tuple[float, int] | None:
+    """How much slower the baselines of one session ran than the same baselines in the shape's
+    other sessions: the median over the session's baselines of its time over that baseline's
+    median elsewhere, and how many baselines had another session; None when none had. Each
+    baseline against itself, so a faster library timed only elsewhere (an exhaustive search in a
+    session of its own) does not count against the session."""
+    from gemmrl.report.export import is_baseline
+
+    ratios = []
+    for impl, (us, _) in timed.items():
+        if not is_baseline(impl):
+            continue
+        others = [x for s_, x in history.get((*shape, impl), ()) if s_ != session]
+        if others:
+            ratios.append(us / statistics.median(others))
+    return (statistics.median(ratios), len(ratios)) if ratios else None
+
+
 def _kernel_sessions(store, device: str, dtype: str, acc: str, impls=None, since_choice=None) -> dict:
     """(M, N, K, session) -> {impl: (median us, paired)} of the kernel-mode measurements that
     finished ok (only `impls`, if given); `paired`: the record's within-round ratios {other:
@@ -283,6 +323,7 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
         "AND impl LIKE ? ORDER BY M, N, K, impl", (device, dtype, acc, GEMMRL_IMPL_PREFIX + "%")).fetchall()
     times = _latest_kernel_times(store, device, dtype, acc)
     every_session = _kernel_sessions(store, device, dtype, acc)  # our kernel's own, for its baselines
+    history = _baseline_history(every_session)
     speedups = _session_speedups(store, device, dtype, acc)
     product = _product_speedups(store, device, dtype, acc)
     cands, runs, skipped = [], set(), []
@@ -342,6 +383,15 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
                 skipped.append(f"{problem.shape} {impl}: {kernel_us:.2f} us vs {baseline} "
                                f"{baseline_us:.2f} us: under the {min_speedup}x speedup asked for")
                 continue
+            elif baseline_us is not None:
+                shape = (problem.M, problem.N, problem.K)
+                drift = _session_drift(history, shape, ours["session"],
+                                       every_session.get((*shape, ours["session"]), {}))
+                if drift is not None and drift[0] > 1 + BASELINE_DRIFT:
+                    skipped.append(f"{problem.shape} {impl}: its one session's baselines ran a median "
+                                   f"{drift[0] - 1:.1%} slower than in their other sessions ({drift[1]} "
+                                   f"baselines): one session is not enough; time it again")
+                    continue
             runs.add(ours["run_id"])
         runs.add(ver["run_id"])
         cands.append({"problem": problem, "impl": impl, "family": fam, "spec": spec,
