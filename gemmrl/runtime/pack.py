@@ -363,8 +363,9 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
                 skipped.append(f"{problem.shape} {impl}: kernel timing {ours.get('status')}")
                 continue
             kernel_us = float(ours["median_us"])
-            baseline, baseline_us = _best_baseline(
-                recs, every_session.get((problem.M, problem.N, problem.K, ours["session"]), {}))
+            shape = (problem.M, problem.N, problem.K)
+            own_session = every_session.get((*shape, ours["session"]), {})
+            baseline, baseline_us = _best_baseline(recs, own_session)
             since = list(speedups.get((problem.M, problem.N, problem.K, impl), []))
             theirs = product.get((problem.M, problem.N, problem.K, spec.layout), [])
             if theirs:
@@ -385,9 +386,7 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
                                f"{baseline_us:.2f} us: under the {min_speedup}x speedup asked for")
                 continue
             elif baseline_us is not None:
-                shape = (problem.M, problem.N, problem.K)
-                drift = _session_drift(history, shape, ours["session"],
-                                       every_session.get((*shape, ours["session"]), {}))
+                drift = _session_drift(history, shape, ours["session"], own_session)
                 if drift is not None and drift[0] > 1 + BASELINE_DRIFT:
                     skipped.append(f"{problem.shape} {impl}: its one session's baselines ran a median "
                                    f"{drift[0] - 1:.1%} slower than in their other sessions ({drift[1]} "
