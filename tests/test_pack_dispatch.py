@@ -334,6 +334,46 @@ def test_v3_sessions_judge_lt_algos_and_winners_by_their_paired_ratios(store, tm
     assert any("8192x512x8192" in s and "median speedup 0.9700" in s and "2 sessions" in s for s in m["skipped"])
 
 
+def test_the_products_sessions_of_an_autotuned_algorithm_count_toward_its_rule(store, tmp_path):
+    """gemmrl.matmul timed in kernel mode while its fallback ran the pack's cuBLASLt algorithm
+    (the verification names it: `served_lt`) counts as a session of that algorithm, its time over
+    torch.matmul's of the same layout: an algorithm picked as 3% faster than the heuristic's
+    that runs 5% slower than torch.matmul as the product leaves the pack (run 233, 2048x256x12288
+    TN). Sessions of another algorithm, of the other layout, without torch.matmul of the layout,
+    or without the record do not count."""
+    run = store.start_run("gemmrl bench", DEV, PROV, {})
+    p = Problem(2048, 256, 12288)
+    store.put_tuning(DEV, p, "cuBLASLt-auto-tuning-tn", _algo(66), "algo=66", 34.0)
+    store.record_session(run, "lt", DEV, p, "kernel", "kernel:v3:ci=0.005", {
+        "cuBLASLt-auto-tuning-tn": {"median_us": 34.0, "n": 20}, "cuBLASLt-heuristic-tn": {"median_us": 35.0, "n": 20}})
+
+    def lt_names():
+        m = _manifest(export_pack(store, DEV, tmp_path / f"p{len(list(tmp_path.iterdir()))}", "fp16", "fp32"))
+        return {(d["M"], d["N"], d["K"], d["layout"]): d for d in m.get("lt_algos", [])}
+
+    key = (2048, 256, 12288, "TN")
+    assert lt_names()[key]["sessions"] == 1
+
+    def product(i, algo, ours, torch_us, impl="gemmrl.matmul-tn", base="torch.matmul-tn", paired=None):
+        prun = store.start_run("gemmrl bench --impl pack:DIR", DEV, PROV, {})
+        details = {"impl": {"served": None, **({"served_lt": algo.hex()} if algo else {})}}
+        store.record_verification(prun, DEV, p, impl, True, "ok", details)
+        store.record_session(prun, f"prod{i}", DEV, p, "kernel", "kernel:v3:ci=0.005", {
+            impl: {"median_us": ours, "n": 50, "details": {"paired": paired or {}}},
+            base: {"median_us": torch_us, "n": 50}})
+
+    product(0, _algo(65), 34.5, 32.9)  # another algorithm served
+    product(1, None, 34.5, 32.9)  # no record of which
+    product(2, _algo(66), 34.5, 32.9, impl="gemmrl.matmul-nn", base="torch.matmul")  # the other layout
+    product(3, _algo(66), 34.5, 32.9, base="cuBLAS-tn")  # no torch.matmul of the layout beside it
+    assert lt_names()[key]["sessions"] == 1
+    product(4, _algo(66), 33.0, 33.2)  # as fast as torch.matmul-tn: counted, still ships
+    assert lt_names()[key]["sessions"] == 2
+    # 1.05x torch.matmul-tn's time by its paired ratio (the medians say 0.99): out
+    product(5, _algo(66), 33.0, 33.3, paired={"torch.matmul-tn": 1 / 1.05})
+    assert key not in lt_names()
+
+
 def test_load_pack_round_trips(pack_dir):
     pack = load_pack(pack_dir)
     assert len(pack.entries) == 4 and pack.stamp["device"] == DEV
@@ -705,6 +745,13 @@ def test_pack_changes_names_at_most_eight_shapes_and_skips_malformed_items():
     assert lines[2] == "lt_algos: as in the pack replaced"
     assert pack_changes(new) == lines[:1]
     assert pack_changes(new, {"entries": "not a list", "lt_algos": None})[1].startswith("kernel entries against the pack replaced: 11 in")
+
+
+def test_served_lt_names_the_algorithm_or_nothing():
+    from gemmrl.runtime.pack_impl import served_lt
+
+    assert served_lt({"served": None, "served_lt": "ab" * 64}) == "ab" * 64
+    assert served_lt({"served": None}) is None and served_lt(None) is None and served_lt({"served_lt": ""}) is None
 
 
 def test_served_kernel_names_the_entry_unless_it_failed_in_that_run():

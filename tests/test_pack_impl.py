@@ -49,6 +49,10 @@ def test_pack_spec_gives_the_product_in_both_layouts_and_falls_back_exactly():
         M, N, K = (int(v) for v in lib.split(":")[0].split("x"))
         tn.prepare(Problem(M, N, K))
         assert tn.describe()["served"] is None
+        # nor a cuBLASLt algorithm: none is installed without CUDA, though the pack lists some
+        lt = next(x for x in m["lt_algos"] if x["layout"] == "TN")
+        tn.prepare(Problem(lt["M"], lt["N"], lt["K"]))
+        assert tn.describe()["served"] is None and tn.describe()["served_lt"] is None
         with pytest.raises(UnsupportedProblem, match="accumulates in fp32"):
             impls[0].prepare(Problem(64, 256, 128, acc="fp16"))
     finally:

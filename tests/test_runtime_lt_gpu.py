@@ -178,6 +178,14 @@ def test_a_shipped_pack_installs_its_algorithms_on_its_gpu(fast):
             assert _calls(fast) == n + 1
         ref = a.float() @ (b.float().t() if layout == "TN" else b.float())
         assert _err(c, ref) < 1e-2
+        # the product as the harness times it names the algorithm in its verification record
+        # (the pack's lt_algos rule counts the product's sessions by it)
+        from gemmrl.core.problem import Problem
+        from gemmrl.runtime.pack_impl import PackMatmul
+
+        impl = PackMatmul(mine[0], layout)
+        impl.prepare(Problem(M, N, K))
+        assert impl.describe()["served"] is None and impl.describe()["served_lt"] == pack.lt_algos[(M, N, K, layout)].hex()
     finally:
         ops.use_pack(None)
     assert fast.stats()["lt"]["installed"] == 0

@@ -439,6 +439,44 @@ def _lt_vs_heuristic(store, device: str, dtype: str) -> dict:
     return out
 
 
+def _product_lt(store, device: str, dtype: str) -> dict:
+    """(M, N, K, layout, algo hex) -> [gemmrl.matmul's time over torch.matmul's of the same
+    layout] for every kernel-mode session (fp32 accumulation) in which the pack's fallback ran
+    that cuBLASLt algorithm (its verification in the same run names it: pack_impl's
+    `served_lt`). torch.matmul is what the algorithm replaces: without it the fallback runs
+    the heuristic's first choice, as torch.matmul's cuBLAS does."""
+    from gemmrl.runtime.pack_impl import served_lt
+
+    served: dict = {}
+    for run_id, M, N, K, impl, details in store.db.execute(
+            "SELECT run_id, M, N, K, impl, details FROM verifications WHERE device=? AND dtype=? AND acc='fp32' "
+            "AND impl IN (?, ?) ORDER BY id", (device, dtype, *PRODUCT_IMPLS)):
+        algo = served_lt(json.loads(details).get("impl"))
+        if algo is not None:
+            served[(run_id, int(M), int(N), int(K), impl)] = algo
+    if not served:
+        return {}
+    torch_of = {"gemmrl.matmul-nn": "torch.matmul", "gemmrl.matmul-tn": "torch.matmul-tn"}
+    sessions: dict = {}
+    for run_id, session, M, N, K, impl, us, details in store.db.execute(
+            "SELECT run_id, session, M, N, K, impl, median_us, details FROM measurements WHERE device=? "
+            "AND dtype=? AND acc='fp32' AND mode='kernel' AND status='ok' AND median_us > 0 "
+            "AND impl IN (?, ?, ?, ?)", (device, dtype, *PRODUCT_IMPLS, *torch_of.values())):
+        t = sessions.setdefault(session, {})
+        t[impl] = (float(us), json.loads(details).get("paired") or {}, (run_id, int(M), int(N), int(K)))
+    out: dict = {}
+    for t in sessions.values():
+        for impl, base in torch_of.items():
+            if impl not in t or base not in t:
+                continue
+            run_id, M, N, K = t[impl][2]
+            algo = served.get((run_id, M, N, K, impl))
+            if algo is not None:  # torch.matmul's time over gemmrl.matmul's, inverted
+                out.setdefault((M, N, K, impl[-2:].upper(), algo), []).append(
+                    1.0 / _over({k: v[:2] for k, v in t.items()}, impl, base))
+    return out
+
+
 def _lt_choices(store, device: str, dtype: str, served: set, margin: float = LT_MARGIN) -> list[dict]:
     """The autotuned cuBLASLt baseline's stored algorithm for each (shape, layout) of `device` the
     pack's kernels do not serve, where, in the sessions that timed it beside the heuristic's first
@@ -446,15 +484,19 @@ def _lt_choices(store, device: str, dtype: str, served: set, margin: float = LT_
     above it: fp32 accumulation whatever the pack's, since a
     fallback accumulates in fp32 as torch.matmul does. The rest keep the heuristic's choice (a
     stored autotuned choice can be slower than the heuristic's in every later session: on the
-    H100's subset, 2026-11-25, 512x1024x8192 ran 1.14x the heuristic's time in four sessions)."""
+    H100's subset, 2026-11-25, 512x1024x8192 ran 1.14x the heuristic's time in four sessions).
+    The product's own sessions count too: gemmrl.matmul timed in kernel mode while its fallback
+    ran this very algorithm, its time over torch.matmul's of the layout (_product_lt; on the
+    H100, run 233, 2048x256x12288 TN's algorithm ran 1.05x torch.matmul-tn's time)."""
     ratios, out = _lt_vs_heuristic(store, device, dtype), []
+    product = _product_lt(store, device, dtype)
     for layout in LAYOUTS:
         rows = store.db.execute("SELECT M, N, K, choice, info, time_us FROM tuning WHERE device=? AND dtype=? "
                                 "AND acc='fp32' AND impl=? ORDER BY M, N, K",
                                 (device, dtype, LT_IMPL.format(layout.lower()))).fetchall()
         for M, N, K, choice, info, us in rows:
             key = (int(M), int(N), int(K), layout)
-            r = ratios.get(key)
+            r = ratios.get(key, []) + product.get(key + (bytes(choice).hex(),), [])
             if (key in served or len(bytes(choice)) != LT_ALGO_BYTES or not r or max(r) > 1.0
                     or statistics.median(r) > margin):
                 continue

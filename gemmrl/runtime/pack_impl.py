@@ -30,6 +30,7 @@ class PackMatmul(Impl):
         self.nearest = nearest
         self._dispatcher = None
         self._served = None  # the pack entry that serves the last prepared problem (describe)
+        self._served_lt = None  # or the pack's cuBLASLt algorithm (hex) that serves it
 
     def _activate(self):
         from gemmrl.runtime import ops
@@ -54,6 +55,10 @@ class PackMatmul(Impl):
         self._served = None if e is None else {
             "shape": e.problem.shape, "spec_name": e.spec_name, "source_sha256": e.source_sha256,
             "exact": (e.problem.M, e.problem.N, e.problem.K) == (problem.M, problem.N, problem.K)}
+        # no kernel: the fallback runs the pack's autotuned cuBLASLt algorithm where one was
+        # installed for the shape on this device, so that the pack's lt_algos rule can count it
+        self._served_lt = None if e is not None else _installed_lt(d.pack, problem.M, problem.N, problem.K,
+                                                                   self.layout)
         matmul = ops.public_matmul()  # gemmrl.matmul, as a user calls it
         if self.layout == "TN":
             def call(a, b_nn, b_tn, c):
@@ -69,13 +74,37 @@ class PackMatmul(Impl):
             d["nearest"] = self.nearest
         if self._dispatcher is not None:
             e = self._dispatcher.describe()
-            d.update(entries=e["entries"], failures=e["failures"], served=self._served)
+            d.update(entries=e["entries"], failures=e["failures"], served=self._served,
+                     served_lt=self._served_lt)
             from gemmrl.runtime import ops
 
             fast = ops._FAST if ops._FAST is not ops._UNSET else None
             d["fallback"] = {"lt_algos": ops.lt_status(),
                              "fast_path": None if fast is None else fast.stats().get("lt")}
         return d
+
+
+def _installed_lt(pack, M: int, N: int, K: int, layout: str) -> str | None:
+    """The pack's cuBLASLt algorithm for the shape in hex, where the fallback installed it on
+    the current device (ops._install_lt), else None."""
+    import torch
+
+    from gemmrl.runtime import ops
+
+    key = (M, N, K, layout)
+    if key not in pack.lt_algos or not torch.cuda.is_available() or ops._fallback_choice() == "torch":
+        return None
+    if key not in ops._LT["installed"].get(torch.cuda.current_device(), ()):
+        return None
+    return pack.lt_algos[key].hex()
+
+
+def served_lt(impl_details: dict | None) -> str | None:
+    """The pack's cuBLASLt algorithm (hex) that served a shape in a bench run, from
+    gemmrl.matmul's verification details; None where a kernel or the heuristic's plan served
+    it, or where the record predates `served_lt`."""
+    got = (impl_details or {}).get("served_lt")
+    return got if isinstance(got, str) and got else None
 
 
 def served_kernel(impl_details: dict | None) -> dict | None:
