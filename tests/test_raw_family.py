@@ -81,6 +81,9 @@ RULES = [
     (S(split_k=300), P, "split_k must be"),
     (S(split_k=65), Problem(256, 256, 4096), "more than the 64 K tiles"),
     (S(split_k=24), Problem(256, 256, 4096), "leaves the last split empty"),
+    # exactly 48 KB of dynamic shared memory, no opt-in, and split-K's static flag on top
+    (S(block_m=64, block_n=16, block_k=64, warps_m=4, warps_n=1, stages=4, split_k=2),
+     Problem(8192, 128, 8192), "split-K's static flag"),
 ]
 
 
@@ -103,6 +106,9 @@ def test_valid_accepts_sensible_specs_and_the_residues_it_promises():
     # the shared-memory rule is the budget, exactly
     big = S(block_m=128, block_n=256, block_k=128, warps_m=2, warps_n=4, stages=2)
     assert geometry(big, P).smem_bytes <= SMEM_PER_BLOCK and valid(big, P) is None
+    # exactly 48 KB without split-K (no static shared memory) launches without opting in
+    at48 = S(block_m=64, block_n=16, block_k=64, warps_m=4, warps_n=1, stages=4)
+    assert geometry(at48, Problem(8192, 128, 8192)).smem_bytes == 48 * 1024 and valid(at48, Problem(8192, 128, 8192)) is None
 
 
 # -- rendering is pure; names and keys ------------------------------------------------------------

@@ -43,6 +43,7 @@ SM_COUNT = 132                 # H100 / H200
 SMEM_PER_BLOCK = 232448        # 227 KiB: the most dynamic shared memory one block may opt into
 SMEM_PER_SM = 233472           # 228 KiB
 STATIC_SMEM = 256              # bytes kept for the kernel's static __shared__ (split-K flag)
+OPT_IN_ABOVE = 48 * 1024       # dynamic shared memory gemmrl_run opts in above (the rendered check)
 MAX_ACC_PER_THREAD = 128       # fp32 accumulators per thread above which ptxas spills
 MAX_SPLIT_K = 256              # the counter keeps 16 bits of count
 MAX_REDUCE_BYTES = 1 << 20     # heuristic: fp32 partials the reducing CTA may read per tile (_splits)
@@ -195,6 +196,12 @@ def valid(spec: RawSpec, problem: Problem) -> str | None:
         return f"split_k must be 1..{MAX_SPLIT_K}, got {s.split_k}"
     if s.split_k > g.kt:
         return f"split_k={s.split_k} is more than the {g.kt} K tiles of {s.block_k}"
+    if s.split_k > 1 and g.smem_bytes <= OPT_IN_ABOVE < g.smem_bytes + STATIC_SMEM:
+        # gemmrl_run opts in above 48 KB of dynamic shared memory; split-K's static flag on top
+        # of exactly 48 KB fails the launch (gemmrl_run returned 7: raw_nn_fp32_64x16x64_w4x1_s4_k2
+        # on 8192x128x8192, H100, 2026-11-26)
+        return (f"shared memory {g.smem_bytes} B is at the {OPT_IN_ABOVE} B a block gets without opting "
+                f"in, and split-K's static flag goes over it")
     if (s.split_k - 1) * g.kt_per >= g.kt:
         return (f"split_k={s.split_k} over {g.kt} K tiles ({g.kt_per} per split) leaves the last "
                 f"split empty")
