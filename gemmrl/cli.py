@@ -1015,12 +1015,31 @@ def store_cmd(db, compress, small, merge_from, since_run):
 @click.option("--race", "race_k", default=None, type=click.IntRange(1, 64),
               help="with --tuned-in: also the kernels `bench --impl race:K` races on each shape (the "
                    "search's fastest K within 10%, and the incumbent winner)")
+@click.option("--pack", "pack_dir", default=None, metavar="DIR",
+              help="compile every kernel of this pack instead (what gemmrl.warmup() builds on the GPU "
+                   "machine): a deployment's cache made ahead of time; only --jobs, --dry-run and --entries apply")
 def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned_device, variant_opt, acc_only, jobs,
-              dry_run, pending_db, candidates, max_shapes, entries_file, race_k):
+              dry_run, pending_db, candidates, max_shapes, entries_file, race_k, pack_dir):
     """Compile the kernels a set of shapes will try into the build cache ($GEMMRL_CACHE), ahead of
     time and without a GPU; copy the cache to the GPU machine to save its time."""
     from gemmrl.build import ahead
     from gemmrl.space import registry
+
+    if pack_dir is not None:
+        ctx = click.get_current_context()
+        given = [opt for n, opt in (("shape_spec", "--shapes"), ("tuned_db", "--tuned-in"), ("pending_db", "--pending-in"),
+                                    ("race_k", "--race"), ("max_shapes", "--max-shapes"), ("tuned_device", "--device"))
+                 if ctx.get_parameter_source(n) is not ParameterSource.DEFAULT]
+        if given:
+            raise click.UsageError(f"--pack builds the pack's kernels: {', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply")
+        from gemmrl.runtime.pack import load_pack
+
+        try:
+            pack = load_pack(pack_dir)
+        except (FileNotFoundError, ValueError) as e:
+            raise click.ClickException(str(e) if str(pack_dir) in str(e) else f"{pack_dir}: {e}") from None
+        return _compile_jobs(ahead.plan_pack(pack), f"the {len(pack.entries)} entries of {pack_dir}", jobs,
+                             dry_run, entries_file)
 
     for opt, given in (("--device", tuned_device), ("--variants", variant_opt), ("--acc-only", acc_only),
                        ("--race", race_k)):

@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -221,6 +222,49 @@ def test_build_compiles_ahead_without_a_gpu(tmp_path, monkeypatch):
     assert bad.exit_code == 2 and "unknown kernel family 'nope'" in bad.output
     bad = CliRunner().invoke(main, ["build", "--shapes", "64x64x64", "--layouts", "NT"])
     assert bad.exit_code == 2 and "layouts are NN and/or TN" in bad.output
+
+
+def test_build_pack_compiles_each_kernel_source_of_a_pack_once(tmp_path, monkeypatch):
+    """build --pack: a deployment's cache made ahead of time, named and flagged as the runtime
+    builds it, so that the pack then loads its kernels from the cache without compiling."""
+    import shutil
+
+    pytest.importorskip("torch")
+    from gemmrl.build.nvcc import is_built
+    from gemmrl.runtime.dispatch import Dispatcher
+    from gemmrl.runtime.pack import load_pack
+    from gemmrl.space import registry
+
+    monkeypatch.setenv("GEMMRL_CACHE", str(tmp_path / "cache"))
+    src = Path(__file__).parent.parent / "packs" / "h200-fp16-F32F16F16F32"
+    m = json.loads((src / "manifest.json").read_text())
+    raw = [e for e in m["entries"] if e["family"] == "raw"]
+    two = [raw[0], next(e for e in raw if e["source_sha256"] != raw[0]["source_sha256"])]  # raw: seconds to build
+    pack = tmp_path / "pack"
+    (pack / "kernels").mkdir(parents=True)
+    for e in two:
+        shutil.copy(src / e["file"], pack / e["file"])
+    m["entries"], m["lt_algos"], m["library"] = two, [], []
+    (pack / "manifest.json").write_text(json.dumps(m))
+    loaded = load_pack(pack)
+    shas = {e.source_sha256 for e in loaded.entries}
+    r = CliRunner().invoke(main, ["build", "--pack", str(pack), "--dry-run", "--entries", str(tmp_path / "e.txt")])
+    assert r.exit_code == 0, r.output
+    assert f"{len(shas)} distinct kernels for the {len(two)} entries of {pack}; 0 already built, {len(shas)} to compile" in r.output
+    assert len((tmp_path / "e.txt").read_text().split()) == len(shas)
+    r = CliRunner().invoke(main, ["build", "--pack", str(pack), "--jobs", "2"])
+    assert r.exit_code == 0 and f"[{len(shas)}/{len(shas)}] ok" in r.output, r.output
+    d = Dispatcher(loaded)
+    for e in loaded.entries:  # what the runtime would build is in the cache
+        assert is_built(loaded.source(e), name=e.spec_name, arch=d.arch, **registry.get(e.family).build_kwargs())
+    assert d.build_all(workers=1) == {}  # found in the cache: nothing compiled, nothing failed
+    assert all(d.built_path(e) for e in loaded.entries)
+    r = CliRunner().invoke(main, ["build", "--pack", str(pack), "--dry-run"])
+    assert f"{len(shas)} already built, 0 to compile" in r.output
+    r = CliRunner().invoke(main, ["build", "--pack", str(pack), "--shapes", "grid"])
+    assert r.exit_code == 2 and "--shapes does not apply" in r.output
+    r = CliRunner().invoke(main, ["build", "--pack", str(tmp_path)])
+    assert r.exit_code == 1 and "not a pack" in r.output
 
 
 def test_tune_times_only_the_shapes_it_touched_or_never_timed(tmp_path):

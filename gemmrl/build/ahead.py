@@ -27,6 +27,16 @@ def job_for(spec, problem) -> BuildJob:
     return BuildJob(spec.name, impl.source(problem), {"arch": impl.arch, **impl.family.build_kwargs()})
 
 
+def plan_pack(pack) -> list[BuildJob]:
+    """What Dispatcher.build_all compiles for a loaded pack (runtime.pack.load_pack): each kernel
+    source once, named and flagged as the search builds it, so the cache of the tuning machine
+    and of the runtime are the same."""
+    from gemmrl.space import registry
+
+    return unique(BuildJob(e.spec_name, pack.source(e), {"arch": pack.arch, **registry.get(e.family).build_kwargs()})
+                  for e in pack.entries)
+
+
 def unique(jobs) -> list[BuildJob]:
     """Each source once, in first-seen order (a generic family's spec is one build for every shape)."""
     seen, out = set(), []
