@@ -16,6 +16,14 @@ from gemmrl.runtime import ops  # noqa: E402
 PACK = Path(__file__).parent.parent / "packs" / "h200-fp16-F32F16F16F32"
 
 
+@pytest.fixture(autouse=True)
+def no_cuda(monkeypatch):
+    """These check the wiring on the CPU path: on a GPU machine the H200 pack would be refused
+    by its stamp on another model (run on an H100, 2026-11-26), or would serve with CUDA kernels.
+    test_runtime_lt_gpu covers the product on the GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
 def test_pack_spec_gives_the_product_in_both_layouts_and_falls_back_exactly():
     impls = impls_from_specs([f"pack:{PACK}"])
     assert [(i.name, i.layout, i.trusted) for i in impls] == [
