@@ -20,7 +20,7 @@ import pytest
 
 from gemmrl.core.problem import Problem
 from gemmrl.space import cutlass_sm90 as cs
-from gemmrl.space.cutlass_sm90 import CutlassSpec, enumerate_specs, render, valid
+from gemmrl.space.cutlass_sm90 import CutlassSpec, enumerate_specs, estimate_us, render, skinny_n, valid
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "cutlass_sm90"
 GOLDEN_SPECS = [
@@ -310,6 +310,7 @@ MUTATIONS = {
     "tile_m": 256, "tile_n": 256, "tile_k": 128, "cluster_m": 2, "cluster_n": 2,
     "schedule": "pingpong", "scheduler": "streamk", "stages": 3, "raster": "along_m", "swizzle": 2,
     "layout": "NN", "dtype": "bf16", "acc": "fp16", "epilogue": "nosmem", "pdl": True, "epi_n": 64,
+    "swap_ab": True,
 }
 
 
@@ -740,3 +741,65 @@ def test_odd_wgmma_widths_are_offered_for_64_row_ping_pong_tiles():
     from gemmrl.core.problem import Problem
     assert all(valid(replace(s, layout="TN"), Problem(64, 4096, 128)) is None
                for s in specs if s.tile_n in (48, 80, 112))
+
+
+def test_swapped_kernels_compute_the_transpose_and_keep_every_other_source():
+    """swap_ab: C^T = B^T A^T with the kernel's A the ABI's B, its B the ABI's A, its D column
+    major over (N, M); the name gains _xab and parses back; a spec without it keeps its key and
+    its rendered source byte for byte (every shipped pack's CUTLASS source renders unchanged)."""
+    import json
+    from pathlib import Path
+
+    from gemmrl.core.problem import Problem
+
+    for layout in ("NN", "TN"):
+        s = CutlassSpec(128, 192, 64, 2, 1, "cooperative", "persistent", 1, 0, "heuristic", 1, layout, swap_ab=True)
+        assert s.name == f"sm90_coop_128x192x64_c2x1_persist_s0_rh_sw1_{layout.lower()}_f16_f32_xab"
+        assert CutlassSpec.from_name(s.name) == s and s.to_dict()["swap_ab"] is True
+        src = render(s)
+        assert "using LayoutD = cutlass::layout::ColumnMajor;" in src
+        assert "args.problem_shape = cute::make_shape(N, M, K, 1);" in src
+        assert "ptr_A = static_cast<ElementA const*>(B);" in src and "ptr_B = static_cast<ElementB const*>(A);" in src
+        assert "StrideD stride_d = cute::make_stride(cute::Int<1>{}, int64_t(ldc), int64_t(ldc) * M);" in src
+        a_layout = "ColumnMajor" if layout == "NN" else "RowMajor"  # B [K,N] is N-contiguous; B [N,K] K-contiguous
+        assert f"using LayoutA = cutlass::layout::{a_layout};" in src
+        plain = replace(s, swap_ab=False)
+        assert "swap_ab" not in plain.to_dict() and "LayoutD = cutlass::layout::RowMajor;" in render(plain)
+        # priced on the problem it runs: the transposed one
+        p = Problem(12288, 256, 16384)
+        assert estimate_us(s, p) == estimate_us(plain, Problem(256, 12288, 16384))
+    assert "swap_ab is not offered with the separate reduction" in valid(
+        replace(BASE, scheduler="splitk", splits=8, reduction="separate", swap_ab=True))
+    assert "swap_ab" in valid(replace(BASE, epi_n=64, swap_ab=True))
+    assert "swap_ab must be true or false" in valid(replace(BASE, swap_ab=1))
+    root = Path(__file__).resolve().parents[1] / "packs"
+    n = 0
+    for manifest in root.glob("*/manifest.json"):
+        m = json.loads(manifest.read_text())
+        for e in m["entries"]:
+            if e["family"] == "cutlass_sm90" and n < 200:
+                spec = CutlassSpec.from_dict(e["spec"])
+                prob = Problem(e["M"], e["N"], e["K"], e["dtype"], e["acc"])
+                assert render(spec, prob) == (manifest.parent / e["file"]).read_text(), e["file"]
+                n += 1
+    assert n > 0
+
+
+def test_swapped_twins_join_the_pool_for_a_narrow_n_over_many_rows_only():
+    from gemmrl.core.problem import Problem
+    from gemmrl.search.policy import _tiles, candidate_pool
+
+    narrow, square = Problem(12288, 256, 16384), Problem(4096, 4096, 4096)
+    assert skinny_n(narrow) and not skinny_n(square) and not skinny_n(Problem(1024, 256, 4096))
+    pool = [s for f, s in candidate_pool(narrow, ("TN",), ("cutlass_sm90",))]
+    plain = [s for s in pool if not s.swap_ab]
+    twins = [s for s in pool if s.swap_ab]
+    assert twins and len(twins) <= len(plain) and all(valid(s, narrow) is None for s in twins)
+    assert {replace(s, swap_ab=False).name for s in twins} <= {s.name for s in plain}
+    assert not any(s.swap_ab for f, s in candidate_pool(square, ("TN",), ("cutlass_sm90",)))
+    # the cost model's tile over the problem's M and N: transposed for a swapped kernel
+    s = CutlassSpec(128, 192, 64, 1, 1, "cooperative", "persistent", 1, 0, "heuristic", 1, "TN", swap_ab=True)
+    assert _tiles("cutlass_sm90", s)[:2] == (192, 128) and _tiles("cutlass_sm90", replace(s, swap_ab=False))[:2] == (128, 192)
+    # 128x192 swapped tiles make 128 CTAs of 12288x256 (132 SMs): ranked above every unswapped spec
+    best = min(pool, key=lambda x: estimate_us(x, narrow))
+    assert best.swap_ab, best.name

@@ -118,7 +118,10 @@ def _family_pool(name: str, problem: Problem, layout: str) -> list:
     if name == "raw":
         return _raw_pool(problem, layout)
     if hasattr(registry.get(name).mod(), "enumerate_specs"):
-        return list(_enumerated(name, layout, problem.dtype, problem.acc))
+        specs = list(_enumerated(name, layout, problem.dtype, problem.acc))
+        if name == "cutlass_sm90" and cutlass_sm90.skinny_n(problem):  # and their swapped twins
+            specs += [replace(s, swap_ab=True) for s in specs if not s.epi_n and not cutlass_sm90.separate(s)]
+        return specs
     return registry.get(name).candidates(problem, layout, limit=64)
 
 
@@ -127,7 +130,8 @@ def candidate_pool(problem: Problem, layouts: tuple = ("NN", "TN"),
                    families: tuple = DEFAULT_FAMILIES) -> tuple:
     """The fixed pool: (family, spec) for every valid spec of every family and layout, in a
     fixed order (family, layout, the family's enumeration order). CUTLASS: enumerate_specs
-    (282 specs per layout); raw: every tile of the family's warp table x block_k 32/64/128 x
+    (282 specs per layout; with their swapped twins for a narrow N over many rows,
+    cutlass_sm90.skinny_n); raw: every tile of the family's warp table x block_k 32/64/128 x
     stages 3/4 x split_k 1..16 (powers of 2) x swap_ab, those valid() accepts."""
     out, seen = [], set()
     for name in families:
@@ -255,7 +259,8 @@ def _log2(x: float) -> float:
 def _tiles(family: str, spec) -> tuple[int, int, int, int]:
     """(tile over M, tile over N, tile over K, K splits) of a spec, in the problem's terms."""
     if family == "cutlass_sm90":
-        return spec.tile_m, spec.tile_n, spec.tile_k, spec.splits if spec.scheduler == "splitk" else 1
+        tm, tn = (spec.tile_n, spec.tile_m) if spec.swap_ab else (spec.tile_m, spec.tile_n)
+        return tm, tn, spec.tile_k, spec.splits if spec.scheduler == "splitk" else 1
     if family == "raw":
         tm, tn = (spec.block_n, spec.block_m) if spec.swap_ab else (spec.block_m, spec.block_n)
         return tm, tn, spec.block_k, spec.split_k

@@ -103,6 +103,11 @@ class CutlassSpec:
     epilogue: str = "tma"  # EPILOGUES; 'nosmem' with the persistent scheduler only
     pdl: bool = False  # programmatic dependent launch (see PDL below)
     epi_n: int = 0  # TMA epilogue's subtile width (columns a store): 0 = CUTLASS's EpilogueTileAuto (32)
+    # the kernel computes C^T = B^T A^T: its M is the problem's N and its N the problem's M, its
+    # D is C written column-major; the tile (tile_m x tile_n) then covers N x M. A small N over
+    # a large M fills the GPU with tiles the unswapped kernel cannot make (12288x256xK on an
+    # H100: 128x192 tiles over 256 x 12288 are 128 CTAs for 132 SMs)
+    swap_ab: bool = False
 
     @property
     def name(self) -> str:
@@ -118,7 +123,8 @@ class CutlassSpec:
                 f"_{_ABBREV.get(self.raster, self.raster)}_sw{self.swizzle}_{str(self.layout).lower()}"
                 f"_{_ABBREV.get(self.dtype, self.dtype)}_{_ABBREV.get(self.acc, self.acc)}"
                 + (f"_e{self.epi_n}" if self.epi_n else "")
-                + ("" if self.epilogue == "tma" else f"_{self.epilogue}") + ("_pdl" if self.pdl else ""))
+                + ("" if self.epilogue == "tma" else f"_{self.epilogue}") + ("_pdl" if self.pdl else "")
+                + ("_xab" if self.swap_ab else ""))
 
     def key(self) -> str:
         """Stable content hash of the fields (and the family): the machine's name for a spec."""
@@ -126,7 +132,7 @@ class CutlassSpec:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict:
-        """The fields; `reduction`, `epilogue`, `pdl` and `epi_n` only when they are not the default, so
+        """The fields; `reduction`, `epilogue`, `pdl`, `epi_n` and `swap_ab` only when they are not the default, so
         that every spec made before those fields existed keeps its key, its rendered source and
         its builds."""
         d = asdict(self)
@@ -138,6 +144,8 @@ class CutlassSpec:
             del d["pdl"]
         if d["epi_n"] == 0:
             del d["epi_n"]
+        if d["swap_ab"] is False:
+            del d["swap_ab"]
         return d
 
     @staticmethod
@@ -168,13 +176,13 @@ class CutlassSpec:
             splits=int(sched[6:]) if sched.startswith("splitk") else 1, stages=int(g["stages"]),
             raster=inv[g["raster"]], swizzle=int(g["sw"]), layout=g["layout"].upper(),
             dtype=inv[g["dtype"]], acc=inv[g["acc"]], reduction=reduction, epilogue=g["epi"] or "tma",
-            pdl=bool(g["pdl"]), epi_n=int(g["epin"] or 0))
+            pdl=bool(g["pdl"]), epi_n=int(g["epin"] or 0), swap_ab=bool(g["xab"]))
 
 
 _NAME_RE = re.compile(r"sm90_(?P<schedule>coop|pp|ws|tma)_(?P<tm>\d+)x(?P<tn>\d+)x(?P<tk>\d+)_c(?P<cm>\d+)x(?P<cn>\d+)"
                       r"_(?P<sched>persist|tile|streamk(?:nd)?|splitk\d+(?:nd|sr)?)_s(?P<stages>\d+)_(?P<raster>rh|rm|rn)_sw(?P<sw>\d+)"
                       r"_(?P<layout>nn|tn)_(?P<dtype>f16|bf16)_(?P<acc>f32|f16)(?:_e(?P<epin>\d+))?(?:_(?P<epi>nosmem))?"
-                      r"(?P<pdl>_pdl)?")
+                      r"(?P<pdl>_pdl)?(?P<xab>_xab)?")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,6 +326,12 @@ def valid(spec: CutlassSpec, problem=None) -> str | None:
                 f"(the small outputs it is for; not tried with partial tiles), not {s.scheduler!r}")
     if not isinstance(s.pdl, bool):
         return f"pdl must be true or false, got {s.pdl!r}"
+    if not isinstance(s.swap_ab, bool):
+        return f"swap_ab must be true or false, got {s.swap_ab!r}"
+    if s.swap_ab and separate(s):
+        return "swap_ab is not offered with the separate reduction (its partials are packed [M,N] slices)"
+    if s.swap_ab and s.epi_n:
+        return "swap_ab writes a column-major D: an explicit epilogue subtile (epi_n) is not offered with it"
     if s.epi_n:
         if s.epilogue != "tma":
             return f"epi_n sets the TMA epilogue's subtile; the {s.epilogue!r} epilogue has none (epi_n 0)"
@@ -555,7 +569,10 @@ def estimate_us(spec: CutlassSpec, problem, tflops_per_sm: float = 5.5, gbs: flo
     64 of 132 SMs took 22 us where the model said 14; fitted on the store's 790 timed CUTLASS
     trials on the H200, rank correlation within a shape 0.18 -> 0.21, spread of the log error
     unchanged at 0.21). It is what lets split-K 16 outrank split-K 8 where 8 leaves SMs idle.
-    A wider epilogue subtile is priced against its automatic twin (subtile_us)."""
+    A wider epilogue subtile is priced against its automatic twin (subtile_us). A swapped
+    kernel (swap_ab) is priced on the transposed problem, the one it runs."""
+    if spec.swap_ab:
+        problem = replace(problem, M=problem.N, N=problem.M)
     tiles_m = -(-problem.M // spec.tile_m)
     tiles_n = -(-problem.N // spec.tile_n)
     tiles = tiles_m * tiles_n
@@ -608,6 +625,14 @@ def estimate_us(spec: CutlassSpec, problem, tflops_per_sm: float = 5.5, gbs: flo
             # the splits - 1 waits passing one fp32 partial tile at TURNSTILE_GBS per SM
             reduce = max(2.0, reduce - 0.5 * (splits - 1) * 2 * 4 * spec.tile_m * spec.tile_n / (TURNSTILE_GBS * 1e3))
     return max(compute, memory) + reduce + 3.0 + subtile_us(spec, waves)
+
+
+def skinny_n(problem) -> bool:
+    """A narrow output over many rows (N <= 1024 and M >= 8 N), where the swapped kernels
+    (swap_ab: C^T = B^T A^T, the tile over N x M) join the search's pool: there the unswapped
+    tiles cannot fill the GPU evenly (12288x256xK on an H100 ran 0.78-0.86 of cuBLASLt
+    autotuned, 2026-11-26)."""
+    return problem.N <= 1024 and problem.M >= 8 * problem.N
 
 
 def heuristic_specs(problem, layout: str, acc: str | None = None, limit: int = 8) -> list[CutlassSpec]:
@@ -701,9 +726,9 @@ using ElementB = ${element_in};
 ${element_d_line}
 using ElementAccumulator = ${element_acc};
 using ElementCompute = ${element_acc};
-using LayoutA = cutlass::layout::RowMajor;  // A [M,K] row-major: K-contiguous
+${layout_a_line}
 using LayoutB = ${layout_b};  // ${layout_b_doc}
-using LayoutD = cutlass::layout::RowMajor;  // C [M,N] row-major
+${layout_d_line}
 constexpr int kAlignment = 8;  // elements: 16 bytes, TMA's minimum
 
 using TileShape = cute::Shape<cute::_${tile_m}, cute::_${tile_n}, cute::_${tile_k}>;
@@ -811,9 +836,9 @@ ${strides}
   typename Gemm::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
   args.problem_shape = ${problem_shape};
-  args.mainloop.ptr_A = static_cast<ElementA const*>(A);
+  args.mainloop.ptr_A = static_cast<ElementA const*>(${ptr_a});
   args.mainloop.dA = stride_a;
-  args.mainloop.ptr_B = static_cast<ElementB const*>(B);
+  args.mainloop.ptr_B = static_cast<ElementB const*>(${ptr_b});
   args.mainloop.dB = stride_b;
   args.epilogue.thread.alpha = ElementCompute(1);
   args.epilogue.thread.beta = ElementCompute(0);
@@ -1045,6 +1070,16 @@ def render(spec: CutlassSpec, problem=None) -> str:
         prefix = ("// split-K with a separate reduction kernel: the GEMM signals its dependent launch early\n"
                   "#define CUTLASS_ENABLE_GDC_FOR_SM90 1\n#include <algorithm>\n")
         reduce_kernel = _REDUCE_KERNEL
+    elif s.swap_ab:  # C^T = B^T A^T: the kernel's A is B, its B is A, its D is C column-major
+        element_d_line = f"using ElementD = {_CPP_ELEMENT[s.dtype]};  // the ABI's C"
+        strides = ("  // swapped: the kernel's (M, N) are the problem's (N, M)\n"
+                   "  StrideA stride_a = "
+                   + ("cute::make_stride(cute::Int<1>{}, int64_t(ldb), int64_t(ldb) * K);  // B [K,N]: N-contiguous\n" if nn
+                      else "cute::make_stride(int64_t(ldb), cute::Int<1>{}, int64_t(ldb) * N);  // B [N,K]: K-contiguous\n")
+                   + "  StrideB stride_b = cute::make_stride(int64_t(lda), cute::Int<1>{}, int64_t(lda) * M);  // A [M,K]\n"
+                   "  StrideD stride_d = cute::make_stride(cute::Int<1>{}, int64_t(ldc), int64_t(ldc) * M);  // C [M,N]\n")
+        problem_shape = "cute::make_shape(N, M, K, 1)"
+        entry, prefix, reduce_kernel = _ENTRY_POINTS, "", ""
     else:
         element_d_line = f"using ElementD = {_CPP_ELEMENT[s.dtype]};  // the ABI's C"
         strides = ("  StrideA stride_a = cute::make_stride(int64_t(lda), cute::Int<1>{}, int64_t(lda) * M);\n"
@@ -1072,9 +1107,18 @@ def render(spec: CutlassSpec, problem=None) -> str:
         spec_json=json.dumps(s.to_dict(), sort_keys=True, separators=(",", ":")),
         b_expr="B" if nn else "B^T",
         element_in=_CPP_ELEMENT[s.dtype], element_acc=_CPP_ELEMENT[s.acc],
-        layout_b="cutlass::layout::RowMajor" if nn else "cutlass::layout::ColumnMajor",
-        layout_b_doc=("NN: B [K,N] row-major, N-contiguous" if nn
+        layout_b="cutlass::layout::ColumnMajor" if s.swap_ab else "cutlass::layout::RowMajor" if nn else "cutlass::layout::ColumnMajor",
+        layout_b_doc=("swapped: the kernel's B is A^T, K-contiguous (A [M,K] row-major)" if s.swap_ab else
+                      "NN: B [K,N] row-major, N-contiguous" if nn
                       else "TN: B given as [N,K] row-major, K-contiguous"),
+        layout_a_line=("using LayoutA = cutlass::layout::RowMajor;  // A [M,K] row-major: K-contiguous" if not s.swap_ab
+                       else "using LayoutA = cutlass::layout::ColumnMajor;  // swapped: the kernel's A is B^T [N,K], "
+                            "N-contiguous (B [K,N] row-major)" if nn
+                       else "using LayoutA = cutlass::layout::RowMajor;  // swapped: the kernel's A is B [N,K] row-major, K-contiguous"),
+        layout_d_line=("using LayoutD = cutlass::layout::RowMajor;  // C [M,N] row-major" if not s.swap_ab
+                       else "using LayoutD = cutlass::layout::ColumnMajor;  // swapped: the kernel's D is C^T [N,M] "
+                            "column-major, that is C [M,N] row-major"),
+        ptr_a="B" if s.swap_ab else "A", ptr_b="A" if s.swap_ab else "B",
         tile_m=s.tile_m, tile_n=s.tile_n, tile_k=s.tile_k, cluster_m=s.cluster_m, cluster_n=s.cluster_n,
         mainloop_schedule=_MAINLOOP_SCHEDULE[s.schedule],
         epilogue_schedule=("cutlass::epilogue::NoSmemWarpSpecialized" if s.epilogue == "nosmem" else
