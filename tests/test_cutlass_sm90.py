@@ -803,3 +803,10 @@ def test_swapped_twins_join_the_pool_for_a_narrow_n_over_many_rows_only():
     # 128x192 swapped tiles make 128 CTAs of 12288x256 (132 SMs): ranked above every unswapped spec
     best = min(pool, key=lambda x: estimate_us(x, narrow))
     assert best.swap_ab, best.name
+    # the heuristic ranking (what `gemmrl build --top K` and the harness's best-of compile) sees the
+    # same twins: `build --shapes NARROW --top 4` compiles swapped kernels ahead
+    from gemmrl.space.cutlass_sm90 import heuristic_specs
+
+    ranked = heuristic_specs(narrow, "TN", limit=6)
+    assert ranked[0].swap_ab and all(valid(x, narrow) is None for x in ranked)
+    assert not any(x.swap_ab for x in heuristic_specs(square, "TN", limit=20))

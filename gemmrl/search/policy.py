@@ -120,7 +120,7 @@ def _family_pool(name: str, problem: Problem, layout: str) -> list:
     if hasattr(registry.get(name).mod(), "enumerate_specs"):
         specs = list(_enumerated(name, layout, problem.dtype, problem.acc))
         if name == "cutlass_sm90" and cutlass_sm90.skinny_n(problem):  # and their swapped twins
-            specs += [replace(s, swap_ab=True) for s in specs if not s.epi_n and not cutlass_sm90.separate(s)]
+            specs += cutlass_sm90.swapped_twins(specs)
         return specs
     return registry.get(name).candidates(problem, layout, limit=64)
 

@@ -635,14 +635,25 @@ def skinny_n(problem) -> bool:
     return problem.N <= 1024 and problem.M >= 8 * problem.N
 
 
+def swapped_twins(specs) -> list[CutlassSpec]:
+    """Each spec's swapped twin (swap_ab), where the swap is offered: not with an explicit
+    epilogue subtile or the separate reduction."""
+    return [replace(s, swap_ab=True) for s in specs if not s.swap_ab and not s.epi_n and not separate(s)]
+
+
 def heuristic_specs(problem, layout: str, acc: str | None = None, limit: int = 8) -> list[CutlassSpec]:
     """Specs for a problem ranked by estimate_us (valid ones only), at most one per (tile,
-    schedule, scheduler): the model cannot tell swizzles or clusters apart, timing can."""
-    specs = [s for s in enumerate_specs(layout, problem.dtype, acc or problem.acc) if valid(s, problem) is None]
+    schedule, scheduler, swap): the model cannot tell swizzles or clusters apart, timing can.
+    For a narrow N over many rows (skinny_n) the swapped twins rank beside the rest, as in the
+    search's pool."""
+    specs = enumerate_specs(layout, problem.dtype, acc or problem.acc)
+    if skinny_n(problem):
+        specs = specs + swapped_twins(specs)
+    specs = [s for s in specs if valid(s, problem) is None]
     specs.sort(key=lambda s: (estimate_us(s, problem), s.name))
     out, seen = [], set()
     for s in specs:
-        k = (s.tile_m, s.tile_n, s.tile_k, s.schedule, s.scheduler, s.reduction)
+        k = (s.tile_m, s.tile_n, s.tile_k, s.schedule, s.scheduler, s.reduction, s.swap_ab)
         if k not in seen:
             seen.add(k)
             out.append(s)
