@@ -27,14 +27,19 @@ def job_for(spec, problem) -> BuildJob:
     return BuildJob(spec.name, impl.source(problem), {"arch": impl.arch, **impl.family.build_kwargs()})
 
 
-def plan_pack(pack) -> list[BuildJob]:
-    """What Dispatcher.build_all compiles for a loaded pack (runtime.pack.load_pack): each kernel
-    source once, named and flagged as the search builds it, so the cache of the tuning machine
-    and of the runtime are the same."""
+def pack_job(pack, entry, arch: str | None = None) -> BuildJob:
+    """The build of one entry of a loaded pack (runtime.pack.load_pack), for `arch` (default the
+    pack's): named and flagged as the search builds it (SpecImpl), so the tuning machine's cache,
+    an ahead-of-time one and the runtime's are the same."""
     from gemmrl.space import registry
 
-    return unique(BuildJob(e.spec_name, pack.source(e), {"arch": pack.arch, **registry.get(e.family).build_kwargs()})
-                  for e in pack.entries)
+    return BuildJob(entry.spec_name, pack.source(entry),
+                    {"arch": arch or pack.arch, **registry.get(entry.family).build_kwargs()})
+
+
+def plan_pack(pack) -> list[BuildJob]:
+    """What Dispatcher.build_all compiles for a loaded pack: each kernel source once."""
+    return unique(pack_job(pack, e) for e in pack.entries)
 
 
 def unique(jobs) -> list[BuildJob]:

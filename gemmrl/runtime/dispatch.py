@@ -181,11 +181,11 @@ class Dispatcher:
         os.replace(tmp, self._index_file(sha))
 
     def _build(self, entry) -> str:
+        from gemmrl.build.ahead import pack_job
         from gemmrl.build.nvcc import build_shared
 
-        fam = registry.get(entry.family)
-        res = build_shared(self.pack.source(entry), name=entry.spec_name, arch=self.arch,
-                           **fam.build_kwargs())
+        job = pack_job(self.pack, entry, self.arch)
+        res = build_shared(job.source, name=job.name, **job.kwargs)
         if not res.ok:
             raise RuntimeError(f"{entry.file} failed to build:\n{res.log[-2000:]}")
         self._remember(entry.source_sha256, res.path)
@@ -221,6 +221,7 @@ class Dispatcher:
     def build_all(self, workers: int | None = None, log=None) -> dict[str, str]:
         """Compile every kernel source of the pack not built yet, in parallel; returns
         {file: why} for those that failed (also kept in self.failures)."""
+        from gemmrl.build.ahead import pack_job
         from gemmrl.build.pool import build_many
 
         todo, seen = [], set()
@@ -228,9 +229,7 @@ class Dispatcher:
             if e.source_sha256 in seen or self.built_path(e) is not None:
                 continue
             seen.add(e.source_sha256)
-            fam = registry.get(e.family)
-            # named as the search names its builds (SpecImpl): the tuning machine's cache hits
-            todo.append((e, (e.spec_name, self.pack.source(e), {"arch": self.arch, **fam.build_kwargs()})))
+            todo.append((e, pack_job(self.pack, e, self.arch).as_tuple()))
         if log and todo:
             log(f"building {len(todo)} kernels of {self.pack.path}")
         failed = {}

@@ -268,6 +268,20 @@ def _session_speedups(store, device: str, dtype: str, acc: str) -> dict:
 PRODUCT_IMPLS = ("gemmrl.matmul-nn", "gemmrl.matmul-tn")  # bench --impl pack:DIR (runtime.pack_impl)
 
 
+def _product_served(store, device: str, dtype: str, acc: str, read) -> dict:
+    """(run id, M, N, K, gemmrl.matmul impl) -> what `read` finds in the impl details of each
+    gemmrl.matmul verification (pack_impl's describe(): the kernel or the cuBLASLt algorithm
+    that served the shape in that run); records where it finds None are left out."""
+    served: dict = {}
+    for run_id, M, N, K, impl, details in store.db.execute(
+            "SELECT run_id, M, N, K, impl, details FROM verifications WHERE device=? AND dtype=? AND acc=? "
+            "AND impl IN (?, ?) ORDER BY id", (device, dtype, acc, *PRODUCT_IMPLS)):
+        got = read(json.loads(details).get("impl"))
+        if got is not None:
+            served[(run_id, int(M), int(N), int(K), impl)] = got
+    return served
+
+
 def _product_speedups(store, device: str, dtype: str, acc: str) -> dict:
     """(M, N, K, layout) -> [(source_sha256, speedup, created)] for every kernel-mode session in
     which gemmrl.matmul ran the shape with a pack kernel (its verification in the same run names
@@ -279,13 +293,11 @@ def _product_speedups(store, device: str, dtype: str, acc: str) -> dict:
     from gemmrl.report.export import is_baseline
     from gemmrl.runtime.pack_impl import served_kernel
 
-    served: dict = {}
-    for run_id, M, N, K, impl, details in store.db.execute(
-            "SELECT run_id, M, N, K, impl, details FROM verifications WHERE device=? AND dtype=? AND acc=? "
-            "AND impl IN (?, ?) ORDER BY id", (device, dtype, acc, *PRODUCT_IMPLS)):
-        got = served_kernel(json.loads(details).get("impl"))  # a kernel that failed there: not its session
-        if got is not None:
-            served[(run_id, int(M), int(N), int(K), impl)] = got["source_sha256"]
+    def sha(impl_details):  # a kernel that failed there: not its session
+        got = served_kernel(impl_details)
+        return None if got is None else got["source_sha256"]
+
+    served = _product_served(store, device, dtype, acc, sha)
     if not served:
         return {}
     sessions: dict = {}
@@ -447,13 +459,7 @@ def _product_lt(store, device: str, dtype: str) -> dict:
     the heuristic's first choice, as torch.matmul's cuBLAS does."""
     from gemmrl.runtime.pack_impl import served_lt
 
-    served: dict = {}
-    for run_id, M, N, K, impl, details in store.db.execute(
-            "SELECT run_id, M, N, K, impl, details FROM verifications WHERE device=? AND dtype=? AND acc='fp32' "
-            "AND impl IN (?, ?) ORDER BY id", (device, dtype, *PRODUCT_IMPLS)):
-        algo = served_lt(json.loads(details).get("impl"))
-        if algo is not None:
-            served[(run_id, int(M), int(N), int(K), impl)] = algo
+    served = _product_served(store, device, dtype, "fp32", served_lt)
     if not served:
         return {}
     torch_of = {"gemmrl.matmul-nn": "torch.matmul", "gemmrl.matmul-tn": "torch.matmul-tn"}
