@@ -628,6 +628,15 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
                              {"candidates": candidates, "more": more, "batch": batch, "budget_s": budget_s,
                               "layouts": lays})
     kernel_only = runner.RunConfig(modes=("kernel",))
+    if built_only:  # the race times each incumbent, built or not: say so before an hour's call spends it
+        from gemmrl.search.race import unbuilt_incumbents
+
+        missing = unbuilt_incumbents(store, device, problems)
+        if missing:
+            click.echo(f"warning: the incumbent winners of {len(missing)} shapes are not in the build cache; the "
+                       f"final race compiles each (about 45 s apiece), e.g. {missing[0][1].name} "
+                       f"({missing[0][0].shape}); `gemmrl build --tuned-in {db} --device '{device}' --race {race} "
+                       "--shapes ...` compiles them ahead", err=True)
 
     def measure(specs, what, cfg=kernel_only, probs=None):
         probs = problems if probs is None else probs

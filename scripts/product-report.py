@@ -60,18 +60,26 @@ def run_served(db: sqlite3.Connection, runs: tuple) -> tuple[dict, set]:
     return neighbours, failed
 
 
-def sessions(db: sqlite3.Connection, runs: tuple) -> dict:
+def sessions(db: sqlite3.Connection, runs: tuple, latest: bool = False) -> dict:
     """(mode, session, M, N, K) -> {impl: (time, paired)}: medians, means in server mode, and the
-    record's paired ratios {other: t_other / t_self} where it has them (the reports' rule)."""
+    record's paired ratios {other: t_other / t_self} where it has them (the reports' rule).
+    latest: of the sessions that timed gemmrl.matmul on one shape in one mode, only the last
+    run's (the product as it last ran there, when several runs timed the shape again)."""
     out: dict = defaultdict(dict)
-    q = ("SELECT mode, session, M, N, K, impl, median_us, mean_us, details FROM measurements "
-         f"WHERE run_id IN ({_in(runs)}) AND status='ok'")
-    for mode, session, M, N, K, impl, med, mean, details in db.execute(q, tuple(runs)):
+    q = ("SELECT run_id, mode, session, M, N, K, impl, median_us, mean_us, details FROM measurements "
+         f"WHERE run_id IN ({_in(runs)}) AND status='ok' ORDER BY run_id, id")
+    last: dict = {}  # (mode, M, N, K) -> the last run that timed gemmrl.matmul there
+    for run, mode, session, M, N, K, impl, med, mean, details in db.execute(q, tuple(runs)):
         t = mean if mode == "server" else med
         if t and t > 0:
             paired = (json.loads(details or "{}") or {}).get("paired") or {}
-            out[(mode, session, M, N, K)][impl] = (t, paired)
-    return out
+            out[(mode, session, M, N, K)][impl] = (t, paired, run)
+            if impl.startswith("gemmrl.matmul"):
+                last[(mode, M, N, K)] = max(run, last.get((mode, M, N, K), run))
+    if latest:
+        out = {k: t for k, t in out.items()
+               if max(v[2] for v in t.values()) >= last.get((k[0], *k[2:]), 0)}
+    return {k: {impl: v[:2] for impl, v in t.items()} for k, t in out.items()}
 
 
 def over(t: dict, a: str, b: str) -> float:
@@ -154,6 +162,11 @@ def main(argv=None) -> int:
                     "DIR@nearest=D as given to bench --impl pack: (recorded, the split is the run's own)")
     ap.add_argument("--db", default="results/gemmrl.sqlite")
     ap.add_argument("--json", help="also write the summary here")
+    ap.add_argument("--latest", action="store_true",
+                    help="where several of the runs timed gemmrl.matmul on one shape in one mode, count only the "
+                         "last run's session: the grid as the product last ran it (runs of several calls, e.g. "
+                         "after a pack was exported again; the served/fallback split is the given pack's and "
+                         "each run's verification records')")
     a = ap.parse_args(argv)
     from gemmrl.bench.select import _pack_spec
 
@@ -187,7 +200,7 @@ def main(argv=None) -> int:
     label = f"run {runs[0]}" if len(runs) == 1 else "runs " + ",".join(map(str, runs))
     # a pack kernel that failed in the run (not built, not loaded) left the call to the fallback
     neighbours, failed = run_served(db, runs)
-    res = summarize(sessions(db, runs), served_keys(json.loads(mf.read_text())) - failed, neighbours)
+    res = summarize(sessions(db, runs, a.latest), served_keys(json.loads(mf.read_text())) - failed, neighbours)
     if not res:
         print(f"{label} timed no gemmrl.matmul beside torch.matmul", file=sys.stderr)
         return 1
@@ -205,7 +218,7 @@ def main(argv=None) -> int:
         if "noise" in per:
             n = per["noise"]
             print(f"| {mode} | noise | torch.matmul@repeat | | median {list(n.values())[0]:.4f} | max {n['max |1 - r|']:.4f} | | |")
-    nrows = neighbour_rows(sessions(db, runs), neighbours)
+    nrows = neighbour_rows(sessions(db, runs, a.latest), neighbours)
     if nrows:
         print("\n| mode | shape | call | neighbour (distance) | its kernel | gemmrl.matmul us | torch.matmul us | ratio |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -215,7 +228,7 @@ def main(argv=None) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps({"run": runs[0] if len(runs) == 1 else list(runs), "device": row[0],
                                             "provenance": prov, "pack": str(mf.parent), "nearest": nearest,
-                                            "modes": res, "neighbours": nrows}, indent=1) + "\n")
+                                            "latest": a.latest, "modes": res, "neighbours": nrows}, indent=1) + "\n")
     return 0
 
 

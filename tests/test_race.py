@@ -342,3 +342,35 @@ def test_a_re_search_stores_its_referenced_best_and_races_it_against_the_incumbe
     assert res.best[P] is not None and res.best[P].candidate == fresh.candidate
     assert store.get_tuning(dev, P, TUNED)["info"].startswith(SPECS[2].name)
     assert Race(store, dev, k=1).specs(P) == [SPECS[2], SPECS[0]]  # the new winner, then the incumbent
+
+
+def test_unbuilt_incumbents_lists_the_cutlass_winners_a_built_only_race_would_compile(tmp_path, monkeypatch):
+    """tune --built-only warns before its search: the race times each shape's incumbent even when
+    its build is not in the cache, and compiling a CUTLASS kernel there costs a device call ~45 s."""
+    from dataclasses import asdict
+
+    from gemmrl.runtime.spec_impl import SpecImpl
+    from gemmrl.search.race import unbuilt_incumbents
+    from gemmrl.space import raw
+
+    store = Store(tmp_path / "s.sqlite")
+    dev = "NVIDIA H100 80GB HBM3"
+    run = store.start_run("gemmrl tune", dev, {}, {})
+    small, other, untuned = Problem(4096, 256, 64), Problem(64, 64, 64), Problem(128, 128, 128)
+    raw_spec = raw.heuristic_specs(other, "NN")[0]
+
+    def verified(p, family, spec, impl=TUNED):
+        store.record_verification(run, dev, p, impl, True, "", {
+            "impl": {"name": impl, "chosen": {"family": family, "name": spec.name, "spec": asdict(spec)}}})
+    verified(P, "cutlass_sm90", SPECS[1])
+    verified(P, "cutlass_sm90", SPECS[2])  # the newest passed verification is the incumbent
+    verified(small, "cutlass_sm90", SPECS[0], impl="race:2")  # another implementation's choice: not tune's
+    verified(other, "raw", raw_spec)  # per-shape kernels build in seconds: never listed
+    built: set = set()
+    monkeypatch.setattr(SpecImpl, "is_built", lambda self, problem: self.spec.name in built)
+    got = unbuilt_incumbents(store, dev, [P, small, other, untuned])
+    assert got == [(P, SPECS[2])]
+    assert unbuilt_incumbents(store, "NVIDIA H200", [P]) == []  # another GPU's winners are not this one's
+    assert unbuilt_incumbents(store, dev, [small], impl="race:2") == [(small, SPECS[0])]
+    built.add(SPECS[2].name)
+    assert unbuilt_incumbents(store, dev, [P, small, other, untuned]) == []

@@ -439,6 +439,43 @@ def test_product_report_takes_one_calls_lanes_together(tmp_path):
     assert report("1,x").returncode == 2 and "comma-separated" in report("1,x").stderr
 
 
+def test_product_report_latest_keeps_the_last_run_of_each_shape(tmp_path):
+    """--latest: a shape timed again by a later run (a pack exported again) counts once, at its
+    last run's ratio; without it every session counts."""
+    import json
+
+    from gemmrl.core.problem import Problem
+    from gemmrl.store.db import Store
+
+    st = Store(tmp_path / "s.sqlite")
+    prov = {"driver": "1", "cuda": "13.0", "torch": "2", "commit": "abc"}
+    first, second = (st.start_run("gemmrl bench", "GPU X", prov, {}) for _ in range(2))
+    again, once = Problem(64, 64, 64), Problem(128, 64, 64)
+    for run, p, ours in ((first, again, 12.5), (first, once, 8.0), (second, again, 9.0)):
+        for mode in ("kernel", "offline"):
+            st.record_session(run, f"{p.mnk}-{run}-{mode}", "GPU X", p, mode, "v3", {
+                "gemmrl.matmul-nn": {"median_us": ours, "n": 5}, "torch.matmul": {"median_us": 10.0, "n": 5}})
+    st.close()
+    (tmp_path / "pack").mkdir()
+    (tmp_path / "pack" / "manifest.json").write_text(json.dumps({"entries": []}))
+    out = tmp_path / "r.json"
+
+    def report(*extra):
+        r = subprocess.run([sys.executable, str(ROOT / "scripts" / "product-report.py"), "--run", f"{second},{first}",
+                            "--pack", str(tmp_path / "pack"), "--db", str(tmp_path / "s.sqlite"), "--json", str(out),
+                            *extra], capture_output=True, text=True, env=ENV, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return json.loads(out.read_text())
+    every = report()["modes"]["kernel"]["NN fallback"]
+    assert every["shapes"] == 3 and every["slower_than_0.99"] == 1 and every["min"] == 0.8
+    d = report("--latest")
+    assert d["latest"] is True
+    for mode in ("kernel", "offline"):
+        last = d["modes"][mode]["NN fallback"]
+        assert last["shapes"] == 2 and last["slower_than_0.99"] == 0  # 64x64x64 at run 2's 10/9, not run 1's 0.8
+        assert abs(last["geomean"] - (10 / 9 * 10 / 8) ** 0.5) < 1e-9 and last["min_shape"] == "64x64x64"
+
+
 def test_autotune_check_summarizes_choices_against_the_heuristic_in_the_independent_session(tmp_path):
     """The summary is read from the CSV the GPU run writes: each choice's time over the heuristic's
     first suggestion in the independent session (geomean, worst, how many beyond 2%), picking

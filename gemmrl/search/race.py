@@ -119,3 +119,27 @@ class Race(BestOf):
         if len(self.specs(problem)) > 1:
             return None
         return super()._stored(problem)
+
+
+def unbuilt_incumbents(store, device: str, problems, impl: str | None = None) -> list:
+    """(problem, spec) for each shape whose incumbent (the winner that last passed the final
+    verification) is a generic kernel (CUTLASS) not in the build cache. The race times the
+    incumbent even under --built-only, so each such shape compiles one kernel inside the timed
+    step (about 45 s on a device call's core): `gemmrl build --tuned-in DB --device GPU --race K
+    --shapes ...` compiles them ahead. Per-shape kernels build in seconds and are left out."""
+    from gemmrl.runtime.spec_impl import SpecImpl
+    from gemmrl.search.run import TUNED
+    from gemmrl.space import registry
+
+    out = []
+    for p in problems:
+        for chosen in store.verified_choices(device, p, impl or TUNED):
+            try:
+                fam = registry.get(chosen["family"])
+                spec = fam.spec_type()(**chosen["spec"])
+            except (ValueError, TypeError):
+                continue  # a family or spec layout this version no longer reads: as Race.incumbent
+            if fam.generic and not SpecImpl(spec).is_built(p):
+                out.append((p, spec))
+            break
+    return out
