@@ -634,8 +634,10 @@ def test_split_k_16_is_offered_for_small_tiles_only_and_ranks_on_long_k_small_mn
         nd = [s for s in specs if s.reduction == "nondeterministic"]
         # 267 before split-K 16, 15 more (5 tiles x 3 cluster shapes), then 42 ping-pong tiles of
         # odd widths and 60 register-to-global (nosmem) twins of the persistent 64-row ones, and
-        # the 24 wider-subtile twins (EPI_TWINS' persistent ping-pong tiles)
-        assert len([s for s in det if s.epi_n]) == 24 and len(det) <= 434
+        # the 24 wider-subtile twins (EPI_TWINS' persistent ping-pong tiles), and the 24 of
+        # cuBLASLt's 128x160 and 128x96 tiles (two schedules, three clusters, both orientations)
+        wide = [s for s in det if (s.tile_m, s.tile_n) in ((128, 160), (128, 96))]
+        assert len([s for s in det if s.epi_n]) == 24 and len(wide) == 24 and len(det) - len(wide) <= 434
         # every split-K spec of a tile up to 128x128 again with the nondeterministic reduction
         assert sorted(s.name for s in nd) == sorted(
             replace(s, reduction="nondeterministic").name for s in det
@@ -733,10 +735,13 @@ def test_pdl_twin_differs_in_the_gdc_define_and_the_launch_attribute_only():
 
 def test_odd_wgmma_widths_are_offered_for_64_row_ping_pong_tiles():
     specs = enumerate_specs("TN")
-    odd = {(s.tile_m, s.tile_n) for s in specs if s.tile_n % 64 and s.tile_n > 32}
+    odd = {(s.tile_m, s.tile_n) for s in specs if s.tile_n % 64 and s.tile_n > 32 and s.tile_m == 64}
     assert odd == {(64, n) for n in (48, 80, 96, 112, 144, 160, 176)}
     assert all(s.schedule == "pingpong" and s.scheduler == "persistent"
-               for s in specs if s.tile_n % 64 and s.tile_n > 32)
+               for s in specs if s.tile_n % 64 and s.tile_n > 32 and s.tile_m == 64)
+    # 128 rows: only the 160 and 96 widths (cuBLASLt's tiles, test_cublaslt_big_output_tile_...)
+    assert {(s.tile_m, s.tile_n) for s in specs if s.tile_n % 64 and s.tile_n > 32 and s.tile_m > 64} == {
+        (128, 160), (128, 96)}
     # 64x4096x128: 64x64 tiles give 64 CTAs on 132 SMs, 64x48 give 86 and 64x32 128
     from gemmrl.core.problem import Problem
     assert all(valid(replace(s, layout="TN"), Problem(64, 4096, 128)) is None
@@ -796,7 +801,10 @@ def test_swapped_twins_join_the_pool_for_a_narrow_n_over_many_rows_only():
     twins = [s for s in pool if s.swap_ab]
     assert twins and len(twins) <= len(plain) and all(valid(s, narrow) is None for s in twins)
     assert {replace(s, swap_ab=False).name for s in twins} <= {s.name for s in plain}
-    assert not any(s.swap_ab for f, s in candidate_pool(square, ("TN",), ("cutlass_sm90",)))
+    # elsewhere only cuBLASLt's 128x160 and 128x96 tiles come swapped (test_cublaslt_big_output_tile_...)
+    assert {(s.tile_m, s.tile_n) for f, s in candidate_pool(square, ("TN",), ("cutlass_sm90",)) if s.swap_ab} \
+        == {(128, 160), (128, 96)}
+    assert len(pool) == len(set(pool))  # its twins once, though the space already holds them
     # the cost model's tile over the problem's M and N: transposed for a swapped kernel
     s = CutlassSpec(128, 192, 64, 1, 1, "cooperative", "persistent", 1, 0, "heuristic", 1, "TN", swap_ab=True)
     assert _tiles("cutlass_sm90", s)[:2] == (192, 128) and _tiles("cutlass_sm90", replace(s, swap_ab=False))[:2] == (128, 192)
@@ -809,4 +817,31 @@ def test_swapped_twins_join_the_pool_for_a_narrow_n_over_many_rows_only():
 
     ranked = heuristic_specs(narrow, "TN", limit=6)
     assert ranked[0].swap_ab and all(valid(x, narrow) is None for x in ranked)
-    assert not any(x.swap_ab for x in heuristic_specs(square, "TN", limit=20))
+    assert not any(x.swap_ab and x.tile_n not in (160, 96) for x in heuristic_specs(square, "TN", limit=20))
+
+
+def test_cublaslt_big_output_tile_is_offered_in_both_orientations():
+    """128x160 (and 128x96), persistent, both schedules and every cluster, plain and swapped:
+    cuBLASLt autotuned's tiles (128 along its m, our N: our swapped kernel) on the H100's largest
+    grid shapes below 0.98 of it (and on 12288x128xK, 256x12288xK). 160 rows fill whole waves
+    where 192 and 256 leave a partial one."""
+    from gemmrl.core.problem import Problem
+    from gemmrl.search.policy import candidate_pool
+
+    for layout in ("NN", "TN"):
+        for tn in (160, 96):
+            tiles = [s for s in enumerate_specs(layout) if (s.tile_m, s.tile_n) == (128, tn)]
+            assert {(s.schedule, s.cluster_m, s.cluster_n, s.swap_ab) for s in tiles} == {
+                (sch, cm, cn, sw) for sch in ("cooperative", "pingpong") for cm, cn in cs.CLUSTERS
+                for sw in (False, True)}
+        wide = [s for s in enumerate_specs(layout) if (s.tile_m, s.tile_n) in ((128, 160), (128, 96))]
+        assert all(s.scheduler == "persistent" and s.tile_k == 64 and s.stages == 0 and not s.epi_n for s in wide)
+        assert all(CutlassSpec.from_name(s.name) == s for s in wide)
+        big = Problem(16384, 4096, 2048)
+        assert all(valid(s, big) is None for s in wide)
+        names = {s.name for f, s in candidate_pool(big, (layout,), ("cutlass_sm90",))}
+        assert {s.name for s in wide} <= names
+        # the swapped kernel is priced on the transposed problem: 4096 x 16384 in 128x160 tiles
+        xab = next(s for s in wide if s.swap_ab and s.schedule == "cooperative" and s.cluster_m == 2)
+        assert estimate_us(xab, big) == estimate_us(replace(xab, swap_ab=False), Problem(4096, 16384, 2048))
+        assert render(xab) != render(replace(xab, swap_ab=False))

@@ -66,6 +66,11 @@ SPECS = [
                 swap_ab=True),
     CutlassSpec(128, 192, 64, 1, 1, "cooperative", "persistent", 1, 0, "heuristic", 1, "TN", "fp16", "fp32",
                 swap_ab=True),
+    # cuBLASLt's big-output tile, 128x160: cooperative swapped with a 2x1 cluster, NN (its own
+    # pick's form); ping-pong unswapped, TN (160 accumulator registers a thread)
+    CutlassSpec(128, 160, 64, 2, 1, "cooperative", "persistent", 1, 0, "heuristic", 1, "NN", "fp16", "fp32",
+                swap_ab=True),
+    CutlassSpec(128, 160, 64, 1, 1, "pingpong", "persistent", 1, 0, "heuristic", 1, "TN", "fp16", "fp32"),
 ]
 PDL_SPECS = [s for s in SPECS if s.pdl]
 

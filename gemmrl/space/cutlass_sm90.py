@@ -443,6 +443,15 @@ def enumerate_specs(layout: str = "TN", dtype: str = "fp16", acc: str = "fp32") 
                                    layout, dtype, acc)
                 if valid(spec) is None:
                     out.append(spec)
+    # cuBLASLt's tiles on the outputs where it beat us most often (_WIDE_ODD_TILES), persistent,
+    # in both orientations
+    for schedule, tm, tn in _WIDE_ODD_TILES:
+        for cm, cn in CLUSTERS:
+            for swap in (False, True):
+                spec = CutlassSpec(tm, tn, 64, cm, cn, schedule, "persistent", 1, 0, "heuristic", 1,
+                                   layout, dtype, acc, swap_ab=swap)
+                if valid(spec) is None:
+                    out.append(spec)
     # a wider TMA epilogue subtile for the persistent ping-pong tiles whose winners it beat most
     # often when raced (runs 166-177): estimate_us prices it (subtile_us), so it outranks its
     # automatic twin only over many waves of output-heavy tiles
@@ -509,6 +518,18 @@ _NARROW_TILES = (("pingpong", 64, 16), ("pingpong", 64, 32), ("cooperative", 128
 # stored choices, tenth session): a width that fits the N extent into fewer idle columns.
 # Built clean with nvcc (168 registers, no spills) for 48, 80, 96 and 112.
 _ODD_TILE_N = (48, 80, 96, 112, 144, 160, 176)
+# 128-row tiles 160 and 96 wide, both schedules, persistent, tile_k 64, in both orientations:
+# cuBLASLt autotuned's tiles on the H100 grid's shapes below 0.98 of it (2026-11-26). It chose
+# tile 128x160 (its enum 29) on 48 of those 166 shapes, the largest among them (16384x16384x8192
+# 0.91, 12288x16384x4096 0.92, 16384x4096x2048 0.89), with a 2x1 cluster: 128 along its m,
+# which is our N (the row-major trick), so our swapped kernel (swap_ab) of tile 128x160. 160
+# rows of M fill whole waves where 192 and 256 leave a partial one (16384/160 x 4096/128 =
+# 3,296 tiles, 24.97 waves of 132 SMs). It chose 128x96 (enum 33) on 12288x128xK and 96x128
+# (enum 28) on 128..256x12288xK: our 128x96, swapped and plain. (Its other picks there are
+# tiles the pool has: 128x128 on 46, 128x256 on 11, 64-row tiles with split-K on most of the
+# rest; scripts/lt-tiles.py lists them.)
+_WIDE_ODD_TILES = (("cooperative", 128, 160), ("pingpong", 128, 160), ("cooperative", 128, 96),
+                   ("pingpong", 128, 96))
 
 _SEPARATE_TILES = (("cooperative", 128, 64), ("cooperative", 128, 128), ("cooperative", 128, 256),
                    ("cooperative", 256, 128), ("pingpong", 64, 64), ("pingpong", 64, 128),
@@ -636,9 +657,12 @@ def skinny_n(problem) -> bool:
 
 
 def swapped_twins(specs) -> list[CutlassSpec]:
-    """Each spec's swapped twin (swap_ab), where the swap is offered: not with an explicit
-    epilogue subtile or the separate reduction."""
-    return [replace(s, swap_ab=True) for s in specs if not s.swap_ab and not s.epi_n and not separate(s)]
+    """Each spec's swapped twin (swap_ab), where the swap is offered (not with an explicit
+    epilogue subtile or the separate reduction) and not among `specs` already (enumerate_specs
+    carries _WIDE_ODD_TILES in both orientations)."""
+    have = set(specs)
+    return [t for t in (replace(s, swap_ab=True) for s in specs if not s.swap_ab and not s.epi_n and not separate(s))
+            if t not in have]
 
 
 def heuristic_specs(problem, layout: str, acc: str | None = None, limit: int = 8) -> list[CutlassSpec]:
