@@ -1024,11 +1024,15 @@ def store_cmd(db, compress, small, merge_from, since_run):
 @click.option("--race", "race_k", default=None, type=click.IntRange(1, 64),
               help="with --tuned-in: also the kernels `bench --impl race:K` races on each shape (the "
                    "search's fastest K within 10%, and the incumbent winner)")
+@click.option("--match", "match", default=None, metavar="REGEX",
+              help="each family's candidates are its search pool's kernels whose names match this regular "
+                   "expression (re.search), the cost model's fastest --top of them: what `gemmrl tune --match "
+                   "REGEX --built-only` will find built (e.g. '_128x160x' for cuBLASLt's big-output tile)")
 @click.option("--pack", "pack_dir", default=None, metavar="DIR",
               help="compile every kernel of this pack instead (what gemmrl.warmup() builds on the GPU "
                    "machine): a deployment's cache made ahead of time; only --jobs, --dry-run and --entries apply")
 def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned_device, variant_opt, acc_only, jobs,
-              dry_run, pending_db, candidates, max_shapes, entries_file, race_k, pack_dir):
+              dry_run, pending_db, candidates, max_shapes, entries_file, race_k, match, pack_dir):
     """Compile the kernels a set of shapes will try into the build cache ($GEMMRL_CACHE), ahead of
     time and without a GPU; copy the cache to the GPU machine to save its time."""
     from gemmrl.build import ahead
@@ -1037,7 +1041,8 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
     if pack_dir is not None:
         ctx = click.get_current_context()
         given = [opt for n, opt in (("shape_spec", "--shapes"), ("tuned_db", "--tuned-in"), ("pending_db", "--pending-in"),
-                                    ("race_k", "--race"), ("max_shapes", "--max-shapes"), ("tuned_device", "--device"))
+                                    ("race_k", "--race"), ("max_shapes", "--max-shapes"), ("tuned_device", "--device"),
+                                    ("match", "--match"))
                  if ctx.get_parameter_source(n) is not ParameterSource.DEFAULT]
         if given:
             raise click.UsageError(f"--pack builds the pack's kernels: {', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply")
@@ -1054,6 +1059,15 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
                        ("--race", race_k)):
         if given is not None and tuned_db is None:
             raise click.UsageError(f"{opt} goes with --tuned-in")
+    if match is not None:
+        if tuned_db is not None:
+            raise click.UsageError("--match picks from the search pool; --tuned-in builds stored winners: choose one")
+        import re
+
+        try:
+            re.compile(match)
+        except re.error as e:
+            raise click.BadParameter(f"not a regular expression: {e}", param_hint="--match") from None
     fields = tuple(f.strip() for f in (variant_opt or "").split(",") if f.strip())
     if set(fields) - set(ahead.VARIANT_FIELDS):
         raise click.BadParameter(f"fields are {', '.join(ahead.VARIANT_FIELDS)}; got {variant_opt!r}",
@@ -1118,6 +1132,13 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
         shown = ", ".join(p.shape for p in problems[:8]) + (", ..." if len(problems) > 8 else "")
         click.echo(f"shapes: {shown}", err=True)
     lays = _layouts(layouts)
+    if match is not None:
+        planned = ahead.plan_match(problems, fams, lays, top, match)
+        if not planned:
+            raise click.ClickException(f"no kernel of the search pool ({', '.join(f.name for f in fams)}) matches "
+                                       f"{match!r} on these shapes")
+        return _compile_jobs(planned, f"{len(problems)} shapes (kernels matching {match!r})", jobs, dry_run,
+                             entries_file)
     _compile_jobs(ahead.plan(problems, fams, lays, top), f"{len(problems)} shapes", jobs, dry_run, entries_file)
 
 

@@ -224,6 +224,39 @@ def test_build_compiles_ahead_without_a_gpu(tmp_path, monkeypatch):
     assert bad.exit_code == 2 and "layouts are NN and/or TN" in bad.output
 
 
+def test_build_match_plans_the_pool_kernels_a_matching_search_would_find_built(tmp_path, monkeypatch):
+    """build --match REGEX: per shape, family and layout, the search pool's kernels whose names
+    match, the cost model's fastest --top first: what `tune --match REGEX --built-only` proposes."""
+    from gemmrl.core.problem import Problem
+    from gemmrl.search.policy import candidate_pool
+    from gemmrl.space import cutlass_sm90
+
+    monkeypatch.setenv("GEMMRL_CACHE", str(tmp_path))
+    big = Problem(16384, 4096, 2048)
+    base = ["build", "--shapes", "16384x4096x2048", "--layouts", "NN", "--dry-run"]
+    r = CliRunner().invoke(main, base + ["--match", "_128x160x", "--top", "3", "--entries", str(tmp_path / "e.txt")])
+    assert r.exit_code == 0, r.output
+    assert "3 distinct kernels for 1 shapes (kernels matching '_128x160x'); 0 already built, 3 to compile" in r.output
+    names = [ln for ln in r.output.splitlines() if ln.startswith("sm90_")]
+    pool = [s for _, s in candidate_pool(big, ("NN",), ("cutlass_sm90",)) if "_128x160x" in s.name]
+    want = sorted(pool, key=lambda s: (cutlass_sm90.estimate_us(s, big), s.name))[:3]
+    assert names == [s.name for s in want] and len(pool) == 12  # two schedules x three clusters x both swaps
+    assert len((tmp_path / "e.txt").read_text().split()) == 3
+    # a regex over both families: each family's own matches (raw's 'swap' kernels, CUTLASS's '_xab' ones)
+    r = CliRunner().invoke(main, base + ["--match", "swap|_xab", "--top", "2", "--family", "raw",
+                                         "--family", "cutlass_sm90", "--shapes", "8192x128x4096"])
+    assert r.exit_code == 0, r.output
+    listed = [ln for ln in r.output.splitlines() if ln.startswith(("sm90_", "raw_"))]
+    assert len(listed) == 4 and all("swap" in n or n.endswith("_xab") for n in listed)
+    assert {n.split("_")[0] for n in listed} == {"raw", "sm90"}
+    bad = CliRunner().invoke(main, base + ["--match", "no-such-kernel"])
+    assert bad.exit_code == 1 and "matches 'no-such-kernel'" in bad.output
+    bad = CliRunner().invoke(main, base + ["--match", "(128"])
+    assert bad.exit_code == 2 and "not a regular expression" in bad.output
+    bad = CliRunner().invoke(main, base + ["--match", "x", "--tuned-in", str(tmp_path / "s.sqlite")])
+    assert bad.exit_code == 2 and "choose one" in bad.output
+
+
 def test_build_pack_compiles_each_kernel_source_of_a_pack_once(tmp_path, monkeypatch):
     """build --pack: a deployment's cache made ahead of time, named and flagged as the runtime
     builds it, so that the pack then loads its kernels from the cache without compiling."""

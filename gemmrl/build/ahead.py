@@ -59,6 +59,28 @@ def plan(problems, families, layouts=("NN", "TN"), top: int = 4) -> list[BuildJo
                   for spec in fam.candidates(p, layout, top))
 
 
+def plan_match(problems, families, layouts=("NN", "TN"), top: int = 4, pattern: str = "") -> list[BuildJob]:
+    """The builds a search restricted to kernel names matching `pattern` (re.search; `tune
+    --match`) would try: per problem, family and layout, the search pool's valid specs whose
+    names match, the family's cost model's fastest first (pool order where it has none), at
+    most `top`; each source once, in first-seen order."""
+    import re
+
+    from gemmrl.search.policy import candidate_pool
+
+    rx = re.compile(pattern)
+    out = []
+    for p in problems:
+        for fam in families:
+            estimate = getattr(fam.mod(), "estimate_us", None)
+            for layout in layouts:
+                specs = [s for _, s in candidate_pool(p, (layout,), (fam.name,)) if rx.search(s.name)]
+                if estimate is not None:
+                    specs.sort(key=lambda s: (estimate(s, p), s.name))
+                out.extend(job_for(s, p) for s in specs[:top])
+    return unique(out)
+
+
 def pending(jobs: list[BuildJob]) -> list[BuildJob]:
     """The jobs whose result is not in the cache yet."""
     from gemmrl.build.nvcc import is_built
