@@ -759,3 +759,59 @@ def test_stale_shapes_top_kernels_keeps_the_shapes_one_build_wave_serves(tmp_pat
     assert r.returncode == 0 and "(of 4) serve 6; 0 left" in r.stdout and len(shapes(out)) == 6
     assert not (tmp_path / "r-rest.txt").exists()  # the first split's rest is gone
     assert stale("--top-kernels", "2").returncode == 2  # needs --out
+
+
+def test_lt_tiles_turns_cublaslt_choices_into_our_orientation_and_checks_the_pool(tmp_path):
+    """scripts/lt-tiles.py: cuBLAS's m x n tile lies n along our M and m along our N; its twin is
+    our swapped kernel of tile m x n. Groups the losing shapes' choices by that output tile."""
+    import importlib.util
+
+    from gemmrl.core.problem import Problem
+    from gemmrl.store.db import Store
+
+    spec = importlib.util.spec_from_file_location("lt_tiles", ROOT / "scripts" / "lt-tiles.py")
+    lt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lt)
+    c = lt.parse_info("algo=66 tile=29 stages=35 splitk=1 reduction=0 swizzle=0 custom=1 inner=0 cluster=3 (best of 8/8)")
+    assert c == {"tile": (128, 160), "tile_id": 29, "splitk": 1, "cluster": (2, 1)}
+    pool = lt.pool_tiles("NN")
+    # 128x160 over (N, M): the swapped 128x160 kernel and the plain 160-row one (not a wgmma tile)
+    assert lt.ours(c, pool) == {"over_mn": "160x128", "swapped": True, "plain": False}
+    assert lt.ours(lt.parse_info("tile=20 splitk=2 cluster=5"), pool)["plain"] is True
+    assert lt.ours(lt.parse_info("tile=201 splitk=1 cluster=5"), pool) == {"over_mn": "tile 201", "swapped": None,
+                                                                          "plain": None}
+    assert lt.parse_info("heuristic") is None
+
+    st = Store(tmp_path / "s.sqlite")
+    dev = "NVIDIA H100 80GB HBM3"
+    big, small, fine = Problem(16384, 4096, 2048), Problem(1024, 64, 8192), Problem(4096, 4096, 4096)
+    for p, nn, tn in ((big, "tile=29 splitk=1 cluster=3", "tile=197 splitk=1 cluster=5"),
+                      (small, "tile=13 splitk=4 cluster=3", "tile=13 splitk=4 cluster=3"),
+                      (fine, "tile=20 splitk=1 cluster=3", "tile=20 splitk=1 cluster=3")):
+        st.put_tuning(dev, p, "cuBLASLt-auto-tuning-nn", b"\0" * 64, "algo=66 " + nn, 10.0)
+        st.put_tuning(dev, p, "cuBLASLt-auto-tuning-tn", b"\0" * 64, "algo=66 " + tn, 10.0)
+    st.close()
+    rows = [{"mnk": "16384_4096_2048", "cuBLASLt-auto-tuning-max": "0.893"},
+            {"mnk": "1024_64_8192", "cuBLASLt-auto-tuning-max": "0.955"},
+            {"mnk": "4096_4096_4096", "cuBLASLt-auto-tuning-max": "1.010"},
+            {"mnk": "64_64_64", "cuBLASLt-auto-tuning-max": ""}]
+    with open(tmp_path / "k.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["mnk", "cuBLASLt-auto-tuning-max"])
+        w.writeheader()
+        w.writerows(rows)
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "lt-tiles.py"), "--csv", str(tmp_path / "k.csv"),
+                        "--device", "H100", "--db", str(tmp_path / "s.sqlite"), "--json", str(out)],
+                       capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "2 shapes below 0.98" in r.stdout and "4 (shape, layout) autotuned choices" in r.stdout
+    got = json.loads(out.read_text())["rows"]
+    assert [(x["shape"], x["layout"], x["over_mn"]) for x in got] == [
+        ("16384x4096x2048", "NN", "160x128"), ("16384x4096x2048", "TN", "tile 197"),
+        ("1024x64x8192", "NN", "32x64"), ("1024x64x8192", "TN", "32x64")]
+    # the most frequent group first: 32x64 over (M, N) with split-K 4, twice
+    assert r.stdout.splitlines()[3].startswith("| 32x64 | 4 | 2 |")
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "lt-tiles.py"), "--csv", str(tmp_path / "nope.csv"),
+                          "--device", "H100", "--db", str(tmp_path / "s.sqlite")],
+                         capture_output=True, text=True, env=ENV, timeout=300)
+    assert bad.returncode == 2 and "no such file" in bad.stderr

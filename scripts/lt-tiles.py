@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""What cuBLASLt autotuned chose where gemmrl-tuned runs behind it: per shape below a ratio in a
+report's kernel-mode speedup CSV, the stored autotuned algorithm of each layout (its tile, split-K,
+cluster), turned into our orientation, and whether the CUTLASS search pool holds that tile.
+
+cuBLAS is column-major: the harness computes row-major C = A B as C^T = B^T A^T
+(gemmrl/baselines/cublas_baselines.cu), so a cuBLAS tile m x n lies n along our M and m along
+our N, and its wgmma rows (m) run along our N: its faithful twin is our swapped kernel (swap_ab)
+with tile_m = m and tile_n = n; our plain kernel with tile_m = n, tile_n = m is the same output
+tile with the wgmma rows along M (possible where n is a multiple of 64). Grouped by tile and
+split-K, most frequent first, a few example shapes each. No GPU needed:
+
+    python3 scripts/lt-tiles.py --csv results/h100/gemmrl-tuned_h100_F32F16F16F32_speedup_kernel.csv \\
+        --device H100 --below 0.98
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+import sqlite3
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# cublasLtMatmulTile_t (cublasLt.h): enum value -> rows x columns (cuBLAS's m x n). Values past
+# 35 (newer tiles) are not in the public header: shown by number.
+LT_TILES = {1: (8, 8), 2: (8, 16), 3: (16, 8), 4: (8, 32), 5: (16, 16), 6: (32, 8), 7: (8, 64), 8: (16, 32),
+            9: (32, 16), 10: (64, 8), 11: (32, 32), 12: (32, 64), 13: (64, 32), 14: (32, 128), 15: (64, 64),
+            16: (128, 32), 17: (64, 128), 18: (128, 64), 19: (64, 256), 20: (128, 128), 21: (256, 64),
+            22: (64, 512), 23: (128, 256), 24: (256, 128), 25: (512, 64), 26: (64, 96), 27: (96, 64),
+            28: (96, 128), 29: (128, 160), 30: (160, 128), 31: (192, 128), 32: (128, 192), 33: (128, 96),
+            34: (32, 256), 35: (256, 32)}
+# cublasLtClusterShape_t: enum value -> (m, n)
+LT_CLUSTERS = {2: (1, 1), 3: (2, 1), 4: (4, 1), 5: (1, 2), 6: (2, 2), 7: (4, 2), 8: (1, 4), 9: (2, 4),
+               10: (4, 4), 11: (8, 1), 12: (1, 8), 13: (8, 2), 14: (2, 8), 15: (16, 1), 16: (1, 16)}
+INFO_RE = re.compile(r"tile=(\d+).*?splitk=(\d+).*?cluster=(\d+)")
+LT_IMPL = "cuBLASLt-auto-tuning-{}"
+
+
+def parse_info(info: str) -> dict | None:
+    """The tile, split-K and cluster of a stored autotuned choice's info string, or None."""
+    m = INFO_RE.search(info or "")
+    if not m:
+        return None
+    tile, splitk, cluster = (int(g) for g in m.groups())
+    return {"tile": LT_TILES.get(tile), "tile_id": tile, "splitk": splitk, "cluster": LT_CLUSTERS.get(cluster)}
+
+
+def ours(choice: dict, pool: set) -> dict:
+    """The choice in our orientation: its output tile over (M, N), and whether the pool holds its
+    swapped twin (tile_m = cuBLAS's m along our N) and the plain kernel of that output tile."""
+    if choice["tile"] is None:
+        return {"over_mn": f"tile {choice['tile_id']}", "swapped": None, "plain": None}
+    m, n = choice["tile"]
+    return {"over_mn": f"{n}x{m}", "swapped": (m, n, True) in pool, "plain": (n, m, False) in pool}
+
+
+def pool_tiles(layout: str, dtype: str = "fp16", acc: str = "fp32") -> set:
+    """(tile_m, tile_n, swap_ab) of every spec in the CUTLASS search pool of a layout."""
+    from gemmrl.space import cutlass_sm90
+
+    specs = cutlass_sm90.enumerate_specs(layout, dtype, acc)
+    return {(s.tile_m, s.tile_n, s.swap_ab) for s in specs + cutlass_sm90.swapped_twins(specs)}
+
+
+def losing_shapes(csv_path: Path, below: float, column: str) -> dict:
+    """{(M, N, K): ratio} of the CSV's shapes whose `column` ratio is below `below`."""
+    out = {}
+    for row in csv.DictReader(open(csv_path)):
+        v = row.get(column) or ""
+        if v and float(v) < below:
+            out[tuple(int(x) for x in row["mnk"].split("_"))] = float(v)
+    return out
+
+
+def table(db: sqlite3.Connection, device: str, acc: str, shapes: dict) -> list[dict]:
+    """One row per (shape, layout) with a stored autotuned choice."""
+    pools = {layout: pool_tiles(layout, acc=acc) for layout in ("NN", "TN")}
+    rows = []
+    for (M, N, K), ratio in sorted(shapes.items(), key=lambda kv: kv[1]):
+        for layout in ("NN", "TN"):
+            got = db.execute("SELECT info FROM tuning WHERE device=? AND M=? AND N=? AND K=? AND acc=? AND impl=?",
+                             (device, M, N, K, acc, LT_IMPL.format(layout.lower()))).fetchone()
+            choice = parse_info(got[0]) if got else None
+            if choice is None:
+                continue
+            rows.append({"shape": f"{M}x{N}x{K}", "layout": layout, "ratio": ratio, **choice,
+                         **ours(choice, pools[layout])})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--csv", required=True, help="a report's kernel-mode speedup CSV (gemmrl report)")
+    ap.add_argument("--device", required=True, help="the GPU in the store, or a unique part of its name")
+    ap.add_argument("--db", default="results/gemmrl.sqlite")
+    ap.add_argument("--acc", default="fp32", choices=("fp32", "fp16"))
+    ap.add_argument("--below", type=float, default=0.98, help="shapes whose ratio is below this (default 0.98)")
+    ap.add_argument("--column", default="cuBLASLt-auto-tuning-max", help="the CSV column to read the ratio from")
+    ap.add_argument("--json", help="also write the rows here")
+    a = ap.parse_args(argv)
+    if not Path(a.csv).is_file():
+        ap.error(f"{a.csv}: no such file")
+    if not Path(a.db).is_file():
+        ap.error(f"{a.db}: no store (gemmrl store unpacks the committed one)")
+    db = sqlite3.connect(a.db)
+    from gemmrl.store.db import device_by_part
+
+    names = [r[0] for r in db.execute("SELECT DISTINCT device FROM tuning")]
+    try:
+        device = device_by_part(a.device, names, "GPUs")
+    except ValueError as e:
+        ap.error(str(e))
+    shapes = losing_shapes(Path(a.csv), a.below, a.column)
+    rows = table(db, device, a.acc, shapes)
+    groups: dict = defaultdict(list)
+    for r in rows:
+        groups[(r["over_mn"], r["splitk"])].append(r)
+    print(f"{device}, {a.acc} accumulation: {len(shapes)} shapes below {a.below:g} ({a.column}); "
+          f"{len(rows)} (shape, layout) autotuned choices")
+    print("| output tile (M x N) | split-K | choices | swapped twin in pool | plain in pool | clusters (m x n) | examples |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    yes = {True: "yes", False: "no", None: "?"}
+    for (tile, splitk), rs in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        clusters = sorted({"x".join(map(str, r["cluster"])) if r["cluster"] else "?" for r in rs})
+        ex = ", ".join(f"{r['shape']} {r['layout']} {r['ratio']:.3f}" for r in rs[:3])
+        print(f"| {tile} | {splitk} | {len(rs)} | {yes[rs[0]['swapped']]} | {yes[rs[0]['plain']]} "
+              f"| {' '.join(clusters)} | {ex} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"device": device, "acc": a.acc, "below": a.below, "column": a.column,
+                                            "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
