@@ -374,3 +374,8 @@ def test_unbuilt_incumbents_lists_the_cutlass_winners_a_built_only_race_would_co
     assert unbuilt_incumbents(store, dev, [small], impl="race:2") == [(small, SPECS[0])]
     built.add(SPECS[2].name)
     assert unbuilt_incumbents(store, dev, [P, small, other, untuned]) == []
+
+    def no_headers(self, problem):
+        raise FileNotFoundError("CUTLASS headers not found")
+    monkeypatch.setattr(SpecImpl, "is_built", no_headers)  # a warning, never a crash before the search
+    assert unbuilt_incumbents(store, dev, [P]) == []
