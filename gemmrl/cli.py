@@ -636,7 +636,7 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
             click.echo(f"warning: the incumbent winners of {len(missing)} shapes are not in the build cache; the "
                        f"final race compiles each (about 45 s apiece), e.g. {missing[0][1].name} "
                        f"({missing[0][0].shape}); `gemmrl build --tuned-in {db} --device '{device}' --race {race} "
-                       "--shapes ...` compiles them ahead", err=True)
+                       f"--shapes {shape_spec}` compiles them ahead", err=True)
 
     def measure(specs, what, cfg=kernel_only, probs=None):
         probs = problems if probs is None else probs
