@@ -575,13 +575,7 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
     and the report is written."""
     problems = _problems(shape_spec, dtype, acc)
     lays = _layouts(layouts)
-    if match is not None:
-        import re
-
-        try:
-            re.compile(match)
-        except re.error as e:
-            raise click.BadParameter(f"not a regular expression: {e}", param_hint="--match") from None
+    _check_match(match)
     from gemmrl.space import registry
 
     try:
@@ -1059,15 +1053,9 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
                        ("--race", race_k)):
         if given is not None and tuned_db is None:
             raise click.UsageError(f"{opt} goes with --tuned-in")
-    if match is not None:
-        if tuned_db is not None:
-            raise click.UsageError("--match picks from the search pool; --tuned-in builds stored winners: choose one")
-        import re
-
-        try:
-            re.compile(match)
-        except re.error as e:
-            raise click.BadParameter(f"not a regular expression: {e}", param_hint="--match") from None
+    if match is not None and tuned_db is not None:
+        raise click.UsageError("--match picks from the search pool; --tuned-in builds stored winners: choose one")
+    _check_match(match)
     fields = tuple(f.strip() for f in (variant_opt or "").split(",") if f.strip())
     if set(fields) - set(ahead.VARIANT_FIELDS):
         raise click.BadParameter(f"fields are {', '.join(ahead.VARIANT_FIELDS)}; got {variant_opt!r}",
@@ -1140,6 +1128,18 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
         return _compile_jobs(planned, f"{len(problems)} shapes (kernels matching {match!r})", jobs, dry_run,
                              entries_file)
     _compile_jobs(ahead.plan(problems, fams, lays, top), f"{len(problems)} shapes", jobs, dry_run, entries_file)
+
+
+def _check_match(match: str | None) -> None:
+    """--match (tune, build): a regular expression, or a usage error saying why not."""
+    if match is None:
+        return
+    import re
+
+    try:
+        re.compile(match)
+    except re.error as e:
+        raise click.BadParameter(f"not a regular expression: {e}", param_hint="--match") from None
 
 
 def _compile_jobs(jobs_all, what: str, jobs, dry_run, entries_file=None) -> None:

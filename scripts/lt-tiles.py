@@ -40,7 +40,6 @@ LT_TILES = {1: (8, 8), 2: (8, 16), 3: (16, 8), 4: (8, 32), 5: (16, 16), 6: (32, 
 LT_CLUSTERS = {2: (1, 1), 3: (2, 1), 4: (4, 1), 5: (1, 2), 6: (2, 2), 7: (4, 2), 8: (1, 4), 9: (2, 4),
                10: (4, 4), 11: (8, 1), 12: (1, 8), 13: (8, 2), 14: (2, 8), 15: (16, 1), 16: (1, 16)}
 INFO_RE = re.compile(r"tile=(\d+).*?splitk=(\d+).*?cluster=(\d+)")
-LT_IMPL = "cuBLASLt-auto-tuning-{}"
 
 
 def parse_info(info: str) -> dict | None:
@@ -81,6 +80,8 @@ def losing_shapes(csv_path: Path, below: float, column: str) -> dict:
 
 def table(db: sqlite3.Connection, device: str, acc: str, shapes: dict) -> list[dict]:
     """One row per (shape, layout) with a stored autotuned choice."""
+    from gemmrl.runtime.pack import LT_IMPL  # the autotuned baseline whose stored choices these are
+
     pools = {layout: pool_tiles(layout, acc=acc) for layout in ("NN", "TN")}
     rows = []
     for (M, N, K), ratio in sorted(shapes.items(), key=lambda kv: kv[1]):

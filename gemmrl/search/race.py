@@ -100,18 +100,9 @@ class Race(BestOf):
         new winner must beat it in one session. Quick trial times from different runs do not
         compare (a re-search's variants all looked faster than the winner and left it out of the
         race; the race's pick then ran 3% slower than it beside the same baselines)."""
-        from gemmrl.space import registry
-
         failed = {t.candidate.spec.name for t in trials if t.status != "ok"}
-        for chosen in self.store.verified_choices(self.device, problem, self.name):
-            try:
-                spec = registry.get(chosen["family"]).spec_type()(**chosen["spec"])
-            except (ValueError, TypeError):
-                continue  # a spec layout the family no longer reads
-            if spec.name in bad or spec.name in failed:
-                continue
-            return spec
-        return None
+        got = verified_spec(self.store, self.device, problem, self.name, set(bad) | failed)
+        return None if got is None else got[1]
 
     def _stored(self, problem):
         """Never the stored choice before the race (prepare races, then stores the winner); with
@@ -129,21 +120,34 @@ def unbuilt_incumbents(store, device: str, problems, impl: str | None = None) ->
     --shapes ...` compiles them ahead. Per-shape kernels build in seconds and are left out."""
     from gemmrl.runtime.spec_impl import SpecImpl
     from gemmrl.search.run import TUNED
-    from gemmrl.space import registry
 
     out = []
     for p in problems:
-        for chosen in store.verified_choices(device, p, impl or TUNED):
-            try:
-                fam = registry.get(chosen["family"])
-                spec = fam.spec_type()(**chosen["spec"])
-            except (ValueError, TypeError):
-                continue  # a family or spec layout this version no longer reads: as Race.incumbent
-            try:
-                unbuilt = fam.generic and not SpecImpl(spec).is_built(p)
-            except (OSError, RuntimeError):  # no CUTLASS headers here: the race cannot build it either way
-                unbuilt = False
-            if unbuilt:
-                out.append((p, spec))
-            break
+        got = verified_spec(store, device, p, impl or TUNED)
+        if got is None:
+            continue
+        fam, spec = got
+        try:
+            unbuilt = fam.generic and not SpecImpl(spec).is_built(p)
+        except (OSError, RuntimeError):  # no CUTLASS headers here: the race cannot build it either way
+            unbuilt = False
+        if unbuilt:
+            out.append((p, spec))
     return out
+
+
+def verified_spec(store, device: str, problem, impl: str, skip=frozenset()):
+    """(family, spec) of the newest passed verification in which `impl` chose a kernel for
+    `problem` on `device`, leaving out kernels named in `skip` and choices of a family or spec
+    layout this version no longer reads; None when there is none."""
+    from gemmrl.space import registry
+
+    for chosen in store.verified_choices(device, problem, impl):
+        try:
+            fam = registry.get(chosen["family"])
+            spec = fam.spec_type()(**chosen["spec"])
+        except (ValueError, TypeError):
+            continue
+        if spec.name not in skip:
+            return fam, spec
+    return None
