@@ -3,7 +3,7 @@
 #   GEMMRL_COMMIT=<hash> scripts/device-bench.sh OUT_DIR DB [gemmrl bench options...]
 # (the device machine's copy of the tree has no .git: pass the commit being measured)
 # OUT_DIR gets bench.log, the store (DB is copied there when it finishes) and results.tgz
-# (results/<gpu>/: CSVs, summary.json, plots). A carried nvidia-cutlass wheel under
+# (results/<gpu>/: CSVs, summary.json, plots). Carried CUTLASS headers (a tarball or wheel) under
 # .ext/carry/ is installed first, for CUDA-L2's kernels.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,9 +13,8 @@ if [ -z "${GEMMRL_COMMIT:-}" ] && ! git rev-parse HEAD >/dev/null 2>&1; then
   echo "warning: no .git here and GEMMRL_COMMIT unset: runs will record commit 'unknown'" >&2
 fi
 export PYTHONUNBUFFERED=1 GEMMRL_CACHE=${GEMMRL_CACHE:-/tmp/gemmrl-cache}
-if ls .ext/carry/nvidia_cutlass-*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/cutlass_library ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .ext/carry/nvidia_cutlass-*.whl
-fi
+. scripts/device-common.sh
+install_cutlass  # the carried headers tarball or nvidia-cutlass wheel
 export PYTHONPATH=$PWD:/tmp/site
 python3 -m gemmrl.cli bench --db "$db" --out "$out/results" "$@" 2>&1 | tee -a "$out/bench.log"
 rc=${PIPESTATUS[0]}

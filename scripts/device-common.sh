@@ -1,8 +1,18 @@
 # Sourced by scripts/device-rebuild.sh and scripts/device-steps.sh (the repository root is the
 # working directory): the set-up and the hand-back every device call of theirs shares.
 
-# the carried nvidia-cutlass wheel (.ext/carry/), installed once into /tmp/site
+# the carried CUTLASS headers: a headers-only tarball (.ext/carry/cutlass-headers-*.txz, from
+# scripts/pack-cutlass-headers.sh: 1.1 MB where the wheel is 6.4) unpacked into /tmp/cutlass-headers
+# and named by GEMMRL_CUTLASS_DIR; else the nvidia-cutlass wheel, installed once into /tmp/site
 install_cutlass() {
+  local t
+  for t in .ext/carry/cutlass-headers-*.txz; do
+    [ -f "$t" ] || continue
+    python3 -c "import sys, tarfile; tarfile.open(sys.argv[1], 'r:*').extractall(sys.argv[2])" "$t" /tmp/cutlass-headers
+    t=$(basename "$t" .txz)
+    export GEMMRL_CUTLASS_DIR=/tmp/cutlass-headers/cutlass-${t#cutlass-headers-}
+    return
+  done
   if ls .ext/carry/nvidia_cutlass-*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/cutlass_library ]; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .ext/carry/nvidia_cutlass-*.whl
   fi

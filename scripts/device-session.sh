@@ -24,9 +24,8 @@ cd "$(dirname "$0")/.."
 out=$1; step=$2; budget=${3:-500}; total=${TOTAL_S:-560}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 GEMMRL_CACHE=${GEMMRL_CACHE:-/tmp/gemmrl-cache}
-if ls .ext/carry/nvidia_cutlass-*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/cutlass_library ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .ext/carry/nvidia_cutlass-*.whl
-fi
+. scripts/device-common.sh
+install_cutlass  # the carried headers tarball or nvidia-cutlass wheel
 export PYTHONPATH=$PWD:/tmp/site
 [ -d .ext/carry/cuda_l2 ] && export GEMMRL_CUDA_L2_DIR=$PWD/.ext/carry/cuda_l2
 db=results/gemmrl.sqlite
