@@ -165,7 +165,15 @@ def test_timing_modes_agree_and_catch_wrong_outputs():
     pair = h["mm"]["details"]["paired"]
     assert set(pair) == {"mm2"} and abs(pair["mm2"] - 1) < 0.03, pair
     assert h["mm2"]["details"]["paired"]["mm"] == pytest.approx(1 / pair["mm2"])
-    assert 30 <= h["mm"]["n"] < 4000
+    # it stops at the target or says it did not reach it: with the GPU shared by the suite's
+    # other workers, 0.5% took more than the 4000 rounds on an H200 (2026-11-26)
+    assert 30 <= h["mm"]["n"] <= 4000
+    assert isinstance(h["mm"]["details"]["ci_reached"], bool)
+    # a target that any GPU reaches well inside the rounds: the sampling stops there
+    loose = timing.HostSettings(mode="server", min_rounds=30, qps=2000, gaps="round", stat="paired",
+                                target_ci=0.05, max_rounds=4000, max_s=20.0)
+    h = timing.time_host(p, calls, settings=loose)
+    assert 30 <= h["mm"]["n"] < 4000 and h["mm"]["details"]["ci_reached"] is True
 
 
 def test_graphs_are_sized_to_the_target_replay_for_every_implementation():
@@ -203,7 +211,7 @@ def test_graphs_are_sized_to_the_target_replay_for_every_implementation():
 def test_kernel_v3_times_to_the_paired_target_and_records_the_ratios():
     """bench's kernel protocol (v3): rounds until every pair's within-round ratio is known to
     0.5%; each record carries its ratios to the others, which the reports compare. Two copies
-    of one call come out at 1 within the target, a call twice as long at 2."""
+    of one call come out at 1 within the target, a call doing twice the work near 2."""
     import torch
 
     from gemmrl.bench import timing
@@ -227,7 +235,9 @@ def test_kernel_v3_times_to_the_paired_target_and_records_the_ratios():
         assert set(d["paired"]) == {"mm", "mm2", "twice"} - {name}
     assert k["mm"]["n"] >= 10 and k["mm"]["n"] == k["twice"]["n"]
     assert abs(k["mm"]["details"]["paired"]["mm2"] - 1) < 0.01
-    assert abs(k["mm"]["details"]["paired"]["twice"] - 2) < 0.1
+    # twice as much work, though not quite twice the time: the L2 is flushed before each call,
+    # and the second matmul of `twice` finds A and B in it (1.88 on an H200, 2026-11-26)
+    assert 1.6 < k["mm"]["details"]["paired"]["twice"] < 2.1
     assert k["twice"]["details"]["paired"]["mm"] == pytest.approx(1 / k["mm"]["details"]["paired"]["twice"])
 
 
