@@ -9,7 +9,8 @@
 # STEPS run on GPU 0; on a machine with G GPUs, STEPS_1 .. STEPS_<G-1> run on the others at once
 # (each lane's steps in turn, all writing the one store). PRE="build ...; ..." runs first, alone
 # (its logs step-pre.N-VERB.log), e.g. the kernels every lane will time compiled on all cores.
-# Carry .ext/carry/nvidia_cutlass-*.whl and the build caches the steps need (.ext/carry/gcache*.txz,
+# Carry the CUTLASS headers (.ext/carry/cutlass-headers-*.txz from scripts/pack-cutlass-headers.sh, or
+# the nvidia_cutlass wheel) and the build caches the steps need (.ext/carry/gcache*.txz,
 # unpacked into the one cache every step reads). Each step gets --db (and --out for tune and
 # bench, under OUT/logs) and whatever is left of TOTAL_S (default 560) less 60 s as its timeout,
 # or less: a step written "@SECONDS tune ..." is cut after that many seconds (SIGTERM: it stops

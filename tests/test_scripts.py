@@ -110,6 +110,52 @@ def test_pack_build_cache_keeps_every_build_or_the_matching_ones(tmp_path):
     assert r.returncode != 0 and "none of the builds listed" in r.stderr
 
 
+def test_cutlass_headers_pack_and_unpack_to_the_same_build_key(tmp_path):
+    """scripts/pack-cutlass-headers.sh packs only the two include trees gemmrl compiles against
+    (not the wheel's examples and tools), and device-common.sh's install_cutlass unpacks the
+    tarball and points GEMMRL_CUTLASS_DIR at it: the kernels' build keys there are the ones made
+    here, so carried caches are found."""
+    import tarfile
+
+    src = tmp_path / "wheel" / "source"
+    for d in ("include/cutlass", "include/cute", "tools/util/include/cutlass/util", "examples/00", "tools/profiler"):
+        (src / d).mkdir(parents=True)
+    (src / "include/cutlass/cutlass.h").write_text("// cutlass\n")
+    (src / "include/cutlass/version.h").write_text(
+        "#define CUTLASS_MAJOR 9\n#define CUTLASS_MINOR 8\n#define CUTLASS_PATCH 7\n")
+    (src / "include/cute/tensor.hpp").write_text("// cute\n")
+    (src / "tools/util/include/cutlass/util/packed_stride.hpp").write_text("// util\n")
+    (src / "examples/00/big.cu").write_text("x" * 1000)
+    (src / "tools/profiler/p.cu").write_text("y")
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    for name in ("pack-cutlass-headers.sh", "device-common.sh"):
+        (repo / "scripts" / name).write_text((ROOT / "scripts" / name).read_text())
+    env = {**ENV, "GEMMRL_CUTLASS_DIR": str(src), "PYTHONPATH": str(ROOT)}
+    r = subprocess.run(["bash", "scripts/pack-cutlass-headers.sh"], cwd=repo, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    tarball = repo / ".ext/carry/cutlass-headers-9.8.7.txz"
+    with tarfile.open(tarball) as t:
+        files = {m.name for m in t.getmembers() if m.isfile()}
+    assert files == {"cutlass-9.8.7/include/cutlass/cutlass.h", "cutlass-9.8.7/include/cutlass/version.h",
+                     "cutlass-9.8.7/include/cute/tensor.hpp",
+                     "cutlass-9.8.7/tools/util/include/cutlass/util/packed_stride.hpp"}
+    # on the device: unpacked, named by GEMMRL_CUTLASS_DIR, the same include keys as here
+    unpack = tmp_path / "unpacked"
+    script = (". scripts/device-common.sh; install_cutlass; echo \"$GEMMRL_CUTLASS_DIR\"; "
+              "python3 -c 'from gemmrl.build.cutlass import cutlass_build_kwargs as k; print(k()[\"include_keys\"])'")
+    common = (repo / "scripts/device-common.sh").read_text().replace("/tmp/cutlass-headers", str(unpack))
+    (repo / "scripts/device-common.sh").write_text(common)
+    env.pop("GEMMRL_CUTLASS_DIR")
+    r = subprocess.run(["bash", "-c", script], cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    where, keys = r.stdout.strip().splitlines()
+    assert where == str(unpack / "cutlass-9.8.7")
+    assert (unpack / "cutlass-9.8.7/include/cute/tensor.hpp").exists()
+    assert keys == "('cutlass-9.8.7/include', 'cutlass-9.8.7/tools/util/include')"
+
+
 def test_device_steps_runs_each_step_in_turn_with_its_cap_and_returns_the_store(tmp_path):
     """scripts/device-steps.sh on a copy of the repository's layout with a small store: each step
     gets --db, a step with @N is cut after N seconds, one that fails does not stop the next, a
