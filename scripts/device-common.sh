@@ -1,5 +1,5 @@
-# Sourced by scripts/device-rebuild.sh and scripts/device-steps.sh (the repository root is the
-# working directory): the set-up and the hand-back every device call of theirs shares.
+# Sourced by scripts/device-rebuild.sh, device-steps.sh, device-bench.sh and device-session.sh (the
+# repository root is the working directory): the set-up and the hand-back every device call of theirs shares.
 
 # the carried CUTLASS headers: a headers-only tarball (.ext/carry/cutlass-headers-*.txz, from
 # scripts/pack-cutlass-headers.sh: 1.1 MB where the wheel is 6.4) unpacked into /tmp/cutlass-headers
