@@ -12,8 +12,8 @@ cd "$(dirname "$0")/.."
 read -r inc util version < <(python3 -c "
 from gemmrl.build.cutlass import cutlass_include_dirs, cutlass_version
 inc, util = cutlass_include_dirs()
-print(inc, util, cutlass_version(inc))")
-[ -n "${version:-}" ] || { echo "no CUTLASS headers found (the error above): pip install nvidia-cutlass, or set GEMMRL_CUTLASS_DIR" >&2; exit 1; }
+print(inc, util, cutlass_version(inc))") \
+  || { echo "no CUTLASS headers found (the error above): pip install nvidia-cutlass, or set GEMMRL_CUTLASS_DIR" >&2; exit 1; }
 out=${1:-.ext/carry/cutlass-headers-$version.txz}
 root=$(dirname "$inc")
 [ "$util" = "$root/tools/util/include" ] || { echo "unexpected CUTLASS layout: $inc, $util" >&2; exit 1; }
