@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import re
 import sqlite3
 import sys
 from collections import defaultdict
@@ -39,16 +38,18 @@ LT_TILES = {1: (8, 8), 2: (8, 16), 3: (16, 8), 4: (8, 32), 5: (16, 16), 6: (32, 
 # cublasLtClusterShape_t: enum value -> (m, n)
 LT_CLUSTERS = {2: (1, 1), 3: (2, 1), 4: (4, 1), 5: (1, 2), 6: (2, 2), 7: (4, 2), 8: (1, 4), 9: (2, 4),
                10: (4, 4), 11: (8, 1), 12: (1, 8), 13: (8, 2), 14: (2, 8), 15: (16, 1), 16: (1, 16)}
-INFO_RE = re.compile(r"tile=(\d+).*?splitk=(\d+).*?cluster=(\d+)")
 
 
 def parse_info(info: str) -> dict | None:
-    """The tile, split-K and cluster of a stored autotuned choice's info string, or None."""
-    m = INFO_RE.search(info or "")
-    if not m:
+    """The tile, split-K and cluster of a stored autotuned choice's info string (the baseline's
+    algorithm description), or None."""
+    from gemmrl.baselines.cublas import parse_description
+
+    d = parse_description(info or "")
+    if not {"tile", "splitk", "cluster"} <= d.keys():
         return None
-    tile, splitk, cluster = (int(g) for g in m.groups())
-    return {"tile": LT_TILES.get(tile), "tile_id": tile, "splitk": splitk, "cluster": LT_CLUSTERS.get(cluster)}
+    return {"tile": LT_TILES.get(d["tile"]), "tile_id": d["tile"], "splitk": d["splitk"],
+            "cluster": LT_CLUSTERS.get(d["cluster"])}
 
 
 def ours(choice: dict, pool: set) -> dict:

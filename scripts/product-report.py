@@ -75,7 +75,7 @@ def sessions(db: sqlite3.Connection, runs: tuple, latest: bool = False) -> dict:
             paired = (json.loads(details or "{}") or {}).get("paired") or {}
             out[(mode, session, M, N, K)][impl] = (t, paired, run)
             if impl.startswith("gemmrl.matmul"):
-                last[(mode, M, N, K)] = max(run, last.get((mode, M, N, K), run))
+                last[(mode, M, N, K)] = run  # rows come in run order
     if latest:
         out = {k: t for k, t in out.items()
                if max(v[2] for v in t.values()) >= last.get((k[0], *k[2:]), 0)}
@@ -200,7 +200,8 @@ def main(argv=None) -> int:
     label = f"run {runs[0]}" if len(runs) == 1 else "runs " + ",".join(map(str, runs))
     # a pack kernel that failed in the run (not built, not loaded) left the call to the fallback
     neighbours, failed = run_served(db, runs)
-    res = summarize(sessions(db, runs, a.latest), served_keys(json.loads(mf.read_text())) - failed, neighbours)
+    timed = sessions(db, runs, a.latest)
+    res = summarize(timed, served_keys(json.loads(mf.read_text())) - failed, neighbours)
     if not res:
         print(f"{label} timed no gemmrl.matmul beside torch.matmul", file=sys.stderr)
         return 1
@@ -218,7 +219,7 @@ def main(argv=None) -> int:
         if "noise" in per:
             n = per["noise"]
             print(f"| {mode} | noise | torch.matmul@repeat | | median {list(n.values())[0]:.4f} | max {n['max |1 - r|']:.4f} | | |")
-    nrows = neighbour_rows(sessions(db, runs, a.latest), neighbours)
+    nrows = neighbour_rows(timed, neighbours)
     if nrows:
         print("\n| mode | shape | call | neighbour (distance) | its kernel | gemmrl.matmul us | torch.matmul us | ratio |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
