@@ -27,8 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# cublasLtMatmulTile_t (cublasLt.h): enum value -> rows x columns (cuBLAS's m x n). Values past
-# 35 (newer tiles) are not in the public header: shown by number.
+# cublasLtMatmulTile_t: enum value -> rows x columns (cuBLAS's m x n), read from cublasLt.h where
+# it is found (CUDA 13's lists 600+ tiles: 184 is 144x128, 197 168x128, 495 256x96); without a
+# header, the first 35 (CUDA 11's), and a newer tile is shown by number.
 LT_TILES = {1: (8, 8), 2: (8, 16), 3: (16, 8), 4: (8, 32), 5: (16, 16), 6: (32, 8), 7: (8, 64), 8: (16, 32),
             9: (32, 16), 10: (64, 8), 11: (32, 32), 12: (32, 64), 13: (64, 32), 14: (32, 128), 15: (64, 64),
             16: (128, 32), 17: (64, 128), 18: (128, 64), 19: (64, 256), 20: (128, 128), 21: (256, 64),
@@ -38,6 +39,22 @@ LT_TILES = {1: (8, 8), 2: (8, 16), 3: (16, 8), 4: (8, 32), 5: (16, 16), 6: (32, 
 # cublasLtClusterShape_t: enum value -> (m, n)
 LT_CLUSTERS = {2: (1, 1), 3: (2, 1), 4: (4, 1), 5: (1, 2), 6: (2, 2), 7: (4, 2), 8: (1, 4), 9: (2, 4),
                10: (4, 4), 11: (8, 1), 12: (1, 8), 13: (8, 2), 14: (2, 8), 15: (16, 1), 16: (1, 16)}
+
+
+def load_enums(header: Path | None) -> str:
+    """Take the tile and cluster numbers from `header` (cublasLt.h; None: look where the cuBLAS
+    baseline's build does, and in this checkout's .ext/*/nvidia/cu13) into LT_TILES and
+    LT_CLUSTERS; returns where they came from, for the report's first line."""
+    from gemmrl.baselines.cublas import lt_enums, lt_header
+
+    if header is None:
+        header = lt_header(tuple(sorted(ROOT.glob(".ext/*/nvidia/cu13"))))
+    if header is None:
+        return "no cublasLt.h found: newer tiles shown by number"
+    tiles, clusters = lt_enums(header.read_text(errors="replace"))
+    LT_TILES.update(tiles)
+    LT_CLUSTERS.update(clusters)
+    return f"tiles from {header}"
 
 
 def parse_info(info: str) -> dict | None:
@@ -106,9 +123,17 @@ def main(argv=None) -> int:
     ap.add_argument("--below", type=float, default=0.98, help="shapes whose ratio is below this (default 0.98)")
     ap.add_argument("--column", default="cuBLASLt-auto-tuning-max", help="the CSV column to read the ratio from")
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--header", help="cublasLt.h to read the tile numbers from (default: where the cuBLAS "
+                                     "baseline's build finds it, or .ext/*/nvidia/cu13/include)")
     a = ap.parse_args(argv)
     if not Path(a.csv).is_file():
         ap.error(f"{a.csv}: no such file")
+    if a.header is not None and not Path(a.header).is_file():
+        ap.error(f"{a.header}: no such file")
+    try:
+        source = load_enums(Path(a.header) if a.header else None)
+    except ValueError as e:
+        ap.error(f"{a.header}: {e}")
     if not Path(a.db).is_file():
         ap.error(f"{a.db}: no store (gemmrl store unpacks the committed one)")
     db = sqlite3.connect(a.db)
@@ -125,7 +150,7 @@ def main(argv=None) -> int:
     for r in rows:
         groups[(r["over_mn"], r["splitk"])].append(r)
     print(f"{device}, {a.acc} accumulation: {len(shapes)} shapes below {a.below:g} ({a.column}); "
-          f"{len(rows)} (shape, layout) autotuned choices")
+          f"{len(rows)} (shape, layout) autotuned choices; {source}")
     print("| output tile (M x N) | split-K | choices | swapped twin in pool | plain in pool | clusters (m x n) | examples |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     yes = {True: "yes", False: "no", None: "?"}

@@ -67,6 +67,48 @@ def test_parse_description():
                  "custom": 0, "inner": 0, "cluster": 2}
 
 
+def test_lt_enums_reads_tile_and_cluster_numbers_from_the_header_text():
+    text = """typedef enum {
+  CUBLASLT_MATMUL_TILE_UNDEFINED = 0,
+  CUBLASLT_MATMUL_TILE_8x8 = 1,
+  CUBLASLT_MATMUL_TILE_144x128 = 184,
+  CUBLASLT_MATMUL_TILE_END
+} cublasLtMatmulTile_t;
+typedef enum {
+  CUBLASLT_CLUSTER_SHAPE_AUTO = 0,
+  CUBLASLT_CLUSTER_SHAPE_1x2x1 = 5,
+} cublasLtClusterShape_t;"""
+    tiles, clusters = cb.lt_enums(text)
+    assert tiles == {1: (8, 8), 184: (144, 128)} and clusters == {5: (1, 2)}
+    with pytest.raises(ValueError, match="not cublasLt.h"):
+        cb.lt_enums("#define CUBLAS_VER_MAJOR 13")
+
+
+def test_lt_enums_of_the_real_header_name_the_tiles_cublaslt_autotuned_chose():
+    """CUDA 13's cublasLt.h numbers the tiles past CUDA 11's 35: 184, 197, 201 and 495 are the
+    144x128, 168x128, 176x128 and 256x96 tiles cuBLASLt autotuned chose on big H100 shapes."""
+    include = _cublas_include()
+    if include is None:
+        pytest.skip("no cuBLAS headers (see this file's docstring)")
+    tiles, clusters = cb.lt_enums((include / "cublasLt.h").read_text(errors="replace"))
+    if 184 not in tiles:
+        pytest.skip(f"{include}/cublasLt.h predates the numbered newer tiles")
+    assert (tiles[20], tiles[29], tiles[184], tiles[197], tiles[201], tiles[495]) == (
+        (128, 128), (128, 160), (144, 128), (168, 128), (176, 128), (256, 96))
+    assert (clusters[2], clusters[3], clusters[5]) == ((1, 1), (2, 1), (1, 2))
+    assert cb.lt_header((include.parent,)) is not None
+
+
+def test_lt_header_looks_under_the_extra_roots(tmp_path, monkeypatch):
+    monkeypatch.setattr(cb, "find_cublas", lambda require_lib=True: (_ for _ in ()).throw(RuntimeError("none")))
+    assert cb.lt_header((tmp_path / "a",)) is None
+    inc = tmp_path / "b" / "include"
+    inc.mkdir(parents=True)
+    for h in ("cublas_v2.h", "cublasLt.h", "cublas_api.h"):
+        (inc / h).write_text("")
+    assert cb.lt_header((tmp_path / "a", tmp_path / "b")) == inc / "cublasLt.h"
+
+
 # --- building ---------------------------------------------------------------------------------
 
 

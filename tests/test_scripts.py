@@ -846,15 +846,26 @@ def test_lt_tiles_turns_cublaslt_choices_into_our_orientation_and_checks_the_poo
         w.writeheader()
         w.writerows(rows)
     out = tmp_path / "r.json"
+    # the tile numbers past CUDA 11's 35 come from cublasLt.h (--header; by default where the
+    # cuBLAS baseline's build finds it)
+    header = tmp_path / "cublasLt.h"
+    header.write_text("  CUBLASLT_MATMUL_TILE_64x32 = 13,\n  CUBLASLT_MATMUL_TILE_168x128 = 197,\n")
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "lt-tiles.py"), "--csv", str(tmp_path / "k.csv"),
-                        "--device", "H100", "--db", str(tmp_path / "s.sqlite"), "--json", str(out)],
+                        "--device", "H100", "--db", str(tmp_path / "s.sqlite"), "--json", str(out),
+                        "--header", str(header)],
                        capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "2 shapes below 0.98" in r.stdout and "4 (shape, layout) autotuned choices" in r.stdout
+    assert f"tiles from {header}" in r.stdout
     got = json.loads(out.read_text())["rows"]
-    assert [(x["shape"], x["layout"], x["over_mn"]) for x in got] == [
-        ("16384x4096x2048", "NN", "160x128"), ("16384x4096x2048", "TN", "tile 197"),
-        ("1024x64x8192", "NN", "32x64"), ("1024x64x8192", "TN", "32x64")]
+    assert [(x["shape"], x["layout"], x["over_mn"], x["plain"]) for x in got] == [
+        ("16384x4096x2048", "NN", "160x128", False), ("16384x4096x2048", "TN", "128x168", False),
+        ("1024x64x8192", "NN", "32x64", False), ("1024x64x8192", "TN", "32x64", False)]
+    for bad_header, why in ((tmp_path / "none.h", "no such file"), (tmp_path / "k.csv", "not cublasLt.h")):
+        refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "lt-tiles.py"), "--csv",
+                                  str(tmp_path / "k.csv"), "--device", "H100", "--db", str(tmp_path / "s.sqlite"),
+                                  "--header", str(bad_header)], capture_output=True, text=True, env=ENV, timeout=300)
+        assert refused.returncode == 2 and why in refused.stderr
     # the most frequent group first: 32x64 over (M, N) with split-K 4, twice
     assert r.stdout.splitlines()[3].startswith("| 32x64 | 4 | 2 |")
     bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "lt-tiles.py"), "--csv", str(tmp_path / "nope.csv"),

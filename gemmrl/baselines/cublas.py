@@ -82,6 +82,36 @@ def parse_description(text: str) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"(\w+)=(-?\d+)", text)}
 
 
+_LT_TILE = re.compile(r"CUBLASLT_MATMUL_TILE_(\d+)x(\d+)\s*=\s*(\d+)")
+_LT_CLUSTER = re.compile(r"CUBLASLT_CLUSTER_SHAPE_(\d+)x(\d+)x1\s*=\s*(\d+)")
+
+
+def lt_enums(header_text: str) -> tuple[dict[int, tuple[int, int]], dict[int, tuple[int, int]]]:
+    """cublasLt.h's text -> ({cublasLtMatmulTile_t value: (rows, columns)},
+    {cublasLtClusterShape_t value: (m, n)}), read from the header's enums (CUDA 13's lists 600+
+    tiles, e.g. CUBLASLT_MATMUL_TILE_168x128 = 197): the numbers a stored algorithm description
+    ('tile=197 cluster=5', describe()) names. Raises ValueError on a text without the tile enum."""
+    tiles = {int(v): (int(m), int(n)) for m, n, v in _LT_TILE.findall(header_text)}
+    clusters = {int(v): (int(m), int(n)) for m, n, v in _LT_CLUSTER.findall(header_text)}
+    if not tiles:
+        raise ValueError("no CUBLASLT_MATMUL_TILE_<m>x<n> = <value> entries: not cublasLt.h")
+    return tiles, clusters
+
+
+def lt_header(extra_roots: tuple[Path, ...] = ()) -> Path | None:
+    """cublasLt.h where find_cublas looks (headers only), else under one of `extra_roots`
+    (e.g. a checkout's .ext/*/nvidia/cu13, where .ci/run unpacks the headers); None if absent."""
+    try:
+        return find_cublas(require_lib=False).include / "cublasLt.h"
+    except RuntimeError:
+        pass
+    for root in extra_roots:
+        inc = next((d for d in _include_dirs(root) if _has_headers(d)), None)
+        if inc is not None:
+            return inc / "cublasLt.h"
+    return None
+
+
 @dataclass(frozen=True)
 class CublasPaths:
     include: Path  # holds cublas_v2.h, cublasLt.h, cublas_api.h
