@@ -634,10 +634,17 @@ def test_split_k_16_is_offered_for_small_tiles_only_and_ranks_on_long_k_small_mn
         nd = [s for s in specs if s.reduction == "nondeterministic"]
         # 267 before split-K 16, 15 more (5 tiles x 3 cluster shapes), then 42 ping-pong tiles of
         # odd widths and 60 register-to-global (nosmem) twins of the persistent 64-row ones, and
-        # the 24 wider-subtile twins (EPI_TWINS' persistent ping-pong tiles), and the 24 of
-        # cuBLASLt's 128x160 and 128x96 tiles (two schedules, three clusters, both orientations)
+        # the wider-subtile twins (EPI_TWINS' persistent ping-pong tiles), and the 48 of
+        # cuBLASLt's 128x160 and 128x96 tiles (two schedules, three clusters, both orientations,
+        # swizzles 1 and 2) and the 24 of its 128x144 and 128x176 (plain); then every main tile
+        # order of swizzle 4 again with swizzle 2 (MAIN_ORDERS), the subtile twins too (24 -> 36)
         wide = [s for s in det if (s.tile_m, s.tile_n) in ((128, 160), (128, 96))]
-        assert len([s for s in det if s.epi_n]) == 24 and len(wide) == 24 and len(det) - len(wide) <= 434
+        plain = [s for s in det if (s.tile_m, s.tile_n) in ((128, 144), (128, 176))]
+        main = [s for s in det if s not in wide and s not in plain]
+        sw2 = [s for s in main if s.swizzle == 2]
+        assert sorted(s.name for s in sw2) == sorted(replace(s, swizzle=2).name for s in main if s.swizzle == 4)
+        assert len([s for s in det if s.epi_n]) == 36 and len(wide) == 48 and len(plain) == 24
+        assert len(main) - len(sw2) <= 434
         # every split-K spec of a tile up to 128x128 again with the nondeterministic reduction
         assert sorted(s.name for s in nd) == sorted(
             replace(s, reduction="nondeterministic").name for s in det
@@ -739,9 +746,9 @@ def test_odd_wgmma_widths_are_offered_for_64_row_ping_pong_tiles():
     assert odd == {(64, n) for n in (48, 80, 96, 112, 144, 160, 176)}
     assert all(s.schedule == "pingpong" and s.scheduler == "persistent"
                for s in specs if s.tile_n % 64 and s.tile_n > 32 and s.tile_m == 64)
-    # 128 rows: only the 160 and 96 widths (cuBLASLt's tiles, test_cublaslt_big_output_tile_...)
+    # 128 rows: only the 160, 96, 144 and 176 widths (cuBLASLt's tiles, test_cublaslt_big_output_tile_...)
     assert {(s.tile_m, s.tile_n) for s in specs if s.tile_n % 64 and s.tile_n > 32 and s.tile_m > 64} == {
-        (128, 160), (128, 96)}
+        (128, 160), (128, 96), (128, 144), (128, 176)}
     # 64x4096x128: 64x64 tiles give 64 CTAs on 132 SMs, 64x48 give 86 and 64x32 128
     from gemmrl.core.problem import Problem
     assert all(valid(replace(s, layout="TN"), Problem(64, 4096, 128)) is None
@@ -831,9 +838,16 @@ def test_cublaslt_big_output_tile_is_offered_in_both_orientations():
     for layout in ("NN", "TN"):
         for tn in (160, 96):
             tiles = [s for s in enumerate_specs(layout) if (s.tile_m, s.tile_n) == (128, tn)]
-            assert {(s.schedule, s.cluster_m, s.cluster_n, s.swap_ab) for s in tiles} == {
-                (sch, cm, cn, sw) for sch in ("cooperative", "pingpong") for cm, cn in cs.CLUSTERS
-                for sw in (False, True)}
+            assert sorted((s.schedule, s.cluster_m, s.cluster_n, s.swap_ab, s.swizzle) for s in tiles) == sorted(
+                (sch, cm, cn, sw, order) for sch in ("cooperative", "pingpong") for cm, cn in cs.CLUSTERS
+                for sw in (False, True) for order in (1, 2))
+        for tn in (144, 176):  # 144x128 and 176x128 in cuBLAS's terms: 128 rows of M, plain only
+            tiles = [s for s in enumerate_specs(layout) if (s.tile_m, s.tile_n) == (128, tn)]
+            assert sorted((s.schedule, s.cluster_m, s.cluster_n, s.swap_ab, s.swizzle) for s in tiles) == sorted(
+                (sch, cm, cn, False, order) for sch in ("cooperative", "pingpong") for cm, cn in cs.CLUSTERS
+                for order in (1, 2))
+            assert all(s.scheduler == "persistent" and s.tile_k == 64 and CutlassSpec.from_name(s.name) == s
+                       for s in tiles)
         wide = [s for s in enumerate_specs(layout) if (s.tile_m, s.tile_n) in ((128, 160), (128, 96))]
         assert all(s.scheduler == "persistent" and s.tile_k == 64 and s.stages == 0 and not s.epi_n for s in wide)
         assert all(CutlassSpec.from_name(s.name) == s for s in wide)

@@ -378,6 +378,15 @@ def _serves(s: CutlassSpec, problem) -> str | None:
 # ---------------------------------------------------------------------------------------------
 # The space
 
+# The tile orders the main tiles come in (persistent and stream-K; split-K: swizzle 1 only).
+# Swizzle 2 joined 1 and 4 after the swizzle races of runs 259, 261 and 263 (the winner of each
+# in 126 races of big shapes, H100 and H200, against its swizzle 1, 2, 4 and 8 twins): swizzle
+# 2 ran within 5% of the fastest order in every race, swizzle 1 up to 46% behind
+# (12288x16384x8192, 256x128 cooperative), 4 up to 13% and 8 up to 2.6x. Fastest: swizzle 1 in
+# 50, 2 in 32, 8 in 23, 4 in 21; on the H100, 2 won the largest outputs (16384x16384x8192 +6.8%
+# over swizzle 1). The cost model cannot tell the orders apart (its swizzle feature learns from
+# trials), so the heuristic ranking still takes swizzle 1.
+MAIN_ORDERS = (("heuristic", 1), ("heuristic", 2), ("heuristic", 4))
 _TILE_M = (64, 128, 256)
 _TILE_N = (64, 128, 192, 256)
 DEEP_SPLIT_TILE = 128 * 128  # tile_m * tile_n up to which enumerate_specs offers split-K 16
@@ -414,7 +423,7 @@ def enumerate_specs(layout: str = "TN", dtype: str = "fp16", acc: str = "fp32") 
                         else:
                             scheds = [("persistent", 1)]
                         for scheduler, splits in scheds:
-                            for raster, swizzle in (("heuristic", 1), ("heuristic", 4)):
+                            for raster, swizzle in MAIN_ORDERS:
                                 if scheduler == "splitk" and swizzle != 1:
                                     continue
                                 spec = CutlassSpec(tm, tn, tk, cm, cn, schedule, scheduler, splits, 0,
@@ -443,15 +452,16 @@ def enumerate_specs(layout: str = "TN", dtype: str = "fp16", acc: str = "fp32") 
                                    layout, dtype, acc)
                 if valid(spec) is None:
                     out.append(spec)
-    # cuBLASLt's tiles on the outputs where it beat us most often (_WIDE_ODD_TILES), persistent,
-    # in both orientations
-    for schedule, tm, tn in _WIDE_ODD_TILES:
+    # cuBLASLt's tiles on the outputs where it beat us most often (_WIDE_ODD_TILES, in both
+    # orientations; _WIDE_PLAIN_TILES, plain), persistent, swizzles 1 and 2
+    for schedule, tm, tn in _WIDE_ODD_TILES + _WIDE_PLAIN_TILES:
         for cm, cn in CLUSTERS:
-            for swap in (False, True):
-                spec = CutlassSpec(tm, tn, 64, cm, cn, schedule, "persistent", 1, 0, "heuristic", 1,
-                                   layout, dtype, acc, swap_ab=swap)
-                if valid(spec) is None:
-                    out.append(spec)
+            for swap in (False, True) if (schedule, tm, tn) in _WIDE_ODD_TILES else (False,):
+                for swizzle in (1, 2):
+                    spec = CutlassSpec(tm, tn, 64, cm, cn, schedule, "persistent", 1, 0, "heuristic", swizzle,
+                                       layout, dtype, acc, swap_ab=swap)
+                    if valid(spec) is None:
+                        out.append(spec)
     # a wider TMA epilogue subtile for the persistent ping-pong tiles whose winners it beat most
     # often when raced (runs 166-177): estimate_us prices it (subtile_us), so it outranks its
     # automatic twin only over many waves of output-heavy tiles
@@ -530,6 +540,15 @@ _ODD_TILE_N = (48, 80, 96, 112, 144, 160, 176)
 # rest; scripts/lt-tiles.py lists them.)
 _WIDE_ODD_TILES = (("cooperative", 128, 160), ("pingpong", 128, 160), ("cooperative", 128, 96),
                    ("pingpong", 128, 96))
+
+# 128-row tiles 144 and 176 wide (plain: 128 rows of M, 144 or 176 columns of N), both
+# schedules, persistent, tile_k 64: cuBLASLt autotuned's tiles 144x128 and 176x128 (enums 184
+# and 201 of CUDA 13's cublasLt.h, which scripts/lt-tiles.py reads), 1x2 clusters, on 31 of the
+# H100 grid's 145 shapes below 0.98 of it (1024..4096 x 8192..16384 for 144; 8192..16384 x
+# 12288 for 176) and 64 of the H200's 335 (2026-11-27). Its 168x128 (enum 197, nine more H100
+# shapes) is no tile here: 168 is no multiple of the epilogue's 16 columns.
+_WIDE_PLAIN_TILES = (("cooperative", 128, 144), ("pingpong", 128, 144), ("cooperative", 128, 176),
+                     ("pingpong", 128, 176))
 
 _SEPARATE_TILES = (("cooperative", 128, 64), ("cooperative", 128, 128), ("cooperative", 128, 256),
                    ("cooperative", 256, 128), ("pingpong", 64, 64), ("pingpong", 64, 128),
