@@ -1018,6 +1018,9 @@ def store_cmd(db, compress, small, merge_from, since_run):
 @click.option("--race", "race_k", default=None, type=click.IntRange(1, 64),
               help="with --tuned-in: also the kernels `bench --impl race:K` races on each shape (the "
                    "search's fastest K within 10%, and the incumbent winner)")
+@click.option("--former", "former", default=None, type=click.IntRange(1, 16),
+              help="with --race: also the N winners verified before each incumbent (what `bench --impl "
+                   "race:K:formerN` races)")
 @click.option("--match", "match", default=None, metavar="REGEX",
               help="each family's candidates are its search pool's kernels whose names match this regular "
                    "expression (re.search), the cost model's fastest --top of them: what `gemmrl tune --match "
@@ -1026,7 +1029,7 @@ def store_cmd(db, compress, small, merge_from, since_run):
               help="compile every kernel of this pack instead (what gemmrl.warmup() builds on the GPU "
                    "machine): a deployment's cache made ahead of time; only --jobs, --dry-run and --entries apply")
 def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned_device, variant_opt, acc_only, jobs,
-              dry_run, pending_db, candidates, max_shapes, entries_file, race_k, match, pack_dir):
+              dry_run, pending_db, candidates, max_shapes, entries_file, race_k, former, match, pack_dir):
     """Compile the kernels a set of shapes will try into the build cache ($GEMMRL_CACHE), ahead of
     time and without a GPU; copy the cache to the GPU machine to save its time."""
     from gemmrl.build import ahead
@@ -1035,7 +1038,8 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
     if pack_dir is not None:
         ctx = click.get_current_context()
         given = [opt for n, opt in (("shape_spec", "--shapes"), ("tuned_db", "--tuned-in"), ("pending_db", "--pending-in"),
-                                    ("race_k", "--race"), ("max_shapes", "--max-shapes"), ("tuned_device", "--device"),
+                                    ("race_k", "--race"), ("former", "--former"), ("max_shapes", "--max-shapes"),
+                                    ("tuned_device", "--device"),
                                     ("match", "--match"))
                  if ctx.get_parameter_source(n) is not ParameterSource.DEFAULT]
         if given:
@@ -1053,6 +1057,8 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
                        ("--race", race_k)):
         if given is not None and tuned_db is None:
             raise click.UsageError(f"{opt} goes with --tuned-in")
+    if former is not None and race_k is None:
+        raise click.UsageError("--former goes with --race")
     if match is not None and tuned_db is not None:
         raise click.UsageError("--match picks from the search pool; --tuned-in builds stored winners: choose one")
     _check_match(match)
@@ -1092,13 +1098,15 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
         jobs_all, skipped = ahead.plan_tuned(choices, {f.name for f in fams} if fams else None, fields)
         if race_k:
             jobs_all = ahead.unique(jobs_all + ahead.plan_race(store, choices, race_k,
-                                                               {f.name for f in fams} if fams else None))
+                                                               {f.name for f in fams} if fams else None,
+                                                               former=former or 0))
         store.close()
         for line in skipped:
             click.echo(f"skipped: {line}", err=True)
         return _compile_jobs(jobs_all, f"the winners of {len(choices)} tuned (shape, precision) pairs"
                              + (f" and their {', '.join(fields)} variants" if fields else "")
-                             + (f" and the race's {race_k} contenders" if race_k else ""), jobs, dry_run,
+                             + (f" and the race's {race_k} contenders" if race_k else "")
+                             + (f" and the {former} winners before each incumbent" if former else ""), jobs, dry_run,
                              entries_file)
     problems = _problems(shape_spec, dtype, acc)
     if pending_db is not None:

@@ -240,7 +240,8 @@ def test_build_match_plans_the_pool_kernels_a_matching_search_would_find_built(t
     names = [ln for ln in r.output.splitlines() if ln.startswith("sm90_")]
     pool = [s for _, s in candidate_pool(big, ("NN",), ("cutlass_sm90",)) if "_128x160x" in s.name]
     want = sorted(pool, key=lambda s: (cutlass_sm90.estimate_us(s, big), s.name))[:3]
-    assert names == [s.name for s in want] and len(pool) == 12  # two schedules x three clusters x both swaps
+    # two schedules x three clusters x both swaps x swizzles 1 and 2
+    assert names == [s.name for s in want] and len(pool) == 24
     assert len((tmp_path / "e.txt").read_text().split()) == 3
     # a regex over both families: each family's own matches (raw's 'swap' kernels, CUTLASS's '_xab' ones)
     r = CliRunner().invoke(main, base + ["--match", "swap|_xab", "--top", "2", "--family", "raw",

@@ -150,6 +150,36 @@ def test_twins_race_beside_their_kernels(tmp_path, monkeypatch):
     assert Race(store, dev, k=2, built_only=True, twins=("pdl",)).specs(P) == [SPECS[0], SPECS[3]]
 
 
+def test_former_winners_race_beside_the_incumbent(tmp_path, monkeypatch):
+    """race:K:formerN: the N winners verified before the incumbent race again (newest first,
+    each once, none quarantined or failed in a trial), so a round that stored a winner which then
+    ran slower beside the baselines is undone in one session; under built_only only built ones."""
+    from dataclasses import asdict
+
+    store, dev = _store_with_search(tmp_path, [100.0, 104.0, 130.0])
+    run = store.start_run("gemmrl tune", dev, {}, {})
+
+    def verified(spec, passed=True):
+        store.record_verification(run, dev, P, TUNED, passed, "", {
+            "impl": {"name": TUNED, "chosen": {"family": "cutlass_sm90", "name": spec.name, "spec": asdict(spec)}}})
+    assert Race(store, dev, k=1, former=2).specs(P) == [SPECS[0]]  # never verified: no incumbent, none before
+    for i in (4, 3, 4, 2):  # oldest first; 4 twice; the incumbent is the last, 2
+        verified(SPECS[i])
+    verified(SPECS[1], passed=False)  # a failed check is neither incumbent nor former winner
+    assert Race(store, dev, k=1).specs(P) == [SPECS[0], SPECS[2]]
+    assert Race(store, dev, k=1, former=1).specs(P) == [SPECS[0], SPECS[2], SPECS[4]]
+    assert Race(store, dev, k=1, former=2).specs(P) == [SPECS[0], SPECS[2], SPECS[4], SPECS[3]]
+    assert Race(store, dev, k=1, former=5).specs(P) == [SPECS[0], SPECS[2], SPECS[4], SPECS[3]]
+    store.quarantine(dev, P, SPECS[4].name, "killed its worker")
+    assert Race(store, dev, k=1, former=2).specs(P) == [SPECS[0], SPECS[2], SPECS[3]]
+    import gemmrl.search.run as srun
+    monkeypatch.setattr(srun, "built_generic_only", lambda: (lambda fam, spec, problem: spec.name != SPECS[3].name))
+    assert Race(store, dev, k=1, built_only=True, former=2).specs(P) == [SPECS[0], SPECS[2]]
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="former"):
+            Race(store, dev, former=bad)
+
+
 def test_race_is_an_implementation_the_cli_names(tmp_path):
     store = Store(tmp_path / "s.sqlite")
     (r,) = impls_from_specs(["race:2"], store, "NVIDIA H200")
@@ -168,8 +198,12 @@ def test_race_is_an_implementation_the_cli_names(tmp_path):
     # any variant field races: e.g. the epilogue subtile and the cluster, in VARIANT_FIELDS' order
     (r,) = impls_from_specs(["race:1:built:epi:cluster:lean"], store, "NVIDIA H200")
     assert r.k == 1 and r.built_only and r.twins == ("cluster", "lean", "epi")
+    (r,) = impls_from_specs(["race:1:built:former3:swizzle"], store, "NVIDIA H200")
+    assert r.k == 1 and r.built_only and r.former == 3 and r.twins == ("swizzle",)
+    assert impls_from_specs(["race:1:former"], store, "NVIDIA H200")[0].former == 2
+    assert impls_from_specs(["race:1"], store, "NVIDIA H200")[0].former == 0
     for bad in ("race:0", "race:x", "race:2:x", "race:2:built:y", "race:2:built:built", "race:2:pdl:pdl",
-                "race:2:epi:epi", "race:2:tile_m"):
+                "race:2:epi:epi", "race:2:tile_m", "race:1:formerx", "race:1:former:former2", "race:1:former-1"):
         with pytest.raises(ValueError, match=r"race:K\[:built\]"):
             impls_from_specs([bad], store, "NVIDIA H200")
 
@@ -287,6 +321,23 @@ def test_build_race_plans_what_the_race_compiles(tmp_path, monkeypatch):
     assert SPECS[2].name in r.output and SPECS[3].name not in r.output
     r = CliRunner().invoke(main, ["build", "--race", "3"])
     assert r.exit_code == 2 and "--race goes with --tuned-in" in r.output
+    # --former N: the winners verified before the incumbent too (bench --impl race:K:formerN)
+    from dataclasses import asdict
+
+    store = Store(db)
+    run = store.start_run("gemmrl tune", dev, {}, {})
+    for spec in (SPECS[4], SPECS[0]):  # SPECS[4] won before; the incumbent now is SPECS[0]
+        store.record_verification(run, dev, P, TUNED, True, "", {"impl": {"name": TUNED, "chosen": {
+            "family": "cutlass_sm90", "name": spec.name, "spec": asdict(spec)}}})
+    choices = [c for c in store.tuned_choices(TUNED, dev) if c[1] == P]
+    assert [j.name for j in ahead.plan_race(store, choices, 2, former=1)] == [SPECS[0].name, SPECS[1].name,
+                                                                             SPECS[4].name]
+    store.close()
+    r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--shapes", "16384x16384x16384",
+                                  "--race", "1", "--former", "2", "--dry-run"])
+    assert r.exit_code == 0 and "and the 2 winners before each incumbent" in r.output and SPECS[4].name in r.output
+    r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--former", "2", "--dry-run"])
+    assert r.exit_code == 2 and "--former goes with --race" in r.output
 
 
 def _ref(stored=100.0, session=110.0):

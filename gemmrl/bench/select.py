@@ -54,14 +54,19 @@ def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> li
                 opts = parts[2:]
                 from gemmrl.build.ahead import VARIANT_FIELDS
 
-                if not k.isdigit() or int(k) < 1 or len(set(opts)) < len(opts) or set(opts) - {"built", *VARIANT_FIELDS}:
-                    raise ValueError(f"race:K[:built][:FIELD...] needs a positive whole number of contenders, "
-                                     f"then optionally 'built' and variant fields ({', '.join(VARIANT_FIELDS)}); "
-                                     f"got {s!r}")
+                former = [o for o in opts if o.startswith("former")]
+                if not k.isdigit() or int(k) < 1 or len(set(opts)) < len(opts) or len(former) > 1 or (
+                        set(opts) - {"built", *VARIANT_FIELDS, *former}) or (
+                        former and not (former[0] == "former" or former[0][6:].isdigit())):
+                    raise ValueError(f"race:K[:built][:formerN][:FIELD...] needs a positive whole number of "
+                                     f"contenders, then optionally 'built', 'formerN' (the N winners before the "
+                                     f"incumbent race too; 'former': 2) and variant fields "
+                                     f"({', '.join(VARIANT_FIELDS)}); got {s!r}")
                 # twins: each contender's variants in those fields, e.g. 'pdl' (its programmatic-
                 # dependent twin), 'lean' (its one-tile-per-CTA ones), 'epi' (wider epilogue subtiles)
+                n_former = (int(former[0][6:]) if former[0][6:] else 2) if former else 0
                 out.append(Race(store, device, k=int(k), log=_log_stderr, built_only="built" in opts,
-                                twins=tuple(o for o in VARIANT_FIELDS if o in opts)))
+                                twins=tuple(o for o in VARIANT_FIELDS if o in opts), former=n_former))
             elif s.startswith("pack:"):
                 from gemmrl.runtime.pack_impl import PackMatmul
 

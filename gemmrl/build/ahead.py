@@ -167,13 +167,14 @@ def plan_tuned(choices, families=None, variant_fields=()) -> tuple[list[BuildJob
     return unique(out), skipped
 
 
-def plan_race(store, choices, k: int, families=None) -> list[BuildJob]:
-    """The builds a race of `k` (search.race.Race, `bench --impl race:K`) compiles on each
-    chosen shape (Store.tuned_choices rows): the shape's fastest stored trials within the race's
-    margin and the incumbent winner, limited to `families` (names) if given; each source once."""
+def plan_race(store, choices, k: int, families=None, former: int = 0) -> list[BuildJob]:
+    """The builds a race of `k` (search.race.Race, `bench --impl race:K[:formerN]`) compiles on
+    each chosen shape (Store.tuned_choices rows): the shape's fastest stored trials within the
+    race's margin, the incumbent winner and the `former` winners before it, limited to
+    `families` (names) if given; each source once."""
     from gemmrl.search.race import Race
     from gemmrl.space import registry
 
     return unique(job_for(spec, problem) for device, problem, _fam, _fields in choices
-                  for spec in Race(store, device, k=k).specs(problem)
+                  for spec in Race(store, device, k=k, former=former).specs(problem)
                   if families is None or registry.family_of(spec).name in families)

@@ -47,7 +47,7 @@ class Race(BestOf):
     timed with the full kernel protocol; the choice is stored as the winner (`name`)."""
 
     def __init__(self, store, device: str, k: int = 3, margin: float = 0.10, name: str | None = None,
-                 log=None, built_only: bool = False, twins: tuple = ()):
+                 log=None, built_only: bool = False, twins: tuple = (), former: int = 0):
         from gemmrl.bench.timing import KernelSettings
         from gemmrl.search.run import TUNED
         from gemmrl.space import registry
@@ -62,6 +62,12 @@ class Race(BestOf):
         # e.g. ('pdl',): the same kernel launched as a programmatic dependent (under built_only,
         # only those already built)
         self.twins = tuple(twins)
+        # former: the winners that passed the final verification before the incumbent (up to this
+        # many, newest first) race too: a round that stored a winner which later ran slower beside
+        # the baselines is undone by racing its predecessors again in one session
+        if isinstance(former, bool) or not isinstance(former, int) or former < 0:
+            raise ValueError(f"former must be a whole number >= 0, got {former!r}")
+        self.former = former
         self.settings = KernelSettings()  # the final timing's protocol, not the search's quick one
 
     def specs(self, problem) -> list:
@@ -83,8 +89,12 @@ class Race(BestOf):
             ranked = [s for s in contenders(trials, len(trials) or 1, self.margin) if s.name not in bad]
             out = [s for s in ranked if s == stored or built(registry.family_of(s).name, s, problem)][:self.k]
         inc = self.incumbent(problem, trials, bad)
-        if inc is not None and inc not in out and (out or self.twins):
+        if inc is not None and inc not in out and (out or self.twins or self.former):
             out = out + [inc]
+        if self.former and inc is not None:
+            for spec in self.predecessors(problem, trials, bad, inc):
+                if spec not in out and (built is None or built(registry.family_of(spec).name, spec, problem)):
+                    out.append(spec)
         if self.twins and out:
             from gemmrl.build.ahead import variants
 
@@ -103,6 +113,26 @@ class Race(BestOf):
         failed = {t.candidate.spec.name for t in trials if t.status != "ok"}
         got = verified_spec(self.store, self.device, problem, self.name, set(bad) | failed)
         return None if got is None else got[1]
+
+    def predecessors(self, problem, trials, bad, incumbent) -> list:
+        """Up to `former` distinct kernels that passed the final verification as the winner
+        before `incumbent`, newest first (none that failed a trial or is quarantined)."""
+        from gemmrl.space import registry
+
+        failed = {t.candidate.spec.name for t in trials if t.status != "ok"}
+        out, seen = [], {incumbent.name}
+        for chosen in self.store.verified_choices(self.device, problem, self.name):
+            if len(out) == self.former:
+                break
+            try:
+                spec = registry.get(chosen["family"]).spec_type()(**chosen["spec"])
+            except (ValueError, TypeError, KeyError):
+                continue
+            if spec.name in seen or spec.name in bad or spec.name in failed:
+                continue
+            seen.add(spec.name)
+            out.append(spec)
+        return out
 
     def _stored(self, problem):
         """Never the stored choice before the race (prepare races, then stores the winner); with
