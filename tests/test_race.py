@@ -430,3 +430,34 @@ def test_unbuilt_incumbents_lists_the_cutlass_winners_a_built_only_race_would_co
         raise FileNotFoundError("CUTLASS headers not found")
     monkeypatch.setattr(SpecImpl, "is_built", no_headers)  # a warning, never a crash before the search
     assert unbuilt_incumbents(store, dev, [P]) == []
+
+
+def test_bench_tuned_times_the_verified_kernel_where_a_cut_run_left_its_choice_unverified(tmp_path):
+    """`bench --impl tuned` after a tune cut between its search and its final timing: the stored
+    choice is a quick trial's pick no race has seen, so it times the kernel the newest passed
+    verification chose (the one the pack ships); with nothing verified, or the stored choice
+    verified, the stored choice. A searching BestOf (and the race) still reads the stored one."""
+    from dataclasses import asdict
+
+    from gemmrl.search.best_of import BestOf
+    from gemmrl.space import registry
+
+    store, dev = _store_with_search(tmp_path, [100.0, 104.0, 130.0])  # stores SPECS[0], never verified
+    fams = list(registry.FAMILIES.values())
+    tuned = BestOf(fams, store=store, device=dev, name=TUNED, search=False)
+    assert tuned._stored(P) == SPECS[0]
+    run = store.start_run("gemmrl tune", dev, {}, {})
+
+    def verified(spec, passed=True):
+        store.record_verification(run, dev, P, TUNED, passed, "", {
+            "impl": {"name": TUNED, "chosen": {"family": "cutlass_sm90", "name": spec.name, "spec": asdict(spec)}}})
+    verified(SPECS[3])  # an earlier winner passed its final verification; the cut run stored SPECS[0]
+    said = []
+    tuned = BestOf(fams, store=store, device=dev, name=TUNED, search=False, log=said.append)
+    assert tuned._stored(P) == SPECS[3] and "awaits its final verification" in said[0]
+    assert BestOf(fams, store=store, device=dev, name=TUNED, search=True)._stored(P) == SPECS[0]
+    verified(SPECS[1], passed=False)  # a failed check names no kernel to ship
+    assert tuned._stored(P) == SPECS[3]
+    verified(SPECS[0])  # the stored choice verified: itself
+    assert tuned._stored(P) == SPECS[0]
+    assert BestOf(fams, store=store, device=dev, name=TUNED, search=False)._stored(Problem(64, 64, 64)) is None

@@ -45,7 +45,7 @@ def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> li
                 from gemmrl.space import registry
 
                 out.append(BestOf(list(registry.FAMILIES.values()), store=store, device=device,
-                                  name=TUNED, search=False))
+                                  name=TUNED, search=False, log=_log_stderr))
             elif s == "race" or s.startswith("race:"):
                 from gemmrl.search.race import Race
 
