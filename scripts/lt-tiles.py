@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     try:
         source = load_enums(Path(a.header) if a.header else None)
     except ValueError as e:
-        ap.error(f"{a.header}: {e}")
+        ap.error(f"{a.header or 'cublasLt.h'}: {e}")
     if not Path(a.db).is_file():
         ap.error(f"{a.db}: no store (gemmrl store unpacks the committed one)")
     db = sqlite3.connect(a.db)

@@ -544,10 +544,11 @@ _WIDE_ODD_TILES = (("cooperative", 128, 160), ("pingpong", 128, 160), ("cooperat
 
 # 128-row tiles 144 and 176 wide (plain: 128 rows of M, 144 or 176 columns of N), both
 # schedules, persistent, tile_k 64: cuBLASLt autotuned's tiles 144x128 and 176x128 (enums 184
-# and 201 of CUDA 13's cublasLt.h, which scripts/lt-tiles.py reads), 1x2 clusters, on 31 of the
-# H100 grid's 145 shapes below 0.98 of it (1024..4096 x 8192..16384 for 144; 8192..16384 x
-# 12288 for 176) and 64 of the H200's 335 (2026-11-27). Its 168x128 (enum 197, nine more H100
-# shapes) is no tile here: 168 is no multiple of the epilogue's 16 columns. TN only: with B
+# and 201 of CUDA 13's cublasLt.h, which scripts/lt-tiles.py reads), 1x2 clusters, in 31 of the
+# 290 (shape, layout) choices it made on the H100 grid's 145 shapes below 0.98 of it (256..4096
+# x 8192..16384 for 144; 4096..16384 x 12288 for 176) and 64 of the H200's 670 (2026-11-27). Its
+# 168x128 (enum 197, nine more H100 choices) is no tile here: 168 is no multiple of the
+# epilogue's 16 columns. TN only: with B
 # N-major (NN) the 144 and 176 columns take 32-byte smem swizzle atoms, and those kernels ran
 # at 0.50-0.71 of the best baseline in run 265's trials where their TN forms ran 0.92-1.05.
 _WIDE_PLAIN_TILES = (("cooperative", 128, 144), ("pingpong", 128, 144), ("cooperative", 128, 176),
