@@ -180,6 +180,32 @@ def test_former_winners_race_beside_the_incumbent(tmp_path, monkeypatch):
             Race(store, dev, former=bad)
 
 
+def test_excluded_kernels_never_race(tmp_path, monkeypatch):
+    """race:K:not=REGEX: kernels whose names match race neither as contenders nor as the
+    incumbent, a former winner or a twin; the newest passed verification not excluded becomes the
+    incumbent; with one kernel left it is the choice (not an excluded stored one)."""
+    from dataclasses import asdict, replace
+
+    store, dev = _store_with_search(tmp_path, [100.0, 104.0, 130.0])
+    run = store.start_run("gemmrl tune", dev, {}, {})
+    for spec in (SPECS[4], SPECS[3], SPECS[0]):  # the incumbent is SPECS[0], also the search's fastest
+        store.record_verification(run, dev, P, TUNED, True, "", {"impl": {"name": TUNED, "chosen": {
+            "family": "cutlass_sm90", "name": spec.name, "spec": asdict(spec)}}})
+    assert Race(store, dev, k=2, former=1).specs(P) == [SPECS[0], SPECS[1], SPECS[3]]
+    no0 = "^" + SPECS[0].name + "$"
+    # SPECS[0] out: the search's next two, SPECS[3] the incumbent, SPECS[4] the one before it
+    assert Race(store, dev, k=2, former=1, exclude=no0).specs(P) == [SPECS[1], SPECS[3], SPECS[4]]
+    assert Race(store, dev, k=1, exclude=no0).specs(P) == [SPECS[1], SPECS[3]]
+    twin = [replace(s, pdl=True) for s in SPECS]
+    got = Race(store, dev, k=1, twins=("pdl",), exclude=no0 + "|" + twin[3].name).specs(P)
+    assert got == [SPECS[1], SPECS[3], twin[1]]
+    # everything but SPECS[3] out: the one kernel left is the choice, not the excluded stored one
+    only3 = "|".join("^" + SPECS[i].name + "$" for i in (0, 1, 2, 4))
+    race = Race(store, dev, k=2, exclude=only3)
+    assert race.specs(P) == [SPECS[3]] and race._stored(P) == SPECS[3]
+    assert Race(store, dev, k=2)._stored(P) is None  # without it, two or more race
+
+
 def test_race_is_an_implementation_the_cli_names(tmp_path):
     store = Store(tmp_path / "s.sqlite")
     (r,) = impls_from_specs(["race:2"], store, "NVIDIA H200")
@@ -199,11 +225,14 @@ def test_race_is_an_implementation_the_cli_names(tmp_path):
     (r,) = impls_from_specs(["race:1:built:epi:cluster:lean"], store, "NVIDIA H200")
     assert r.k == 1 and r.built_only and r.twins == ("cluster", "lean", "epi")
     (r,) = impls_from_specs(["race:1:built:former3:swizzle"], store, "NVIDIA H200")
-    assert r.k == 1 and r.built_only and r.former == 3 and r.twins == ("swizzle",)
+    assert r.k == 1 and r.built_only and r.former == 3 and r.twins == ("swizzle",) and r.exclude is None
+    (r,) = impls_from_specs(["race:1:built:former2:not=_128x144x"], store, "NVIDIA H200")
+    assert r.former == 2 and r.exclude.pattern == "_128x144x"
     assert impls_from_specs(["race:1:former"], store, "NVIDIA H200")[0].former == 2
     assert impls_from_specs(["race:1"], store, "NVIDIA H200")[0].former == 0
     for bad in ("race:0", "race:x", "race:2:x", "race:2:built:y", "race:2:built:built", "race:2:pdl:pdl",
-                "race:2:epi:epi", "race:2:tile_m", "race:1:formerx", "race:1:former:former2", "race:1:former-1"):
+                "race:2:epi:epi", "race:2:tile_m", "race:1:formerx", "race:1:former:former2", "race:1:former-1",
+                "race:1:not=(", "race:1:not=", "race:1:not=a:not=b"):
         with pytest.raises(ValueError, match=r"race:K\[:built\]"):
             impls_from_specs([bad], store, "NVIDIA H200")
 

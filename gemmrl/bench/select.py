@@ -55,18 +55,22 @@ def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> li
                 from gemmrl.build.ahead import VARIANT_FIELDS
 
                 former = [o for o in opts if o.startswith("former")]
+                exclude = [o[4:] for o in opts if o.startswith("not=")]
                 if not k.isdigit() or int(k) < 1 or len(set(opts)) < len(opts) or len(former) > 1 or (
-                        set(opts) - {"built", *VARIANT_FIELDS, *former}) or (
-                        former and not (former[0] == "former" or former[0][6:].isdigit())):
-                    raise ValueError(f"race:K[:built][:formerN][:FIELD...] needs a positive whole number of "
-                                     f"contenders, then optionally 'built', 'formerN' (the N winners before the "
-                                     f"incumbent race too; 'former': 2) and variant fields "
-                                     f"({', '.join(VARIANT_FIELDS)}); got {s!r}")
+                        set(opts) - {"built", *VARIANT_FIELDS, *former, *(f"not={x}" for x in exclude)}) or (
+                        former and not (former[0] == "former" or former[0][6:].isdigit())) or (
+                        len(exclude) > 1 or (exclude and not _is_regex(exclude[0]))):
+                    raise ValueError(f"race:K[:built][:formerN][:not=REGEX][:FIELD...] needs a positive whole "
+                                     f"number of contenders, then optionally 'built', 'formerN' (the N winners "
+                                     f"before the incumbent race too; 'former': 2), 'not=REGEX' (kernels whose "
+                                     f"names match never race) and variant fields ({', '.join(VARIANT_FIELDS)}); "
+                                     f"got {s!r}")
                 # twins: each contender's variants in those fields, e.g. 'pdl' (its programmatic-
                 # dependent twin), 'lean' (its one-tile-per-CTA ones), 'epi' (wider epilogue subtiles)
                 n_former = (int(former[0][6:]) if former[0][6:] else 2) if former else 0
                 out.append(Race(store, device, k=int(k), log=_log_stderr, built_only="built" in opts,
-                                twins=tuple(o for o in VARIANT_FIELDS if o in opts), former=n_former))
+                                twins=tuple(o for o in VARIANT_FIELDS if o in opts), former=n_former,
+                                exclude=exclude[0] if exclude else None))
             elif s.startswith("pack:"):
                 from gemmrl.runtime.pack_impl import PackMatmul
 
@@ -89,6 +93,16 @@ def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> li
             seen.add(i.name)
             unique.append(i)
     return unique
+
+
+def _is_regex(text: str) -> bool:
+    import re
+
+    try:
+        re.compile(text)
+    except re.error:
+        return False
+    return bool(text)
 
 
 def _pack_spec(s: str) -> tuple[str, float | None]:

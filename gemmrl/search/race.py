@@ -47,7 +47,8 @@ class Race(BestOf):
     timed with the full kernel protocol; the choice is stored as the winner (`name`)."""
 
     def __init__(self, store, device: str, k: int = 3, margin: float = 0.10, name: str | None = None,
-                 log=None, built_only: bool = False, twins: tuple = (), former: int = 0):
+                 log=None, built_only: bool = False, twins: tuple = (), former: int = 0,
+                 exclude: str | None = None):
         from gemmrl.bench.timing import KernelSettings
         from gemmrl.search.run import TUNED
         from gemmrl.space import registry
@@ -68,6 +69,11 @@ class Race(BestOf):
         if isinstance(former, bool) or not isinstance(former, int) or former < 0:
             raise ValueError(f"former must be a whole number >= 0, got {former!r}")
         self.former = former
+        # exclude: a regular expression; kernels whose names match never race (not even as the
+        # incumbent or a former winner), e.g. a tile whose race times its final timing disowns
+        import re
+
+        self.exclude = re.compile(exclude) if exclude else None
         self.settings = KernelSettings()  # the final timing's protocol, not the search's quick one
 
     def specs(self, problem) -> list:
@@ -76,6 +82,10 @@ class Race(BestOf):
 
         bad = self.store.quarantined(self.device, problem) if self.store is not None else {}
         trials = [t for t in stored_history(self.store, self.device, [problem]) if t.problem == problem]
+        if self.exclude is not None:  # the excluded kernels' trials out: the race's k and margin are of the rest
+            trials = [t for t in trials if not self.exclude.search(t.candidate.spec.name)]
+            bad = set(bad) | {c["name"] for c in self.store.verified_choices(self.device, problem, self.name)
+                              if self.exclude.search(str(c.get("name", "")))}
         from gemmrl.search.run import built_generic_only
 
         built = built_generic_only() if self.built_only else None
@@ -89,7 +99,7 @@ class Race(BestOf):
             ranked = [s for s in contenders(trials, len(trials) or 1, self.margin) if s.name not in bad]
             out = [s for s in ranked if s == stored or built(registry.family_of(s).name, s, problem)][:self.k]
         inc = self.incumbent(problem, trials, bad)
-        if inc is not None and inc not in out and (out or self.twins or self.former):
+        if inc is not None and inc not in out and (out or self.twins or self.former or self.exclude is not None):
             out = out + [inc]
         if self.former and inc is not None:
             for spec in self.predecessors(problem, trials, bad, inc):
@@ -103,6 +113,8 @@ class Race(BestOf):
                     if v not in out and v.name not in bad and (
                             built is None or built(registry.family_of(v).name, v, problem)):
                         out.append(v)
+        if self.exclude is not None:  # the stored winner and the twins too
+            out = [s for s in out if not self.exclude.search(s.name)]
         return out
 
     def incumbent(self, problem, trials, bad):
@@ -137,8 +149,11 @@ class Race(BestOf):
     def _stored(self, problem):
         """Never the stored choice before the race (prepare races, then stores the winner); with
         one contender or none there is nothing to race: the stored winner."""
-        if len(self.specs(problem)) > 1:
+        specs = self.specs(problem)
+        if len(specs) > 1:
             return None
+        if self.exclude is not None and specs:  # the one kernel left, not an excluded stored one
+            return specs[0]
         return super()._stored(problem)
 
 
