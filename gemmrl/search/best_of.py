@@ -72,9 +72,10 @@ class BestOf(Impl):
             return None
         d = json.loads(bytes(got["choice"]).decode())
         if not self.search:
+            from gemmrl.runtime.pack import verified_differs
+
             ver = self.store.verified_choices(self.device, problem, self.name)
-            if ver and (ver[0]["family"], ver[0]["spec"]) != (d["family"], d["spec"]) and any(
-                    f.name == ver[0]["family"] for f in self.families):
+            if ver and verified_differs(d, ver[0]) and any(f.name == ver[0]["family"] for f in self.families):
                 self.log(f"{problem.shape}: the stored {self.name} choice awaits its final verification "
                          f"(a cut run); timing the verified {ver[0].get('name', ver[0]['family'])}")
                 d = ver[0]

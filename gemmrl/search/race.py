@@ -129,21 +129,14 @@ class Race(BestOf):
     def predecessors(self, problem, trials, bad, incumbent) -> list:
         """Up to `former` distinct kernels that passed the final verification as the winner
         before `incumbent`, newest first (none that failed a trial or is quarantined)."""
-        from gemmrl.space import registry
-
         failed = {t.candidate.spec.name for t in trials if t.status != "ok"}
-        out, seen = [], {incumbent.name}
-        for chosen in self.store.verified_choices(self.device, problem, self.name):
+        out, seen = [], {incumbent.name} | set(bad) | failed
+        for _fam, spec in verified_specs(self.store, self.device, problem, self.name):
             if len(out) == self.former:
                 break
-            try:
-                spec = registry.get(chosen["family"]).spec_type()(**chosen["spec"])
-            except (ValueError, TypeError, KeyError):
-                continue
-            if spec.name in seen or spec.name in bad or spec.name in failed:
-                continue
-            seen.add(spec.name)
-            out.append(spec)
+            if spec.name not in seen:
+                seen.add(spec.name)
+                out.append(spec)
         return out
 
     def _stored(self, problem):
@@ -181,10 +174,10 @@ def unbuilt_incumbents(store, device: str, problems, impl: str | None = None) ->
     return out
 
 
-def verified_spec(store, device: str, problem, impl: str, skip=frozenset()):
-    """(family, spec) of the newest passed verification in which `impl` chose a kernel for
-    `problem` on `device`, leaving out kernels named in `skip` and choices of a family or spec
-    layout this version no longer reads; None when there is none."""
+def verified_specs(store, device: str, problem, impl: str):
+    """(family, spec) of each passed verification in which `impl` chose a kernel for `problem`
+    on `device`, newest first, leaving out choices of a family or spec layout this version no
+    longer reads."""
     from gemmrl.space import registry
 
     for chosen in store.verified_choices(device, problem, impl):
@@ -193,6 +186,10 @@ def verified_spec(store, device: str, problem, impl: str, skip=frozenset()):
             spec = fam.spec_type()(**chosen["spec"])
         except (ValueError, TypeError):
             continue
-        if spec.name not in skip:
-            return fam, spec
-    return None
+        yield fam, spec
+
+
+def verified_spec(store, device: str, problem, impl: str, skip=frozenset()):
+    """The newest of verified_specs whose kernel is not named in `skip`; None when there is none."""
+    return next(((fam, spec) for fam, spec in verified_specs(store, device, problem, impl)
+                 if spec.name not in skip), None)
