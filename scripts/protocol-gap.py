@@ -14,6 +14,20 @@ Protocols: the search's QUICK (10 rounds at most, 500 us per graph replay), the 
 KernelSettings() (40 rounds, 2000 us per replay), and the two crossed (QUICK's rounds with 2000
 us replays; the judge's rounds with 500 us replays), each once with the winner timed alone and
 once beside the baselines. Prints a table; writes every record as JSON.
+
+Kernels that time one way in a race and another beside the baselines (H100 4096x8192xK,
+2026-11-27: the 128x144 kernel won its race by 1-2% and then ran 5-11% slower beside the
+baselines): name them with --kernel (CUTLASS spec names; repeat), pick the protocols (--protocols,
+among them `bench`'s v3: the precision target on paired ratios) and the company they keep
+(--companies: alone, with-lt (cuBLASLt autotuned NN and TN), with-all (every baseline `bench
+--impl baselines` times)):
+
+    python3 scripts/protocol-gap.py --out OUT/company.json --protocols full,v3 \
+        --companies alone,with-lt,with-all --kernel sm90_pp_128x144x64_c2x1_persist_s0_rh_sw1_tn_f16_f32 \
+        --kernel sm90_pp_128x160x64_c1x1_persist_s0_rh_sw2_tn_f16_f32 4096x8192x16384:fp32
+
+Each record then also carries its per-round trace: every replay's per-call time with the name of
+the replay that ran just before it in the round, to tell an effect of a kernel's neighbour.
 """
 
 from __future__ import annotations
@@ -40,18 +54,73 @@ def _gpu_state():
     return out
 
 
+PROTOCOLS = ("quick", "full", "quick-rounds/2000us", "full-rounds/500us", "v3")
+COMPANIES = ("alone", "with-lt", "with-all")
+LT = ("cuBLASLt-auto-tuning-nn", "cuBLASLt-auto-tuning-tn")
+
+
+def kernel_spec(name: str):
+    """The CUTLASS spec a kernel name spells (ValueError if it spells none)."""
+    from gemmrl.space.cutlass_sm90 import CutlassSpec
+
+    try:
+        spec = CutlassSpec.from_name(name)
+    except Exception as e:
+        raise ValueError(f"not a CUTLASS kernel name: {name!r} ({e})") from None
+    if spec.name != name:
+        raise ValueError(f"{name!r} reads as {spec.name!r}: give the kernel's full name")
+    return spec
+
+
+def company_calls(fns: dict, ours: list, company: str) -> dict:
+    """The calls one timing gets: our kernels alone, beside cuBLASLt autotuned (both layouts), or
+    beside every baseline prepared."""
+    if company == "alone":
+        keep = set(ours)
+    elif company == "with-lt":
+        keep = set(ours) | set(LT)
+    else:
+        keep = set(fns)
+    return {nm: fn for nm, fn in fns.items() if nm in keep}
+
+
+def neighbours(trace: list) -> list:
+    """(round, name, per-call us, the name replayed just before it in its round or None) for a
+    time_kernel trace, which lists each round's replays in the order they ran."""
+    out, last = [], {}
+    for rnd, name, us in trace:
+        out.append((rnd, name, round(us, 3), last.get(rnd)))
+        last[rnd] = name
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("shapes", nargs="+", help="MxNxK:acc (acc fp32 or fp16)")
     ap.add_argument("--db", default="results/gemmrl.sqlite")
     ap.add_argument("--out", required=True)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--kernel", action="append", default=[], metavar="NAME",
+                    help="time this CUTLASS kernel (spec name) instead of the tuned winner; repeat")
+    ap.add_argument("--protocols", default=",".join(PROTOCOLS), help=f"comma-separated, of {', '.join(PROTOCOLS)}")
+    ap.add_argument("--companies", default="alone,with-lt", help=f"comma-separated, of {', '.join(COMPANIES)}")
     args = ap.parse_args(argv)
+    pnames = [x for x in args.protocols.split(",") if x]
+    companies = [x for x in args.companies.split(",") if x]
+    if bad := [x for x in pnames if x not in PROTOCOLS] + [x for x in companies if x not in COMPANIES]:
+        ap.error(f"unknown protocol or company: {', '.join(bad)}")
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
+    try:
+        kernels = [kernel_spec(name) for name in args.kernel]
+    except ValueError as e:
+        ap.error(str(e))
 
     import torch
 
     from gemmrl.bench import timing
     from gemmrl.bench.select import impls_from_specs
+    from gemmrl.cli import kernel_precision
     from gemmrl.core.problem import Problem
     from gemmrl.store.db import Store
 
@@ -64,26 +133,35 @@ def main(argv=None) -> int:
         "full": full,
         "quick-rounds/2000us": replace(timing.QUICK, target_replay_us=full.target_replay_us),
         "full-rounds/500us": replace(full, target_replay_us=timing.QUICK.target_replay_us),
+        "v3": timing.KernelSettings(**kernel_precision(False, None, None)),  # bench's default
     }
-    names = ["tuned", "cuBLASLt-auto-tuning-nn", "cuBLASLt-auto-tuning-tn"]
+    protocols = {k: protocols[k] for k in pnames}
+    names = list(LT) + (["baselines"] if "with-all" in companies else [])
     records = []
     for text in args.shapes:
         dims, _, acc = text.partition(":")
         m, n, k = (int(x) for x in dims.lower().split("x"))
         problem = Problem(m, n, k, dtype="fp16", acc=acc or "fp32")
-        impls = impls_from_specs([",".join(names)], store=store, device=device)
+        if kernels:
+            from gemmrl.runtime.spec_impl import SpecImpl
+
+            ours = [SpecImpl(spec) for spec in kernels]
+        else:
+            ours = impls_from_specs(["tuned"], store=store, device=device)
         fns = {}
-        for impl in impls:
-            if impl.supports(problem):
+        for impl in ours + impls_from_specs([",".join(names)], store=store, device=device):
+            if impl.name not in fns and impl.supports(problem):
                 fns[impl.name] = impl.prepare(problem)
-        tuned = [nm for nm in fns if nm not in names[1:]]
+        tuned = [i.name for i in ours if i.name in fns]
         for rep in range(args.repeats):
             for pname, settings in protocols.items():
-                for company in ("alone", "with-baselines"):
-                    calls = {nm: fns[nm] for nm in tuned} if company == "alone" else fns
+                for company in companies:
+                    calls = company_calls(fns, tuned, company)
                     before = _gpu_state()
                     t0 = time.perf_counter()
-                    res = timing.time_kernel(problem, calls, l2_bytes=l2, settings=settings, seed=rep)
+                    trace = []
+                    res = timing.time_kernel(problem, calls, l2_bytes=l2, settings=settings, seed=rep, trace=trace)
+                    rows = neighbours(trace)
                     wall = time.perf_counter() - t0
                     after = _gpu_state()
                     for nm, r in res.items():
@@ -92,15 +170,23 @@ def main(argv=None) -> int:
                                "min_us": r.get("min_us"), "n": r.get("n"),
                                "calls_per_replay": r.get("details", {}).get("calls_per_replay"),
                                "sets": r.get("details", {}).get("sets"), "wall_s": round(wall, 3),
-                               "gpu_before": before, "gpu_after": after}
+                               "paired": r.get("details", {}).get("paired"),
+                               "gpu_before": before, "gpu_after": after,
+                               "trace": [row for row in rows if row[1] == nm]}
                         records.append(rec)
                         print(f"{dims}:{problem.acc} r{rep} {pname:22s} {company:15s} {nm:26s} "
-                              f"median {rec['median_us']:9.2f} us  calls/replay {rec['calls_per_replay']}"
+                              f"median {rec['median_us'] or float('nan'):9.2f} us  calls/replay {rec['calls_per_replay']}"
                               f"  clock {after['sm_mhz']}  power {after['power_mw']}", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"device": device, "torch": torch.__version__,
-                                          "records": records}, indent=1))
+        _write(args.out, device, torch.__version__, records)  # after every shape: a cut call keeps the rest
     return 0
+
+
+def _write(out: str, device: str, torch_version: str, records: list) -> None:
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".part")
+    tmp.write_text(json.dumps({"device": device, "torch": torch_version, "records": records}, indent=1))
+    tmp.replace(path)
 
 
 if __name__ == "__main__":

@@ -872,3 +872,41 @@ def test_lt_tiles_turns_cublaslt_choices_into_our_orientation_and_checks_the_poo
                           "--device", "H100", "--db", str(tmp_path / "s.sqlite")],
                          capture_output=True, text=True, env=ENV, timeout=300)
     assert bad.returncode == 2 and "no such file" in bad.stderr
+
+
+def _protocol_gap():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("protocol_gap", ROOT / "scripts" / "protocol-gap.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_protocol_gap_names_kernels_companies_and_neighbours():
+    mod = _protocol_gap()
+    name = "sm90_pp_128x144x64_c2x1_persist_s0_rh_sw1_tn_f16_f32"
+    spec = mod.kernel_spec(name)
+    assert spec.name == name and spec.layout == "TN"
+    for bad in ("not_a_kernel", name + "_x"):
+        with pytest.raises(ValueError):
+            mod.kernel_spec(bad)
+    fns = {name: 1, "other": 2, "cuBLASLt-auto-tuning-nn": 3, "cuBLASLt-auto-tuning-tn": 4, "cuBLAS-nn": 5}
+    assert set(mod.company_calls(fns, [name, "other"], "alone")) == {name, "other"}
+    assert set(mod.company_calls(fns, [name], "with-lt")) == {name, "cuBLASLt-auto-tuning-nn",
+                                                             "cuBLASLt-auto-tuning-tn"}
+    assert set(mod.company_calls(fns, [name], "with-all")) == set(fns)
+    # each replay with the one before it in its round; a round's first has none
+    trace = [(0, "a", 10.0), (0, "b", 11.0), (0, "c", 12.0), (1, "c", 12.5), (1, "a", 10.5)]
+    assert mod.neighbours(trace) == [(0, "a", 10.0, None), (0, "b", 11.0, "a"), (0, "c", 12.0, "b"),
+                                     (1, "c", 12.5, None), (1, "a", 10.5, "c")]
+
+
+def test_protocol_gap_refuses_bad_arguments_before_any_gpu_work():
+    script = str(ROOT / "scripts" / "protocol-gap.py")
+    for extra in (["--protocols", "v9"], ["--companies", "crowd"], ["--kernel", "sm90_nonsense"],
+                  ["--repeats", "0"]):
+        r = subprocess.run([sys.executable, script, "--out", "x.json", *extra, "256x256x256"],
+                           capture_output=True, text=True, env=ENV, timeout=300)
+        assert r.returncode == 2, (extra, r.stderr)
+        assert extra[1] in r.stderr or "repeats" in r.stderr
