@@ -24,3 +24,41 @@ def test_best_of_both_families_passes_the_harness(tmp_path, shape):
     print(shape, impl.chosen.name, r.passed, r.reason, r.details.get("rel_err"))
     assert r.passed, r.reason
     assert store.get_tuning("gpu", p, impl.name) is not None
+
+
+def test_a_race_beside_the_baselines_picks_a_contender_and_passes_the_harness(tmp_path):
+    """The race times its contenders in the baselines' rounds (bench's v3 protocol) and stores a
+    contender, never a baseline."""
+    from gemmrl.core.problem import Problem
+    from gemmrl.search.policy import Candidate, ModelFreePolicy, Trial
+    from gemmrl.search.race import Race
+    from gemmrl.search.run import TUNED, run_tune
+    from gemmrl.space import registry
+    from gemmrl.store.db import Store
+    from gemmrl.verify.checks import verify
+
+    store = Store(tmp_path / "s.sqlite")
+    p = Problem(256, 512, 1024)
+    specs = registry.get("raw").candidates(p, "TN", limit=2)
+    assert len(specs) == 2
+    trials = [Trial(p, Candidate("raw", s), "ok", us, 1000.0 / us, {"device_s": 0.01})
+              for s, us in zip(specs, (20.0, 20.5))]
+
+    class Fixed(ModelFreePolicy):
+        def propose(self, problem, n, exclude=()):
+            return [t.candidate for t in trials if t.key() not in set(exclude)][:n]
+
+    run_tune([p], store, "gpu", lambda problem, cands: [t for t in trials if t.candidate in cands],
+             candidates=2, batch=2, layouts=("TN",), policy=Fixed(layouts=("TN",)))
+    logs = []
+    race = Race(store, "gpu", k=2, log=logs.append)
+    assert race.specs(p) == specs
+    fn = race.prepare(p)
+    assert race.chosen.spec in specs
+    line = next(m for m in logs if "candidates" in m)
+    print(line)
+    assert "beside" in line and "by paired ratios" in line
+    assert not any(m.startswith(f"{p.shape} race company") for m in logs), logs
+    r = verify(race, p, fn=fn)
+    assert r.passed, r.reason
+    assert race.chosen.spec.name in store.get_tuning("gpu", p, TUNED)["info"]

@@ -12,8 +12,10 @@ def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> li
     number >= 0 or inf), or gemmrl's own kernels: 'gemmrl:FAMILY[+FAMILY]' (the fastest of
     each family's top candidates per shape; families: cutlass_sm90, raw), 'ours' (both) and
     'tuned' (the winners `gemmrl tune` stored) or 'race[:K[:built]]' (the tuned winner chosen again
-    by a race of the search's top K candidates, default 3, in the full kernel protocol; stored;
-    ':built': generic contenders only if already built; ':pdl': each contender's programmatic-
+    by a race of the search's top K candidates, default 3, timed beside the baselines in bench's
+    kernel protocol and ranked by paired ratios; stored; ':built': generic contenders only if
+    already built; ':alone': the contenders race among themselves in the full kernel protocol
+    (the rule before 2026-11-27's twenty-seventh session); ':pdl': each contender's programmatic-
     dependent-launch twin races too)."""
     from gemmrl.baselines import impls as bl
 
@@ -57,11 +59,12 @@ def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> li
                 former = [o for o in opts if o.startswith("former")]
                 exclude = [o[4:] for o in opts if o.startswith("not=")]
                 if not k.isdigit() or int(k) < 1 or len(set(opts)) < len(opts) or len(former) > 1 or (
-                        set(opts) - {"built", *VARIANT_FIELDS, *former, *(f"not={x}" for x in exclude)}) or (
+                        set(opts) - {"built", "alone", *VARIANT_FIELDS, *former, *(f"not={x}" for x in exclude)}) or (
                         former and not (former[0] == "former" or former[0][6:].isdigit())) or (
                         len(exclude) > 1 or (exclude and not _is_regex(exclude[0]))):
-                    raise ValueError(f"race:K[:built][:formerN][:not=REGEX][:FIELD...] needs a positive whole "
-                                     f"number of contenders, then optionally 'built', 'formerN' (the N winners "
+                    raise ValueError(f"race:K[:built][:alone][:formerN][:not=REGEX][:FIELD...] needs a positive "
+                                     f"whole number of contenders, then optionally 'built', 'alone' (the "
+                                     f"contenders race among themselves, not beside the baselines), 'formerN' (the N winners "
                                      f"before the incumbent race too; 'former': 2), 'not=REGEX' (kernels whose "
                                      f"names match never race) and variant fields ({', '.join(VARIANT_FIELDS)}); "
                                      f"got {s!r}")
@@ -70,7 +73,7 @@ def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> li
                 n_former = (int(former[0][6:]) if former[0][6:] else 2) if former else 0
                 out.append(Race(store, device, k=int(k), log=_log_stderr, built_only="built" in opts,
                                 twins=tuple(o for o in VARIANT_FIELDS if o in opts), former=n_former,
-                                exclude=exclude[0] if exclude else None))
+                                exclude=exclude[0] if exclude else None, beside="alone" not in opts))
             elif s.startswith("pack:"):
                 from gemmrl.runtime.pack_impl import PackMatmul
 
@@ -86,7 +89,7 @@ def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> li
                 raise ValueError(
                     f"unknown implementation {s!r}; known: baselines, exhaustive, "
                     f"{', '.join(all_named)}, cuda-l2:DIR, kernel:FILE, pack:DIR[@nearest=D], gemmrl:FAMILY, ours, tuned, "
-                    f"race[:K[:built][:FIELD...]]")
+                    f"race[:K[:built][:alone][:FIELD...]]")
     seen, unique = set(), []
     for i in out:
         if i.name not in seen:

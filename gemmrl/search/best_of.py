@@ -111,13 +111,21 @@ class BestOf(Impl):
         beat(f"impl:{self.name}")
         if not calls:
             raise UnsupportedProblem(f"{self.name}: no candidate built and verified for {problem.shape}")
+        company = self.company(problem) if len(calls) > 1 else {}
         try:
-            best, res = pick_fastest(problem, calls, **({"settings": self.settings} if self.settings else {}))
+            best, res = pick_fastest(problem, calls, **({"settings": self.settings} if self.settings else {}),
+                                     company=company)
         except RuntimeError as e:
             raise UnsupportedProblem(f"{self.name}: {e}") from None
-        self.log(f"{problem.shape} candidates (median us): " + ", ".join(
-            f"{n}={r['median_us']:.2f}" if r.get("status") == "ok" else f"{n}={r.get('status')}"
-            for n, r in sorted(res.items(), key=lambda kv: kv[1].get("median_us") or 1e18)))
+        from gemmrl.bench.timing import rank_times
+
+        ranked = rank_times(res, {n: r["median_us"] for n, r in res.items()
+                                  if n in calls and r.get("status") == "ok"}, company)
+        paired = any(res.get(n, {}).get("details", {}).get("paired") for n in company)
+        beside = f", beside {len(company)} baselines{', by paired ratios' if paired else ''}" if company else ""
+        self.log(f"{problem.shape} candidates (median us{beside}): "
+                 + ", ".join(f"{n}={ranked[n]:.2f}" if n in ranked else f"{n}={res[n].get('status')}"
+                             for n in sorted((n for n in res if n in calls), key=lambda n: ranked.get(n, 1e18))))
         self.chosen = impls[best]
         if self.store is not None:
             choice = json.dumps({"family": self.chosen.family.name, "spec": dict(self.chosen.spec.__dict__)},
@@ -126,6 +134,11 @@ class BestOf(Impl):
                                   f"{best} (best of {sum(r.get('status') == 'ok' for r in res.values())}/{len(calls)})",
                                   res[best]["median_us"])
         return calls[best]
+
+    def company(self, problem) -> dict:
+        """name -> fn of implementations timed beside the candidates but never chosen (none here;
+        a Race times its contenders beside the baselines)."""
+        return {}
 
     def own_kernels(self):
         return self.chosen.own_kernels() if self.chosen else None

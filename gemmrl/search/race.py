@@ -3,8 +3,10 @@ which misranks the largest shapes (at 16384^3 the search's best ran 0.64 of cuBL
 final timing, while its cluster-2x1 twin ran at parity on neighbouring shapes). So, before the
 final timing, the shape's top candidates from the search (those within `margin` of the fastest,
 at most `k`), and the winner that last passed the final verification (the incumbent), are built,
-verified and timed together with the full kernel-mode protocol, and the fastest becomes the
-stored winner; the final session then times it beside the baselines.
+verified and timed together, in the rounds of the baselines they will be judged beside and with
+the judge's protocol (ranked by paired ratios to a baseline; `beside=False`: among themselves, in
+the full kernel-mode protocol), and the fastest becomes the stored winner; the final session then
+times it beside the baselines.
 
 `contenders` is pure (tested on the CPU); `Race` is the implementation the final session runs,
 named like the tuner's winner so its records are the winner's."""
@@ -48,7 +50,7 @@ class Race(BestOf):
 
     def __init__(self, store, device: str, k: int = 3, margin: float = 0.10, name: str | None = None,
                  log=None, built_only: bool = False, twins: tuple = (), former: int = 0,
-                 exclude: str | None = None):
+                 exclude: str | None = None, beside: bool = True):
         from gemmrl.bench.timing import KernelSettings
         from gemmrl.search.run import TUNED
         from gemmrl.space import registry
@@ -74,7 +76,20 @@ class Race(BestOf):
         import re
 
         self.exclude = re.compile(exclude) if exclude else None
-        self.settings = KernelSettings()  # the final timing's protocol, not the search's quick one
+        # beside: the contenders race in the rounds of the baselines they will be judged beside, and
+        # with the judge's protocol (bench's v3: paired ratios to 0.5%, at most 3 s), ranked by their
+        # paired ratio to a baseline. Raced alone in the full protocol's shorter rounds (before
+        # 2026-11-27's twenty-seventh session, and with beside=False), an H100 kernel (128x144 at
+        # 4096x8192xK) won by 2-3% and then ran 8-16% slower in most rounds beside the baselines
+        # (scripts/protocol-gap.py --companies, results/README.md).
+        self.beside = beside
+        self._baselines = None
+        if beside:
+            from gemmrl.cli import kernel_precision
+
+            self.settings = KernelSettings(**kernel_precision(False, None, None))
+        else:
+            self.settings = KernelSettings()  # the final timing's protocol, not the search's quick one
 
     def specs(self, problem) -> list:
         from gemmrl.search.run import stored_history
@@ -115,6 +130,24 @@ class Race(BestOf):
                         out.append(v)
         if self.exclude is not None:  # the stored winner and the twins too
             out = [s for s in out if not self.exclude.search(s.name)]
+        return out
+
+    def company(self, problem) -> dict:
+        """The baselines `bench --impl baselines` times (those that serve the problem and prepare),
+        as name -> fn for the race's rounds; none unless `beside`."""
+        if not self.beside:
+            return {}
+        if self._baselines is None:
+            from gemmrl.baselines.impls import baseline_impls
+
+            self._baselines = baseline_impls(self.store, self.device)
+        out = {}
+        for impl in self._baselines:
+            try:
+                if impl.supports(problem):
+                    out[impl.name] = impl.prepare(problem)
+            except Exception as e:  # a baseline that cannot run here only leaves the race's company
+                self.log(f"{problem.shape} race company {impl.name}: {type(e).__name__}: {str(e)[:200]}")
         return out
 
     def incumbent(self, problem, trials, bad):
