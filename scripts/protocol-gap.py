@@ -28,6 +28,10 @@ among them `bench`'s v3: the precision target on paired ratios) and the company 
 
 Each record then also carries its per-round trace: every replay's per-call time with the name of
 the replay that ran just before it in the round, to tell an effect of a kernel's neighbour.
+Without a GPU, the traces as a table: per timing, each kernel's median within-round time ratio to
+a reference kernel and the share of rounds in which it ran more than 5% over it:
+
+    python3 scripts/protocol-gap.py --report OUT/company.json[.gz] --ref 128x160x64_c1x1_persist_s0_rh_sw2
 """
 
 from __future__ import annotations
@@ -94,17 +98,70 @@ def neighbours(trace: list) -> list:
     return out
 
 
+def ratio_rows(records: list, ref: str, slow: float = 1.05) -> list[dict]:
+    """Per timing (shape, repeat, protocol, company) and implementation: the median of its
+    within-round time ratios to the implementation whose name contains `ref`, and the share of
+    rounds where that ratio exceeds `slow`; from the records' traces."""
+    import statistics
+
+    groups: dict = {}
+    for r in records:
+        groups.setdefault((r["shape"], r.get("acc", "fp32"), r["repeat"], r["protocol"], r["company"]), []).append(r)
+    out = []
+    for key, recs in groups.items():
+        refs = [r for r in recs if ref in r["impl"]]
+        if len(refs) != 1:
+            raise ValueError(f"{key}: {len(refs)} implementations match --ref {ref!r}")
+        base = {row[0]: row[2] for row in refs[0].get("trace") or []}
+        for r in recs:
+            if r is refs[0]:
+                continue
+            ratios = [row[2] / base[row[0]] for row in r.get("trace") or [] if base.get(row[0])]
+            if not ratios:
+                continue
+            out.append({"shape": key[0], "acc": key[1], "repeat": key[2], "protocol": key[3], "company": key[4],
+                        "impl": r["impl"], "rounds": len(ratios), "median_ratio": statistics.median(ratios),
+                        "share_slow": sum(x > slow for x in ratios) / len(ratios)})
+    return out
+
+
+def print_report(path: str, ref: str) -> None:
+    import gzip
+
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        records = json.load(f)["records"]
+    print(f"time over {ref} (median of the within-round ratios); share of rounds more than 5% over it")
+    print("| shape | repeat | protocol | company | implementation | rounds | ratio | rounds > 1.05 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in ratio_rows(records, ref):
+        print(f"| {r['shape']} | {r['repeat']} | {r['protocol']} | {r['company']} | {r['impl']} | {r['rounds']} | "
+              f"{r['median_ratio']:.3f} | {r['share_slow']:.0%} |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("shapes", nargs="+", help="MxNxK:acc (acc fp32 or fp16)")
+    ap.add_argument("shapes", nargs="*", help="MxNxK:acc (acc fp32 or fp16)")
     ap.add_argument("--db", default="results/gemmrl.sqlite")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
+    ap.add_argument("--report", metavar="JSON", help="print the ratio table of an output (no GPU) and exit")
+    ap.add_argument("--ref", help="--report: the reference implementation (a part of its name)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--kernel", action="append", default=[], metavar="NAME",
                     help="time this CUTLASS kernel (spec name) instead of the tuned winner; repeat")
     ap.add_argument("--protocols", default=",".join(PROTOCOLS), help=f"comma-separated, of {', '.join(PROTOCOLS)}")
     ap.add_argument("--companies", default="alone,with-lt", help=f"comma-separated, of {', '.join(COMPANIES)}")
     args = ap.parse_args(argv)
+    if args.report:
+        if not args.ref:
+            ap.error("--report needs --ref")
+        try:
+            print_report(args.report, args.ref)
+        except (OSError, ValueError, KeyError) as e:
+            ap.error(f"{args.report}: {e}")
+        return 0
+    if not args.out or not args.shapes:
+        ap.error("--out and at least one shape are required (or --report JSON --ref NAME)")
     pnames = [x for x in args.protocols.split(",") if x]
     companies = [x for x in args.companies.split(",") if x]
     if bad := [x for x in pnames if x not in PROTOCOLS] + [x for x in companies if x not in COMPANIES]:
@@ -124,8 +181,11 @@ def main(argv=None) -> int:
     from gemmrl.core.problem import Problem
     from gemmrl.store.db import Store
 
+    from gemmrl.bench import env
+
     store = Store(args.db)
     device = torch.cuda.get_device_name()
+    prov = env.provenance()  # device, driver, CUDA, torch, commit, date
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     full = timing.KernelSettings()
     protocols = {
@@ -177,15 +237,16 @@ def main(argv=None) -> int:
                         print(f"{dims}:{problem.acc} r{rep} {pname:22s} {company:15s} {nm:26s} "
                               f"median {rec['median_us'] or float('nan'):9.2f} us  calls/replay {rec['calls_per_replay']}"
                               f"  clock {after['sm_mhz']}  power {after['power_mw']}", flush=True)
-        _write(args.out, device, torch.__version__, records)  # after every shape: a cut call keeps the rest
+        _write(args.out, device, prov, records)  # after every shape: a cut call keeps the rest
     return 0
 
 
-def _write(out: str, device: str, torch_version: str, records: list) -> None:
+def _write(out: str, device: str, provenance: dict, records: list) -> None:
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".part")
-    tmp.write_text(json.dumps({"device": device, "torch": torch_version, "records": records}, indent=1))
+    tmp.write_text(json.dumps({"device": device, "torch": provenance.get("torch"), "provenance": provenance,
+                               "script": "scripts/protocol-gap.py", "records": records}, indent=1))
     tmp.replace(path)
 
 

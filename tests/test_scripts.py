@@ -910,3 +910,33 @@ def test_protocol_gap_refuses_bad_arguments_before_any_gpu_work():
                            capture_output=True, text=True, env=ENV, timeout=300)
         assert r.returncode == 2, (extra, r.stderr)
         assert extra[1] in r.stderr or "repeats" in r.stderr
+
+
+def test_protocol_gap_report_reads_the_traces(tmp_path):
+    mod = _protocol_gap()
+
+    def rec(impl, times, company="alone"):
+        return {"shape": "64x64x64", "acc": "fp32", "repeat": 0, "protocol": "v3", "company": company,
+                "impl": impl, "trace": [[i, impl, t, None] for i, t in enumerate(times)]}
+
+    ref = "sm90_pp_128x160x64_c1x1_persist_s0_rh_sw2_tn_f16_f32"
+    # the 144 kernel runs 3% ahead of the reference, then 20% behind it in the last 3 of 5 rounds
+    records = [rec(ref, [100.0] * 5), rec("k144", [97.0, 97.0, 120.0, 120.0, 120.0]),
+               rec(ref, [50.0] * 2, "with-all"), rec("cuBLAS-nn", [49.0, 49.0], "with-all")]
+    rows = mod.ratio_rows(records, "128x160x64_c1x1_persist_s0_rh_sw2")
+    assert [(r["company"], r["impl"], r["rounds"]) for r in rows] == [("alone", "k144", 5), ("with-all", "cuBLAS-nn", 2)]
+    assert rows[0]["median_ratio"] == pytest.approx(1.2) and rows[0]["share_slow"] == pytest.approx(0.6)
+    assert rows[1]["median_ratio"] == pytest.approx(0.98) and rows[1]["share_slow"] == 0
+    with pytest.raises(ValueError, match="0 implementations match"):
+        mod.ratio_rows(records, "nothing-like-it")
+    path = tmp_path / "gap.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"records": records}, f)
+    script = str(ROOT / "scripts" / "protocol-gap.py")
+    r = subprocess.run([sys.executable, script, "--report", str(path), "--ref", "c1x1_persist_s0_rh_sw2"],
+                       capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "| 64x64x64 | 0 | v3 | alone | k144 | 5 | 1.200 | 60% |" in r.stdout
+    for extra in (["--report", str(path)], ["--report", str(path), "--ref", "absent"], []):
+        r = subprocess.run([sys.executable, script, *extra], capture_output=True, text=True, env=ENV, timeout=300)
+        assert r.returncode == 2, (extra, r.stderr)
