@@ -608,7 +608,7 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
             store.close()
             return done
         return _on_gpus("tune", problems, gpus, TUNED, searched)
-    from gemmrl.bench import env
+    from gemmrl.bench import env, timing
     from gemmrl.search.run import TUNED, isolated_evaluator, promote_runner_up, rejected_winners, run_tune
     from gemmrl.search.tune import best_baseline_from_store, write_curves
     from gemmrl.store.db import Store
@@ -621,7 +621,12 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
     run_id = store.start_run(" ".join(["gemmrl"] + sys.argv[1:]), device, prov,
                              {"candidates": candidates, "more": more, "batch": batch, "budget_s": budget_s,
                               "layouts": lays})
-    kernel_only = runner.RunConfig(modes=("kernel",))
+    kernel_only = runner.RunConfig(modes=("kernel",))  # the baselines the search's reward is taken over
+    # the final timing (the race and the winners beside the baselines): bench's kernel protocol (v3,
+    # paired ratios), so a tune's numbers and a bench retime's are of one yardstick (before the
+    # twenty-seventh session it was v1, and the reports mixed the two)
+    judge = runner.RunConfig(modes=("kernel",), retime=True,
+                             kernel=timing.KernelSettings(**kernel_precision(False, None, None)))
     if built_only:  # the race times each incumbent, built or not: say so before an hour's call spends it
         from gemmrl.search.race import unbuilt_incumbents
 
@@ -680,7 +685,8 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
                        + (f"; stopped: {res.stopped}" if res.stopped else ""), err=True)
             if not no_report:
                 write_curves({"model-free": res.per_shape_curve()}, Path(out) / env.gpu_slug(device) / "tune_curve")
-            final = shapes_to_time(problems, res.trials, store, device, kernel_only.protocol("kernel"))
+            final = shapes_to_time(problems, res.trials, store, device,
+                                   (kernel_only.protocol("kernel"), judge.protocol("kernel")))
             # the winner as stored, or chosen again by a race of the search's best (search/race.py)
             # with --race 1 too: a new winner must beat the one it replaces in one session (the
             # search's trial times and those of an earlier run do not compare); no incumbent, no race
@@ -695,7 +701,7 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
             else:  # the ratios the report shows come from one timing session per shape
                 counts = measure(("baselines", winner), f"the winners of {len(final)} shapes{raced}, verified in "
                                  "full and timed beside the baselines, all measured again in one session per shape",
-                                 runner.RunConfig(modes=("kernel",), retime=True), probs=final)
+                                 judge, probs=final)
             cut = bool(counts.get("stopped"))  # SIGTERM or Ctrl-C during the final timing
             if cut:
                 click.echo("the final timing was stopped; a rerun times the winners left", err=True)
@@ -716,7 +722,8 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
                     break
                 measure(("baselines", "tuned") if not reuse_baselines else ("tuned",),
                         f"the runners-up of {len(promoted)} shapes, verified in full and timed",
-                        runner.RunConfig(modes=("kernel",), retime=True), probs=promoted)
+                        judge if not reuse_baselines else runner.RunConfig(modes=("kernel",), retime=True),
+                        probs=promoted)
                 final = promoted
             status = "partial" if cut else "done"
     finally:
@@ -754,9 +761,10 @@ def _check_transfer_source(store, source: str, device: str, capability: str | No
     return source
 
 
-def shapes_to_time(problems, trials, store, device: str, protocol: str) -> list:
+def shapes_to_time(problems, trials, store, device: str, protocol) -> list:
     """The shapes whose winners a tune run times at its end: those it tried candidates on, those
-    with a stored winner that was never timed, and those whose stored winner is not the kernel
+    with a stored winner never timed in kernel mode under `protocol` (a protocol string, or several:
+    timed under any of them counts), and those whose stored winner is not the kernel
     the newest verification passed (a run cut between its search and the end of its final
     timing, which a rerun finishes; or a winner the newest check failed). Not the rest: a run over the grid that reached 60 shapes
     does not time the other 940 again."""
@@ -764,6 +772,7 @@ def shapes_to_time(problems, trials, store, device: str, protocol: str) -> list:
     from gemmrl.search.run import TUNED
 
     touched = {t.problem for t in trials}
+    protocols = (protocol,) if isinstance(protocol, str) else tuple(protocol)
     out = []
     for p in problems:
         row = store.get_tuning(device, p, TUNED)
@@ -775,7 +784,7 @@ def shapes_to_time(problems, trials, store, device: str, protocol: str) -> list:
                 choice = json.loads(bytes(row["choice"]).decode())
             except ValueError:
                 choice = {}
-            if TUNED not in store.measured_impls(device, p, "kernel", protocol) or (ver is not None and (
+            if all(TUNED not in store.measured_impls(device, p, "kernel", pr) for pr in protocols) or (ver is not None and (
                     not ver["passed"] or verified_differs(choice, verified_choice(ver)))):
                 out.append(p)
     return out

@@ -331,6 +331,13 @@ def test_tune_times_only_the_shapes_it_touched_or_never_timed(tmp_path):
     assert shapes_to_time([a, b, c, d, e, f], trials, store, dev, proto) == [a, c, e]
     store.record_verification(run, dev, e, "gemmrl-tuned", False, "wrong", {})  # the newest check failed
     assert shapes_to_time([e, f], [], store, dev, proto) == [e]
+    # a winner timed under either protocol a tune knows (its final timing's v3, or v1 before) is timed
+    v3 = "kernel:v3:ci=0.005"
+    assert shapes_to_time([c], [], store, dev, (proto, v3)) == [c]
+    store.record_session(run, "s3", dev, c, "kernel", v3, {"gemmrl-tuned": st})
+    assert shapes_to_time([b, c], [], store, dev, (proto, v3)) == []
+    assert shapes_to_time([b, c], [], store, dev, v3) == [b]  # b was timed under v1 only
+    assert shapes_to_time([b, c], [], store, dev, proto) == [c]
 
 
 def test_build_leaves_out_shapes_searched_enough_and_keeps_the_first_n(tmp_path, monkeypatch):
@@ -467,10 +474,11 @@ def test_tune_stopped_in_its_baselines_or_final_timing_ends_partial_and_goes_no_
         return TuneResult(problems=list(problems), trials=[trial], history=[], best={p: trial}, curve=[],
                           device_s=0.0)
     monkeypatch.setattr(srun, "run_tune", fake_run_tune)
-    calls, promoted = [], []
+    calls, promoted, cfgs = [], [], []
     for cut in (True, False):
         def fake_isolated(probs, specs, store, cfg, **kw):
             calls.append(specs)
+            cfgs.append((cfg.protocol("kernel"), cfg.retime))
             stopped = cut and "baselines" in specs and len(specs) == 2  # the final timing
             return {"stopped": stopped}
         monkeypatch.setattr(runner, "run_isolated", fake_isolated)
@@ -488,6 +496,10 @@ def test_tune_stopped_in_its_baselines_or_final_timing_ends_partial_and_goes_no_
             assert status == "done" and len(promoted) == 1  # the rejected winner had its runner-up round
     assert [len(c) for c in calls] == [1, 2, 1, 2]  # baselines, then baselines + winners, per run
     assert calls[1] == ("baselines", "race:1")  # a new winner races the incumbent (if any) first
+    # the search's yardstick in the quick v1 protocol; the final timing in
+    # bench's (v3, paired), measured again
+    v3 = ("kernel:v3:ci=0.005", True)
+    assert cfgs == [("kernel:v1", False), v3, ("kernel:v1", False), v3]
     assert seen_kw[-1]["more"] is None
     r = CliRunner().invoke(main, ["tune", "--shapes", "64x64x64", "--db", str(tmp_path / "more.sqlite"),
                                   "--no-report", "--more", "3"])
@@ -576,7 +588,7 @@ def test_bench_times_kernel_mode_to_the_precision_target_unless_quick():
     assert KernelSettings(**kernel_precision(False, None, None, "median")).protocol() == "kernel:v2:ci=0.005"
     assert KernelSettings(**kernel_precision(False, 0.01, 8.0)).max_s == 8.0
     quick = KernelSettings(**kernel_precision(True, None, None, "paired"))
-    assert quick == KernelSettings() and quick.protocol() == "kernel:v1"  # the search's and the races' rule
+    assert quick == KernelSettings() and quick.protocol() == "kernel:v1"  # a tune's baselines before its search
 
 
 def test_noise_tables_a_runs_repeat_timings(tmp_path):
