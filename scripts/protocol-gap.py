@@ -242,12 +242,10 @@ def main(argv=None) -> int:
 
 
 def _write(out: str, device: str, provenance: dict, records: list) -> None:
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".part")
-    tmp.write_text(json.dumps({"device": device, "torch": provenance.get("torch"), "provenance": provenance,
-                               "script": "scripts/protocol-gap.py", "records": records}, indent=1))
-    tmp.replace(path)
+    from gemmrl.report.export import write_json  # atomic: a cut call leaves the last whole file
+
+    write_json(out, {"device": device, "torch": provenance.get("torch"), "provenance": provenance,
+                     "script": "scripts/protocol-gap.py", "records": records})
 
 
 if __name__ == "__main__":
