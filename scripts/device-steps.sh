@@ -7,7 +7,8 @@
 # "build ARGS" (gemmrl build, e.g. --tuned-in results/gemmrl.sqlite --variants epi: kernels the next
 # steps race, compiled on the device's cores into the cache they read).
 # STEPS run on GPU 0; on a machine with G GPUs, STEPS_1 .. STEPS_<G-1> run on the others at once
-# (each lane's steps in turn, all writing the one store). PRE="build ...; ..." runs first, alone
+# (each lane's steps in turn, all writing the one store). A step with --gpus N (bench --gpus 4) sees
+# every GPU, so give it a lane of its own with no other lane's steps beside it. PRE="build ...; ..." runs first, alone
 # (its logs step-pre.N-VERB.log), e.g. the kernels every lane will time compiled on all cores.
 # Carry the CUTLASS headers (.ext/carry/cutlass-headers-*.txz from scripts/pack-cutlass-headers.sh, or
 # the nvidia_cutlass wheel) and the build caches the steps need (.ext/carry/gcache*.txz,
@@ -45,7 +46,7 @@ if [ -n "${BG:-}" ]; then
 fi
 # lane g: its steps in turn on GPU g (STEPS is lane 0, STEPS_1 lane 1, ...); the lanes at once
 lane() {
-  local g=$1 spec=$2 tag=${3:-} i args argv cap verb extra budget log
+  local g=$1 spec=$2 tag=${3:-} i args argv cap verb extra budget log vis
   IFS=';' read -ra steps <<< "$spec"
   for i in "${!steps[@]}"; do
     read -ra argv <<< "${steps[$i]}"
@@ -65,7 +66,10 @@ lane() {
     [ -n "$cap" ] && [ "$cap" -lt "$budget" ] && budget=$cap
     log=$out/logs/step-$id-$verb.log
     echo "== step $id: $label ${argv[*]} (timeout ${budget} s)" | tee -a "$out/logs/steps.txt"
-    CUDA_VISIBLE_DEVICES=${LANE_GPUS[$g]} OUT=$out GEMMRL_TEST_OUT=$out/logs timeout -k 30 "$budget" "${cmd[@]}" "${argv[@]}" "${extra[@]}" > "$log" 2>&1
+    # a step that spreads itself over GPUs (bench --gpus N) sees every GPU of the machine, not its lane's
+    vis=${LANE_GPUS[$g]}
+    [[ " ${argv[*]} " == *" --gpus "* ]] && vis=$(IFS=,; echo "${LANE_GPUS[*]}")
+    CUDA_VISIBLE_DEVICES=$vis OUT=$out GEMMRL_TEST_OUT=$out/logs timeout -k 30 "$budget" "${cmd[@]}" "${argv[@]}" "${extra[@]}" > "$log" 2>&1
     echo "exit $? after $SECONDS s (step $id)" | tee -a "$out/logs/steps.txt"
     grep -E "^tuned|^the winners|^measured|deadline" "$log" | tail -3
   done
