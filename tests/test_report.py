@@ -8,6 +8,7 @@ import os
 import random
 
 import pytest
+from PIL import Image
 
 from gemmrl.report.export import (
     ReportError,
@@ -403,6 +404,8 @@ def test_write_results_files_csvs_json_and_pngs(tmp_path):
             data = p.read_bytes()
             assert data[:8] == PNG_SIGNATURE
             assert len(data) > 2000
+            with Image.open(p) as im:  # palette-coded (the committed reports' size), and not blank
+                assert im.mode == "P" and len(im.convert("RGB").getcolors(1 << 16) or ()) > 3
     head = (tmp_path / f"{PREFIX}_speedup_offline.csv").read_text().splitlines()[0]
     assert head == CUDA_L2_HEADER + ",best-baseline"
 
@@ -472,6 +475,26 @@ def test_plots_accept_empty_modes(tmp_path):
     out = plots.plot_speedup_vs_flops({}, tmp_path / "s.png")
     assert out.read_bytes()[:8] == PNG_SIGNATURE
     assert _tmp_leftovers(tmp_path) == []
+
+
+def test_palette_png_keeps_every_pixel_of_a_few_colour_image():
+    """The reports' PNGs are re-encoded with a palette: an image of a few colours (a plot's markers,
+    one half transparent) comes back pixel for pixel, alpha included, as a palette PNG."""
+    import io
+
+    import numpy as np
+
+    from gemmrl.report.plots import palette_png
+
+    colours = np.array([[255, 255, 255, 255], [31, 119, 180, 255], [255, 127, 14, 128], [0, 0, 0, 255],
+                        [214, 39, 40, 255]], dtype=np.uint8)
+    pixels = colours[np.random.default_rng(0).integers(0, len(colours), (60, 80))]
+    src = io.BytesIO()
+    Image.fromarray(pixels, "RGBA").save(src, format="png")
+    out = palette_png(src.getvalue())
+    with Image.open(io.BytesIO(out)) as im:
+        assert im.mode == "P" and im.size == (80, 60)
+        assert np.array_equal(np.asarray(im.convert("RGBA")), pixels)
 
 
 # ----------------------------------------------------------------------------- head to head
