@@ -13,6 +13,8 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
+# kernel mode's precision target, bench's default: defined with the statistics it is on
+from gemmrl.bench.stats import KERNEL_CI, KERNEL_MAX_ROUNDS, KERNEL_MAX_S, kernel_precision  # noqa: F401
 from gemmrl.core.problem import ProblemError
 from gemmrl.core import shapes as shapes_mod
 
@@ -128,27 +130,6 @@ HOST_MAX_S = {"offline": 5.0, "server": 12.0}
 # of the target, and the four whose two timings differed by 1.3-3.4% were among them); a server
 # round waits a millisecond's idle gap per implementation
 HOST_ROUNDS_PER_S = {"offline": 4000, "server": 200}
-
-
-# Kernel mode's precision (gemmrl bench's default since the sixteenth session): past 10 rounds, sample until
-# every paired ratio (timing.KernelSettings.stat) is known to within 0.5%, for at most 3 s of
-# rounds per shape. Replayed on traces of 160-200 rounds per shape on an H100 (66 shapes,
-# scripts/kernel-noise.py), this rule stopped after a median 16-21 rounds (at most 34), and three
-# copies of torch.matmul then agreed within 0.49%. The same target on the medians missed on 34 of
-# the subset's 100 shapes within 3 s (run 137), and two medians of torch.matmul differed by 2.39%.
-KERNEL_CI = 0.005
-KERNEL_MAX_S = 3.0
-KERNEL_MAX_ROUNDS = 400
-
-
-def kernel_precision(quick: bool, kernel_ci: float | None, kernel_max_s: float | None,
-                     stat: str = "paired") -> dict:
-    """KernelSettings fields for `bench`'s kernel timing: the precision target on `stat` unless
-    --quick (v1: 10 to 40 rounds, then 0.5 s per shape)."""
-    if quick:
-        return {}
-    return {"target_ci": KERNEL_CI if kernel_ci is None else kernel_ci, "max_rounds": KERNEL_MAX_ROUNDS,
-            "max_s": KERNEL_MAX_S if kernel_max_s is None else kernel_max_s, "stat": stat}
 
 
 def host_precision(mode: str, quick: bool, host_ci: float | None, host_max_s: float | None) -> dict:

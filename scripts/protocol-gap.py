@@ -177,7 +177,7 @@ def main(argv=None) -> int:
 
     from gemmrl.bench import timing
     from gemmrl.bench.select import impls_from_specs
-    from gemmrl.cli import kernel_precision
+    from gemmrl.bench.stats import kernel_precision
     from gemmrl.core.problem import Problem
     from gemmrl.store.db import Store
 

@@ -199,3 +199,24 @@ class PairedRounds:
 def _log_median_ci(logs: list[float], z: float) -> float:
     """Half-width of the order-statistic CI of the median of `logs`; inf below 8 values."""
     return _median_ci_half(sorted(logs), z) if len(logs) >= 8 else math.inf
+
+
+# Kernel mode's precision (gemmrl bench's default since the sixteenth session): past 10 rounds, sample until
+# every paired ratio (timing.KernelSettings.stat) is known to within 0.5%, for at most 3 s of
+# rounds per shape. Replayed on traces of 160-200 rounds per shape on an H100 (66 shapes,
+# scripts/kernel-noise.py), this rule stopped after a median 16-21 rounds (at most 34), and three
+# copies of torch.matmul then agreed within 0.49%. The same target on the medians missed on 34 of
+# the subset's 100 shapes within 3 s (run 137), and two medians of torch.matmul differed by 2.39%.
+KERNEL_CI = 0.005
+KERNEL_MAX_S = 3.0
+KERNEL_MAX_ROUNDS = 400
+
+
+def kernel_precision(quick: bool, kernel_ci: float | None, kernel_max_s: float | None,
+                     stat: str = "paired") -> dict:
+    """KernelSettings fields for `bench`'s kernel timing: the precision target on `stat` unless
+    --quick (v1: 10 to 40 rounds, then 0.5 s per shape)."""
+    if quick:
+        return {}
+    return {"target_ci": KERNEL_CI if kernel_ci is None else kernel_ci, "max_rounds": KERNEL_MAX_ROUNDS,
+            "max_s": KERNEL_MAX_S if kernel_max_s is None else kernel_max_s, "stat": stat}

@@ -85,7 +85,7 @@ class Race(BestOf):
         self.beside = beside
         self._baselines = None
         if beside:
-            from gemmrl.cli import kernel_precision
+            from gemmrl.bench.stats import kernel_precision
 
             self.settings = KernelSettings(**kernel_precision(False, None, None))
         else:
