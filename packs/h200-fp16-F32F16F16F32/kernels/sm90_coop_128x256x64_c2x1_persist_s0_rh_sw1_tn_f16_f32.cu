@@ -1,6 +1,6 @@
-// sm90_pp_128x192x64_c1x1_persist_s0_rh_sw2_tn_f16_f32: a CUTLASS 3.x sm90 GEMM behind the gemmrl kernel ABI (gemmrl/runtime/abi.py).
+// sm90_coop_128x256x64_c2x1_persist_s0_rh_sw1_tn_f16_f32: a CUTLASS 3.x sm90 GEMM behind the gemmrl kernel ABI (gemmrl/runtime/abi.py).
 // Rendered by gemmrl.space.cutlass_sm90 (render version 1) from the spec
-//   {"acc":"fp32","cluster_m":1,"cluster_n":1,"dtype":"fp16","layout":"TN","raster":"heuristic","schedule":"pingpong","scheduler":"persistent","splits":1,"stages":0,"swizzle":2,"tile_k":64,"tile_m":128,"tile_n":192}
+//   {"acc":"fp32","cluster_m":2,"cluster_n":1,"dtype":"fp16","layout":"TN","raster":"heuristic","schedule":"cooperative","scheduler":"persistent","splits":1,"stages":0,"swizzle":1,"tile_k":64,"tile_m":128,"tile_n":256}
 // Do not edit: change the spec or the renderer. Generic over M, N, K; residues are handled by
 // TMA (out-of-bounds loads read zeros, stores are clipped). C = A @ B^T, C is not read.
 #include <atomic>
@@ -41,10 +41,10 @@ using LayoutB = cutlass::layout::ColumnMajor;  // TN: B given as [N,K] row-major
 using LayoutD = cutlass::layout::RowMajor;  // C [M,N] row-major
 constexpr int kAlignment = 8;  // elements: 16 bytes, TMA's minimum
 
-using TileShape = cute::Shape<cute::_128, cute::_192, cute::_64>;
-using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
-using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
-using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
+using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
 using TileSchedulerTag = cutlass::gemm::PersistentScheduler;
 
 using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -163,14 +163,14 @@ typename Gemm::Arguments make_arguments(const void* A, const void* B, void* C, i
   args.hw_info.device_id = device;
   args.hw_info.sm_count = sms;
   args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::Heuristic;
-  args.scheduler.max_swizzle_size = 2;
+  args.scheduler.max_swizzle_size = 1;
   return args;
 }
 
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) const char* gemmrl_meta(void) {
-  return "{\"layout\": \"TN\", \"dtype\": \"fp16\", \"acc\": \"fp32\", \"name\": \"sm90_pp_128x192x64_c1x1_persist_s0_rh_sw2_tn_f16_f32\", \"family\": \"cutlass_sm90\", \"key\": \"2bbe948b93f2c82a\"}";
+  return "{\"layout\": \"TN\", \"dtype\": \"fp16\", \"acc\": \"fp32\", \"name\": \"sm90_coop_128x256x64_c2x1_persist_s0_rh_sw1_tn_f16_f32\", \"family\": \"cutlass_sm90\", \"key\": \"76acdee2355d8281\"}";
 }
 
 // Resources CUTLASS chose, for people and tests: {"smem_bytes", "stages", "threads"}.
