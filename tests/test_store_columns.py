@@ -103,3 +103,55 @@ def test_a_table_with_a_column_named_rowid_is_refused(tmp_path):
     with pytest.raises(StoreError, match="column named rowid"):
         pack(db)
     assert not packed_path(db).exists() and not list(tmp_path.glob(".*"))
+
+
+def _round_store_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "round-store.py"
+    spec = importlib.util.spec_from_file_location("round_store", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_measured_floats_are_stored_to_seven_digits_and_older_rows_rewritten_once(tmp_path):
+    from gemmrl.store.db import measured
+
+    assert measured(12.345678901234567) == 12.34568 and measured(0.1 + 0.2) == 0.3
+    # exact: integral floats (a FLOP count), timestamps, non-floats, inf
+    for x in (549755813888.0, 1795754102.3048828, 3.0, 7, None, "1.23456789", float("inf"), True):
+        assert measured(x) is x
+    db = tmp_path / "gemmrl.sqlite"
+    s = Store(db)
+    rid = s.start_run("gemmrl bench", "GPU X", {}, {})
+    p = Problem(256, 512, 1024)
+    details = {"paired": {"x": 1.0015664169050813}, "flops": 549755813888.0, "t": 1795754102.3048828,
+               "rounds": [0.30000000000000004, 2]}
+    s.record_session(rid, "s1", "GPU X", p, "kernel", "kernel:v3",
+                     {"torch.matmul": {"status": "ok", "median_us": 12.345678901234567, "mean_us": 12.0,
+                                       "min_us": None, "p10_us": 1 / 3, "p90_us": 13.5, "std_us": 0.0,
+                                       "n": 5, "details": details}})
+    s.record_trial(rid, "GPU X", p, "cand", "ok", 1.0123456789, 10 / 3, {"timing": {"median_us": 10 / 3}})
+    row = s.db.execute("SELECT median_us, mean_us, min_us, p10_us, details FROM measurements").fetchone()
+    assert tuple(row)[:4] == (12.34568, 12.0, None, 0.3333333)
+    assert json.loads(row[4]) == {"paired": {"x": 1.001566}, "flops": 549755813888.0, "t": 1795754102.3048828,
+                                  "rounds": [0.3, 2]}
+    assert tuple(s.db.execute("SELECT reward, time_us, record FROM trials").fetchone()) == (
+        1.012346, 3.333333, '{"timing": {"median_us": 3.333333}}')
+    # a row written before the store rounded (raw digits, keys in another order)
+    s.db.execute("INSERT INTO trials (run_id, device, M, N, K, dtype, acc, candidate, status, reward, time_us, "
+                 "record, created) VALUES (?, 'GPU X', 1, 2, 3, 'fp16', 'fp32', 'old', 'ok', ?, ?, ?, ?)",
+                 (rid, 1.0123456789, 2 / 3, '{"z": 0.1234567891, "a": 1}', 1795754102.3048828))
+    s.close()
+    mod = _round_store_script()
+    changed = mod.round_store(db)
+    assert changed["trials.reward"] == 1 and changed["trials.time_us"] == 1 and changed["trials.record"] == 1
+    assert sum(changed.values()) == 3  # the rows the store wrote itself were already as it keeps them
+    c = sqlite3.connect(db)
+    assert c.execute("SELECT reward, time_us, record, created FROM trials WHERE candidate='old'").fetchone() == (
+        1.012346, 0.6666667, '{"a": 1, "z": 0.1234568}', 1795754102.3048828)
+    c.close()
+    assert sum(mod.round_store(db).values()) == 0  # once only
+    assert mod.main(["--db", str(tmp_path / "none.sqlite")]) == 1

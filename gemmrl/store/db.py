@@ -65,6 +65,36 @@ CREATE INDEX IF NOT EXISTS traj_key ON trajectories (device, M, N, K, dtype, acc
 
 STAT_FIELDS = ("median_us", "mean_us", "min_us", "p10_us", "p90_us", "std_us")
 
+# Measured floats are stored to 7 significant digits. The timings start as CUDA events' float32
+# milliseconds (about 7 digits) or host nanoseconds; the digits after the 7th are arithmetic, not
+# measurement (a median of 10.0123456789 us is kept as 10.01235: 0.05 ppm, where the runs' noise is
+# 500 ppm or more). Those digits were most of what the committed store's xz could not compress:
+# the 305 MB store of 2026-11-27 took 24.4 MB in the column form with them and 12.6 MB without.
+# Left exact: integral floats (FLOP and byte counts) and anything of 1e9 or more (timestamps).
+MEASURED_DIGITS = 7
+# the store's measured REAL columns, per table (never created/started/finished: timestamps)
+MEASURED_COLUMNS = {"measurements": STAT_FIELDS, "trials": ("reward", "time_us"), "tuning": ("time_us",),
+                    "peaks": ("matrix_tflops", "bandwidth_gbs")}
+# the JSON columns whose floats are measured values (verification errors, paired ratios, timings)
+MEASURED_JSON = {"verifications": "details", "measurements": "details", "trials": "record"}
+
+
+def measured(x):
+    """`x` as the store keeps a measured value: a float to MEASURED_DIGITS significant digits;
+    integral floats, floats of 1e9 or more, infinities, NaN and non-floats unchanged."""
+    if isinstance(x, float) and not isinstance(x, bool) and math.isfinite(x) and abs(x) < 1e9 and x != int(x):
+        return float(f"{x:.{MEASURED_DIGITS}g}")
+    return x
+
+
+def measured_tree(obj):
+    """A JSON-able tree with every float in it as `measured` keeps it (dict key order kept)."""
+    if isinstance(obj, dict):
+        return {k: measured_tree(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [measured_tree(v) for v in obj]
+    return measured(obj)
+
 
 class StoreError(RuntimeError):
     pass
@@ -277,7 +307,7 @@ class Store:
     def record_peaks(self, run_id: int, device: str, matrix_tflops: float, bandwidth_gbs: float) -> None:
         with self.tx():
             self.db.execute("INSERT INTO peaks VALUES (?, ?, ?, ?, ?)",
-                            (run_id, device, matrix_tflops, bandwidth_gbs, time.time()))
+                            (run_id, device, measured(matrix_tflops), measured(bandwidth_gbs), time.time()))
 
     def latest_peaks(self, device: str) -> dict | None:
         r = self.db.execute("SELECT matrix_tflops, bandwidth_gbs FROM peaks WHERE device=? "
@@ -292,7 +322,7 @@ class Store:
                 "INSERT INTO verifications (run_id, device, M, N, K, dtype, acc, impl, passed, "
                 "reason, details, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (run_id, device, *problem.key(), impl, int(bool(passed)), reason,
-                 json.dumps(details, sort_keys=True, default=str), time.time()))
+                 json.dumps(measured_tree(details), sort_keys=True, default=str), time.time()))
 
     def verification(self, device: str, problem: Problem, impl: str) -> dict | None:
         r = self.db.execute(
@@ -335,8 +365,8 @@ class Store:
                     "mode, protocol, median_us, mean_us, min_us, p10_us, p90_us, std_us, samples, status, "
                     "details, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (run_id, session, device, *problem.key(), impl, mode, protocol,
-                     *(st.get(f) for f in STAT_FIELDS), int(st.get("n", 0)), st.get("status", "ok"),
-                     json.dumps(st.get("details", {}), sort_keys=True, default=str), now))
+                     *(measured(st.get(f)) for f in STAT_FIELDS), int(st.get("n", 0)), st.get("status", "ok"),
+                     json.dumps(measured_tree(st.get("details", {})), sort_keys=True, default=str), now))
 
     def run_checks(self, run_id: int, device: str, impl: str) -> list[tuple]:
         """What a run found of `impl`, in order: (created, (M, N, K, dtype, acc), passed, reason)
@@ -527,8 +557,8 @@ class Store:
             self.db.execute(
                 "INSERT INTO trials (run_id, device, M, N, K, dtype, acc, candidate, status, reward, "
                 "time_us, record, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (run_id, device, *problem.key(), candidate, status, float(reward), time_us,
-                 json.dumps(record, sort_keys=True, default=str), time.time()))
+                (run_id, device, *problem.key(), candidate, status, measured(float(reward)), measured(time_us),
+                 json.dumps(measured_tree(record), sort_keys=True, default=str), time.time()))
 
     def trials(self, device: str, problems=None) -> list[dict]:
         if not self.db.execute("SELECT 1 FROM sqlite_master WHERE name='trials'").fetchone():
@@ -559,7 +589,7 @@ class Store:
                    time_us: float) -> None:
         with self.tx():
             self.db.execute("INSERT OR REPLACE INTO tuning VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                            (device, *problem.key(), impl, choice, info, time_us, time.time()))
+                            (device, *problem.key(), impl, choice, info, measured(time_us), time.time()))
 
     def tuning_effort(self, device: str, dtype: str, acc: str, impl: str) -> dict:
         """What tuning this precision on this device has cost so far: the runs that stored trials
