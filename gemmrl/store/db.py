@@ -67,7 +67,7 @@ STAT_FIELDS = ("median_us", "mean_us", "min_us", "p10_us", "p90_us", "std_us")
 
 # Measured floats are stored to 7 significant digits. The timings start as CUDA events' float32
 # milliseconds (about 7 digits) or host nanoseconds; the digits after the 7th are arithmetic, not
-# measurement (a median of 10.0123456789 us is kept as 10.01235: 0.05 ppm, where the runs' noise is
+# measurement (a median of 10.0123456789 us is kept as 10.01235: 0.4 ppm, where the runs' noise is
 # 500 ppm or more). Those digits were most of what the committed store's xz could not compress:
 # the 305 MB store of 2026-11-27 took 24.4 MB in the column form with them and 12.6 MB without.
 # Left exact: integral floats (FLOP and byte counts) and anything of 1e9 or more (timestamps).
