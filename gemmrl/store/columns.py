@@ -44,6 +44,9 @@ def _q(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
+_NONFINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}  # JSON reader's spelling
+
+
 def _encode(v) -> str:
     if v is None:
         return "null"
@@ -51,14 +54,8 @@ def _encode(v) -> str:
         return '{"b":"' + v.hex() + '"}'
     if isinstance(v, str):
         return json.dumps(v)
-    return repr(v)  # int, or float: the shortest repr that reads back to the same double (nan, inf: below)
-
-
-def _encode_float_safe(v) -> str:
-    s = _encode(v)
-    if s in ("nan", "inf", "-inf"):  # JSON's reader takes NaN and Infinity, not Python's spelling
-        return {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}[s]
-    return s
+    s = repr(v)  # int, or float: the shortest repr that reads back to the same double
+    return _NONFINITE.get(s, s)
 
 
 def _tables(conn: sqlite3.Connection):
@@ -106,7 +103,7 @@ def dump(conn: sqlite3.Connection, out) -> None:
                     if not batch:
                         break
                     n += len(batch)
-                    out.write(("\n".join(_encode_float_safe(v) for (v,) in batch) + "\n").encode())
+                    out.write(("\n".join(_encode(v) for (v,) in batch) + "\n").encode())
                 if n != t["rows"]:  # cannot happen inside one snapshot; say so if it does
                     raise ColumnsError(f"{name}.{col}: {n} rows where the count said {t['rows']}")
         out.write(END)
