@@ -499,6 +499,36 @@ def report(db, out, device, subject, dtype, acc, versus, since_run):
 
 
 @main.command()
+@click.option("--results", "results_dir", default="results", show_default=True,
+              help="where `gemmrl report` wrote results/<gpu>/")
+@click.option("--device", required=True, help="the GPU's report folder or a name holding it: h100, H200, "
+                                               "'NVIDIA H100 80GB HBM3'")
+@click.option("--subject", default="gemmrl-tuned", show_default=True)
+@click.option("--acc", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16"]))
+@click.option("--product", default=None, metavar="JSON",
+              help="scripts/product-report.py's JSON over the grid (default: the newest "
+                   "product-vs-torch-grid-latest-*.json in the report folder)")
+@click.option("--json", "json_out", default=None, metavar="FILE", help="also write the result as JSON")
+def targets(results_dir, device, subject, acc, product, json_out):
+    """Check the speed targets of the kernel-families (#3) and whole-grid (#4) issues against the
+    committed reports (no store, no GPU): one row per target, met or not, with the numbers."""
+    from gemmrl.bench.env import gpu_slug
+    from gemmrl.core.problem import Problem
+    from gemmrl.report.export import write_json
+    from gemmrl.report.targets import evaluate, markdown
+
+    gpu = gpu_slug(device)
+    precision = Problem(64, 64, 64, "fp16", acc).precision
+    try:
+        result = evaluate(results_dir, gpu, subject, precision, product)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(markdown(result), nl=False)
+    if json_out:
+        click.echo(write_json(json_out, result))
+
+
+@main.command()
 @click.option("--shapes", "shape_spec", default="subset", show_default=True,
               help="grid | subset | subset:N | preset:NAME | FILE | MxNxK[,MxNxK...]")
 @click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "bf16"]))

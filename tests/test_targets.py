@@ -1,0 +1,178 @@
+"""The issue targets checker (gemmrl.report.targets, `gemmrl targets`): each target judged as the
+issue words it, on small hand-made reports."""
+
+import csv
+import gzip
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from gemmrl.cli import main
+from gemmrl.report.targets import (LT_AUTO, bucket_geomeans, evaluate, grid_targets, kernel_family_targets,
+                                   markdown, read_speedups, read_times)
+
+
+def _by_key(targets):
+    return {t.key: t for t in targets}
+
+
+def _sp(**ratios):
+    return {k: {LT_AUTO: v, "torch.matmul": v * 1.2} for k, v in ratios.items()}
+
+
+def test_big_shapes_need_every_one_at_098():
+    # 4096^3 is 2^37 FLOPs, 1024x1024x512 is 2^30 (not counted however low)
+    ok = _by_key(kernel_family_targets(_sp(**{"4096_4096_4096": 0.98, "1024_1024_512": 0.5}), None))
+    assert ok["big-shapes-vs-lt"].met is True and ok["big-shapes-vs-lt"].extra == {"shapes": 1, "below": 0}
+    bad = _by_key(kernel_family_targets(_sp(**{"4096_4096_4096": 0.979, "8192_8192_8192": 1.2}), None))
+    t = bad["big-shapes-vs-lt"]
+    assert t.met is False and t.value == pytest.approx(0.979) and t.extra["below"] == 1
+    assert "4096x4096x4096 0.979" in t.detail
+
+
+def test_small_shape_median_and_no_data():
+    # 2^27 FLOPs exactly counts (64x1024x1024 = 2^27); 2^28 does not
+    t = _by_key(kernel_family_targets(_sp(**{"64_1024_1024": 1.3, "64_64_64": 1.1, "128_64_64": 1.25,
+                                             "128_1024_1024": 0.1}), None))
+    assert t["small-shapes-median"].value == pytest.approx(1.25) and t["small-shapes-median"].met
+    assert t["small-shapes-median"].extra["shapes"] == 3
+    none = _by_key(kernel_family_targets(None, None))
+    assert all(x.met is None and x.status == "no data" for x in none.values())
+
+
+def _times(rows):
+    return {k: {"tflops": str(tf), "bound": bound, "roofline_fraction": str(rf)} for k, tf, bound, rf in rows}
+
+
+def test_tflops_and_skinny_roofline():
+    times = _times([("8192_8192_8192", 710, "compute", 0.95), ("16384_8192_8192", 690, "compute", 0.92),
+                    ("8192_4096_8192", 100, "compute", 0.1),  # N < 8192: not in the 700 target
+                    ("64_4096_8192", 5, "memory", 0.85), ("256_64_4096", 1, "memory", 0.5),
+                    ("512_64_4096", 1, "memory", 0.1),  # M and N both above 256? no: N=64 counts
+                    ("64_4096_2048", 1, "memory", 0.1),  # K < 4096: not skinny by the issue
+                    ("128_4096_4096", 1, "compute", 0.1)])  # compute-bound: not counted
+    t = _by_key(kernel_family_targets({}, times, {"64_4096_8192": True, "256_64_4096": True}))
+    tf = t["tflops-8192"]
+    assert tf.met is False and tf.value == 690 and tf.extra == {"shapes": 2, "below": 1}
+    sk = t["skinny-roofline"]
+    assert sk.met is False and sk.extra["shapes"] == 3 and sk.extra["below"] == 2
+    assert sk.extra["floor_reachable"] == 2 and sk.extra["floor_reachable_at_target"] == 1
+
+
+def test_buckets_are_powers_of_8_of_flops():
+    b = bucket_geomeans({"64_64_64": 1.0, "64_64_128": 4.0, "4096_4096_4096": 0.5})
+    assert b == {"2^18-2^21": (2, pytest.approx(2.0)), "2^36-2^39": (1, 0.5)}
+
+
+def _grid(ratio, n=1000):
+    # n distinct shapes, every one at `ratio`
+    return {f"64_64_{64 * (i + 1)}": {LT_AUTO: ratio, "torch.matmul": ratio * 1.25} for i in range(n)}
+
+
+def test_grid_targets_need_the_whole_grid():
+    sp = {"kernel": _grid(1.2), "offline": _grid(1.31), "server": _grid(1.41)}
+    t = _by_key(grid_targets(sp, None, None, None))
+    assert t["kernel-geomean"].met and t["kernel-buckets"].met
+    assert t["offline-mean"].met and t["server-mean"].met
+    assert "over torch.matmul: mean 1.638" in t["offline-mean"].detail
+    part = _by_key(grid_targets({"kernel": _grid(1.2, 999), "offline": _grid(1.31, 10)}, None, None, None))
+    assert part["kernel-geomean"].met is False and part["offline-mean"].met is False
+    assert part["server-mean"].met is None
+    low = dict(_grid(1.2))
+    low["4096_4096_4096"] = {LT_AUTO: 0.99}
+    assert _by_key(grid_targets({"kernel": low}, None, None, None))["kernel-buckets"].met is False
+
+
+def _product(min_ratio, noise):
+    return {"modes": {"kernel": {"NN served": {"shapes": 3, "min": 1.01, "min_shape": "a"},
+                                 "TN fallback": {"shapes": 5, "min": min_ratio, "min_shape": "64x64x64"},
+                                 "noise": {"max |1 - r|": noise}}}}
+
+
+def test_product_never_slower_beyond_noise():
+    ok = _by_key(grid_targets({}, _product(0.992, 0.01), None, None))["product-vs-torch"]
+    assert ok.met is True and ok.value == 0.992 and "8 (shape, layout) pairs" in ok.detail
+    bad = _by_key(grid_targets({}, _product(0.985, 0.01), None, None))["product-vs-torch"]
+    assert bad.met is False and "kernel TN fallback" in bad.detail
+    no_noise = _product(0.999, 0.01)
+    del no_noise["modes"]["kernel"]["noise"]
+    assert _by_key(grid_targets({}, no_noise, None, None))["product-vs-torch"].met is None
+
+
+def test_cuda_l2_most_shapes_in_each_mode_and_fp16():
+    l2 = {m: {"count": 10, "share_slower": 0.9} for m in ("kernel", "offline", "server")}
+    assert _by_key(grid_targets({}, None, l2, None))["cuda-l2"].met is True
+    l2["server"]["share_slower"] = 0.5  # half is not most
+    assert _by_key(grid_targets({}, None, l2, None))["cuda-l2"].met is False
+    del l2["server"]
+    l2["offline"]["share_slower"] = 0.9
+    assert _by_key(grid_targets({}, None, l2, None))["cuda-l2"].met is False  # a mode not measured
+    fp16 = _by_key(grid_targets({}, None, None, {"kernel": 1000, "offline": 1000}))["fp16-acc"]
+    assert fp16.met is False and fp16.value == 0
+
+
+def _write_csv(path, columns, rows, gz=False):
+    opener = gzip.open if gz else open
+    with opener(path, "wt", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(columns)
+        w.writerows(rows)
+
+
+def _report_dir(tmp_path):
+    d = tmp_path / "results" / "h100"
+    d.mkdir(parents=True)
+    stem = "gemmrl-tuned_h100_F32F16F16F32"
+    cols = ["mnk", "torch.matmul", LT_AUTO, "best-baseline"]
+    _write_csv(d / f"{stem}_speedup_kernel.csv", cols,
+               [["8192_8192_8192", "1.050", "0.990", "0.990"], ["64_64_64", "1.400", "1.300", ""]])
+    _write_csv(d / f"{stem}_times_kernel.csv.gz",
+               ["mnk", "M", "N", "K", "impl", "median_us", "tflops", "roofline_fraction", "bound"],
+               [["8192_8192_8192", 8192, 8192, 8192, "gemmrl-tuned", 1500, 733.0, 0.98, "compute"],
+                ["8192_8192_8192", 8192, 8192, 8192, "torch.matmul", 1600, 690.0, 0.92, "compute"]], gz=True)
+    (d / f"{stem}_summary.json").write_text(json.dumps(
+        {"provenance": {"device": "NVIDIA H100 80GB HBM3", "commit": "abc"},
+         "protocols": {"kernel": {"kernel:v1": 1, "kernel:v3": 1}}}))
+    (d / "product-vs-torch-grid-latest-2026-01-01.json").write_text(json.dumps(_product(0.5, 0.01)))
+    (d / "product-vs-torch-grid-latest-2026-02-01.json").write_text(json.dumps(_product(0.995, 0.01)))
+    return tmp_path / "results"
+
+
+def test_evaluate_reads_the_report_files(tmp_path):
+    res = evaluate(_report_dir(tmp_path), "h100")
+    t = {x["key"]: x for x in res["targets"]}
+    assert res["provenance"]["device"] == "NVIDIA H100 80GB HBM3"
+    assert t["big-shapes-vs-lt"]["status"] == "met" and t["tflops-8192"]["value"] == 733.0
+    assert t["small-shapes-median"]["value"] == 1.3
+    assert t["product-vs-torch"]["met"] is True  # the newest product report, not the older one
+    assert res["product_report"].endswith("2026-02-01.json")
+    assert t["cuda-l2"]["status"] == "no data" and t["fp16-acc"]["status"] == "no data"
+    assert res["met"] == sum(x["met"] is True for x in res["targets"])
+    md = markdown(res)
+    assert "Mixed measuring protocols: kernel: 1 kernel:v1, 1 kernel:v3" in md
+    assert md.count("\n| #") == len(res["targets"])
+    with pytest.raises(FileNotFoundError):
+        evaluate(tmp_path / "results", "h200")
+
+
+def test_readers_reject_malformed_shapes(tmp_path):
+    p = tmp_path / "s.csv"
+    _write_csv(p, ["mnk", LT_AUTO], [["64x64x64", "1.0"]])
+    with pytest.raises(ValueError, match="M_N_K"):
+        read_speedups(p)
+    q = tmp_path / "t.csv"
+    _write_csv(q, ["mnk", "impl", "tflops"], [["64_64_64", "a", "1"], ["64_64_128", "b", "2"]])
+    assert list(read_times(q, "b")) == ["64_64_128"]
+
+
+def test_cli_prints_the_table_and_writes_json(tmp_path):
+    root = _report_dir(tmp_path)
+    out = tmp_path / "t.json"
+    r = CliRunner().invoke(main, ["targets", "--results", str(root), "--device", "NVIDIA H100 80GB HBM3",
+                                  "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "| #3 | every shape of 2^36 FLOPs" in r.output
+    assert json.loads(out.read_text())["gpu"] == "h100"
+    r = CliRunner().invoke(main, ["targets", "--results", str(root), "--device", "H200"])
+    assert r.exit_code != 0 and "no reports at" in r.output
