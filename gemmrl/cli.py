@@ -919,24 +919,41 @@ def noise(db, run_ids, json_path):
 @click.option("--min-speedup", default=1.0, show_default=True, type=float,
               help="export a winner only if it beat the best baseline by this factor in kernel mode")
 @click.option("--out", "out_dir", required=True, help="the pack directory (replaced if it exists)")
-def pack(db, device, dtype, acc, min_speedup, out_dir):
+@click.option("--against", default=None, metavar="DIR",
+              help="the pack to compare the export with (default: the one at --out, which it replaces)")
+@click.option("--changed-shapes", "changed_file", default=None, metavar="FILE",
+              help="write the shapes whose entries changed against that pack, one a line (a shape file: "
+                   "`bench --shapes FILE --impl pack:OUT` times them through gemmrl.matmul)")
+def pack(db, device, dtype, acc, min_speedup, out_dir, against, changed_file):
     """Export the verified winners for one GPU as a pack (manifest + kernel sources); load it
     anywhere with gemmrl.use_pack(DIR). No GPU needed."""
-    from gemmrl.runtime.pack import MANIFEST, PackError, export_pack, pack_changes
+    from gemmrl.runtime.pack import MANIFEST, PackError, changed_shapes, export_pack, pack_changes
 
     store, device = _open_for_reading(db, device, require_measured=False)
     previous = None
+    base = Path(against or out_dir) / MANIFEST
+    if against and not base.is_file():
+        raise click.ClickException(f"--against {against}: not a pack (no {MANIFEST})")
     try:  # the pack this export replaces, to say what changed
-        previous = json.loads((Path(out_dir) / MANIFEST).read_text())
+        previous = json.loads(base.read_text())
     except (OSError, ValueError):
         pass
     try:
         path = export_pack(store, device, out_dir, dtype, acc, min_speedup=min_speedup)
     except PackError as e:
         raise click.ClickException(str(e)) from None
-    for line in pack_changes(json.loads((path / MANIFEST).read_text()),
-                             previous if isinstance(previous, dict) else None):
+    manifest = json.loads((path / MANIFEST).read_text())
+    previous = previous if isinstance(previous, dict) else None
+    for line in pack_changes(manifest, previous):
         click.echo(line, err=True)
+    if changed_file:
+        shapes = changed_shapes(manifest, previous)
+        Path(changed_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(changed_file).write_text(
+            f"# {device}: the {len(shapes)} shapes whose {dtype}/{acc} pack entries (kernels or cuBLASLt "
+            f"algorithms) changed against {base.parent if previous else 'no pack'}\n"
+            + "".join(f"{m}x{n}x{k}\n" for m, n, k in shapes))
+        click.echo(f"{len(shapes)} changed shapes in {changed_file}", err=True)
     click.echo(str(path))
 
 

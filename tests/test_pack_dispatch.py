@@ -724,6 +724,23 @@ def test_pack_command_exports_from_a_store(store, tmp_path):
     assert ("kernel entries against the pack replaced: 1 in (16x4096x14336 TN); 0 out; "
             f"1 changed ({first})") in r.stderr
     assert "lt_algos against the pack replaced: 0 in; 1 out (8x8x8 TN); 0 changed" in r.stderr
+    # compared with another pack, the export writes the changed shapes as a shape file, left as it was
+    (tmp_path / "p" / "manifest.json").write_text(json.dumps(m))
+    changed = tmp_path / "changed.txt"
+    r = CliRunner().invoke(main, ["pack", "--db", db, "--device", DEV, "--out", str(tmp_path / "p2"),
+                                  "--against", str(tmp_path / "p"), "--changed-shapes", str(changed)])
+    assert r.exit_code == 0, r.output
+    lines = changed.read_text().splitlines()
+    assert lines[0].startswith("# ") and "the 3 shapes" in lines[0]
+    e0 = m["entries"][0]
+    assert sorted(lines[1:]) == sorted(["8x8x8", "16x4096x14336", f"{e0['M']}x{e0['N']}x{e0['K']}"])
+    assert lines[1] == "8x8x8"  # smallest first
+    from gemmrl.core.shapes import parse_shape_file
+    assert len(parse_shape_file(changed)) == 3  # bench --shapes reads it
+    assert json.loads((tmp_path / "p" / "manifest.json").read_text()) == m  # --against is only read
+    r = CliRunner().invoke(main, ["pack", "--db", db, "--device", DEV, "--out", str(tmp_path / "p3"),
+                                  "--against", str(tmp_path / "nothing")])
+    assert r.exit_code == 1 and "not a pack" in r.output
     r = CliRunner().invoke(main, ["pack", "--db", db, "--device", DEV, "--dtype", "bf16", "--out", str(tmp_path / "q")])
     assert r.exit_code == 1 and "Error" in r.output
     r = CliRunner().invoke(main, ["pack", "--db", str(tmp_path / "none.sqlite"), "--out", str(tmp_path / "q")])
@@ -745,6 +762,22 @@ def test_pack_changes_names_at_most_eight_shapes_and_skips_malformed_items():
     assert lines[2] == "lt_algos: as in the pack replaced"
     assert pack_changes(new) == lines[:1]
     assert pack_changes(new, {"entries": "not a list", "lt_algos": None})[1].startswith("kernel entries against the pack replaced: 11 in")
+
+
+def test_changed_shapes_is_every_shape_whose_entry_came_went_or_moved():
+    from gemmrl.runtime.pack import changed_shapes
+
+    def ent(m, layout="NN", sha="a"):
+        return {"M": m, "N": 64, "K": 64, "layout": layout, "source_sha256": sha}
+
+    old = {"entries": [ent(1), ent(2), ent(3), ent(3, "TN")], "lt_algos": [{"M": 9, "N": 9, "K": 9, "layout": "TN", "algo": "aa"}]}
+    new = {"entries": [ent(2, sha="b"), ent(3), ent(3, "TN"), ent(4), "junk"],
+           "lt_algos": [{"M": 9, "N": 9, "K": 9, "layout": "TN", "algo": "aa"},
+                        {"M": 1, "N": 64, "K": 64, "layout": "NN", "algo": "bb"}]}
+    # 1: its kernel went (and an algorithm came); 2: another kernel; 4: new; 3 and 9: as before
+    assert changed_shapes(new, old) == [(1, 64, 64), (2, 64, 64), (4, 64, 64)]
+    assert changed_shapes(new, new) == []
+    assert changed_shapes(new, None) == [(9, 9, 9), (1, 64, 64), (2, 64, 64), (3, 64, 64), (4, 64, 64)]  # by FLOPs
 
 
 def test_served_lt_names_the_algorithm_or_nothing():

@@ -741,6 +741,21 @@ def pack_changes(new: dict, old: dict | None = None) -> list[str]:
     return lines
 
 
+def changed_shapes(new: dict, old: dict | None) -> list[tuple[int, int, int]]:
+    """The (M, N, K) whose entries (kernel or cuBLASLt algorithm, either layout) came, went or
+    changed between manifest `old` and manifest `new`, sorted by FLOPs: what to time through
+    gemmrl.matmul before the new pack ships. Pure; with no old pack, every shape of the new one."""
+    shapes = set()
+    for items, field in (("entries", "source_sha256"), ("lt_algos", "algo")):
+        now, before = _keys(new.get(items)), _keys((old or {}).get(items))
+        for k in set(now) ^ set(before):
+            shapes.add(k[:3])
+        for k in set(now) & set(before):
+            if now[k].get(field) != before[k].get(field):
+                shapes.add(k[:3])
+    return sorted(shapes, key=lambda s: (s[0] * s[1] * s[2], s))
+
+
 def load_pack(path) -> Pack:
     """Read and check a pack directory (or its manifest.json); PackError lists every problem."""
     path = Path(path)
