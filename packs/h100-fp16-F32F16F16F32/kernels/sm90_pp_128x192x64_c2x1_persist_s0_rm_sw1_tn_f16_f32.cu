@@ -1,6 +1,6 @@
-// sm90_ws_64x96x64_c1x2_tile_s0_rh_sw1_tn_f16_f32_e96: a CUTLASS 3.x sm90 GEMM behind the gemmrl kernel ABI (gemmrl/runtime/abi.py).
+// sm90_pp_128x192x64_c2x1_persist_s0_rm_sw1_tn_f16_f32: a CUTLASS 3.x sm90 GEMM behind the gemmrl kernel ABI (gemmrl/runtime/abi.py).
 // Rendered by gemmrl.space.cutlass_sm90 (render version 1) from the spec
-//   {"acc":"fp32","cluster_m":1,"cluster_n":2,"dtype":"fp16","epi_n":96,"layout":"TN","raster":"heuristic","schedule":"ws","scheduler":"tile","splits":1,"stages":0,"swizzle":1,"tile_k":64,"tile_m":64,"tile_n":96}
+//   {"acc":"fp32","cluster_m":2,"cluster_n":1,"dtype":"fp16","layout":"TN","raster":"along_m","schedule":"pingpong","scheduler":"persistent","splits":1,"stages":0,"swizzle":1,"tile_k":64,"tile_m":128,"tile_n":192}
 // Do not edit: change the spec or the renderer. Generic over M, N, K; residues are handled by
 // TMA (out-of-bounds loads read zeros, stores are clipped). C = A @ B^T, C is not read.
 #include <atomic>
@@ -41,15 +41,15 @@ using LayoutB = cutlass::layout::ColumnMajor;  // TN: B given as [N,K] row-major
 using LayoutD = cutlass::layout::RowMajor;  // C [M,N] row-major
 constexpr int kAlignment = 8;  // elements: 16 bytes, TMA's minimum
 
-using TileShape = cute::Shape<cute::_64, cute::_96, cute::_64>;
-using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
-using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecialized;
+using TileShape = cute::Shape<cute::_128, cute::_192, cute::_64>;
+using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
 using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
-using TileSchedulerTag = void;
+using TileSchedulerTag = cutlass::gemm::PersistentScheduler;
 
 using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-    cute::Shape<cute::_64, cute::_96>, ElementAccumulator, ElementCompute,
+    cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, ElementCompute,
     void, LayoutD, kAlignment,  // no C operand: beta is 0 and C is never read
     ElementD, LayoutD, kAlignment, EpilogueSchedule>::CollectiveOp;
 
@@ -162,7 +162,7 @@ typename Gemm::Arguments make_arguments(const void* A, const void* B, void* C, i
   args.epilogue.dD = stride_d;
   args.hw_info.device_id = device;
   args.hw_info.sm_count = sms;
-  args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::Heuristic;
+  args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::AlongM;
   args.scheduler.max_swizzle_size = 1;
   return args;
 }
@@ -170,7 +170,7 @@ typename Gemm::Arguments make_arguments(const void* A, const void* B, void* C, i
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) const char* gemmrl_meta(void) {
-  return "{\"layout\": \"TN\", \"dtype\": \"fp16\", \"acc\": \"fp32\", \"name\": \"sm90_ws_64x96x64_c1x2_tile_s0_rh_sw1_tn_f16_f32_e96\", \"family\": \"cutlass_sm90\", \"key\": \"7f7b0b2b022749d6\"}";
+  return "{\"layout\": \"TN\", \"dtype\": \"fp16\", \"acc\": \"fp32\", \"name\": \"sm90_pp_128x192x64_c2x1_persist_s0_rm_sw1_tn_f16_f32\", \"family\": \"cutlass_sm90\", \"key\": \"c554b9deab0b925f\"}";
 }
 
 // Resources CUTLASS chose, for people and tests: {"smem_bytes", "stages", "threads"}.
