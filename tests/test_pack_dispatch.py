@@ -190,6 +190,71 @@ def test_the_products_own_sessions_of_the_same_kernel_count_toward_the_median(st
                for s in m["skipped"])
 
 
+def test_host_verdict_is_slower_beyond_the_noise_per_mode():
+    from gemmrl.runtime.pack import host_verdict
+
+    assert host_verdict([]) is None
+    assert host_verdict([("offline", 0.981, 0.001)]) is None  # within the 2% floor
+    assert host_verdict([("offline", 0.979, 0.001)]) == ("offline", 0.979, 0.001, 1)
+    assert host_verdict([("offline", 0.975, 0.02)]) is None  # torch.matmul's own repeat moved 2%: 4% allowed
+    # the median of a mode's sessions decides; any mode slower beyond the noise is enough
+    assert host_verdict([("server", 0.95, 0.0), ("server", 1.01, 0.0), ("server", 1.02, 0.0),
+                         ("offline", 1.1, 0.0)]) is None
+    assert host_verdict([("server", 0.95, 0.0), ("server", 0.96, 0.0), ("offline", 1.1, 0.0)])[:2] == ("server", 0.955)
+
+
+def test_a_kernel_the_product_runs_slower_than_torch_in_a_host_mode_leaves_the_pack(store, tmp_path):
+    """gemmrl.matmul timed offline or in server mode, as users call it, while the pack served the
+    shape with the winner's own kernel: slower than torch.matmul of the same layout beyond the
+    noise (2%, or twice torch.matmul's disagreement with its repeat), the kernel leaves and the
+    shape goes back to the libraries, whatever kernel time said. Another kernel's sessions, the
+    other layout's, and those from before the choice do not count."""
+    from gemmrl.runtime.pack import sha256_text
+
+    run = store.start_run("gemmrl bench", DEV, PROV, {})
+    p = Problem(8192, 4096, 4096)
+    spec = cutlass_sm90.heuristic_specs(p, "TN")[0]
+    sha = sha256_text(cutlass_sm90.render(spec, p))
+
+    def host(i, served_sha, ours, torch_us, repeat_us=None, mode="offline", impl="gemmrl.matmul-tn"):
+        prun = store.start_run("gemmrl bench --impl pack:DIR --mode " + mode, DEV, PROV, {})
+        store.record_verification(prun, DEV, p, impl, True, "ok",
+                                  {"impl": {"served": {"source_sha256": served_sha, "shape": p.shape}}})
+        t = "mean_us" if mode == "server" else "median_us"
+        base = "torch.matmul-tn" if impl.endswith("tn") else "torch.matmul"
+        res = {impl: {t: ours, "median_us": ours, "n": 50}, base: {t: torch_us, "median_us": torch_us, "n": 50}}
+        if repeat_us is not None:
+            res["torch.matmul"] = {t: 100.0, "median_us": 100.0, "n": 50}
+            res["torch.matmul@repeat"] = {t: repeat_us, "median_us": repeat_us, "n": 50}
+        store.record_session(prun, f"host{i}", DEV, p, mode, f"{mode}:v2", res)
+
+    host(0, sha, 110.0, 100.0)  # before the choice: left out
+    store.put_tuning(DEV, p, "gemmrl-tuned", _choice(spec, "cutlass_sm90"), spec.name, 9.0)
+    store.record_verification(run, DEV, p, "gemmrl-tuned", True, "ok", {})
+    store.record_session(run, "t0", DEV, p, "kernel", "kp1", {
+        "gemmrl-tuned": {"median_us": 100.0, "n": 50}, "cuBLAS-tn": {"median_us": 103.0, "n": 50}})
+
+    def entry(name):
+        m = _manifest(export_pack(store, DEV, tmp_path / name, "fp16", "fp32"))
+        return {(r["M"], r["N"], r["K"]): r for r in m["entries"]}.get((8192, 4096, 4096)), m["skipped"]
+
+    e, _ = entry("a")
+    assert e is not None and "host_sessions" not in e
+    host(1, "another kernel", 110.0, 100.0)
+    host(2, sha, 110.0, 100.0, impl="gemmrl.matmul-nn")  # the other layout
+    host(3, sha, 101.0, 100.0, repeat_us=100.5)  # 0.990: within the noise
+    e, _ = entry("b")
+    assert e is not None and e["host_sessions"] == 1
+    host(4, sha, 104.0, 100.0, repeat_us=103.0, mode="server")  # 0.962, but torch.matmul moved 3% itself
+    e, _ = entry("c")
+    assert e is not None and e["host_sessions"] == 2
+    host(5, sha, 105.0, 100.0, repeat_us=100.1)  # offline median now (0.990 + 0.952) / 2 = 0.971
+    e, skipped = entry("d")
+    assert e is None
+    assert any("8192x4096x4096" in s and "0.9712 of torch.matmul in offline mode (2 sessions" in s
+               and "slower beyond the noise" in s for s in skipped), skipped
+
+
 def test_a_winner_is_judged_by_its_own_sessions_baselines_after_they_are_timed_again(store, tmp_path):
     """A later run that times some baselines again (the autotuned one picked again, with its
     heuristic beside it) makes theirs the latest records. A winner timed in one session is still

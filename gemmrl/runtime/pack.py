@@ -324,6 +324,75 @@ def _product_speedups(store, device: str, dtype: str, acc: str) -> dict:
     return out
 
 
+HOST_MODES = ("offline", "server")
+HOST_SLOWER = 0.02  # a kernel gemmrl.matmul runs this much slower than torch.matmul in a host mode leaves
+PRODUCT_VERSUS = {"gemmrl.matmul-nn": "torch.matmul", "gemmrl.matmul-tn": "torch.matmul-tn"}
+
+
+def _product_host_ratios(store, device: str, dtype: str, acc: str) -> dict:
+    """(M, N, K, layout) -> [(source_sha256, mode, ratio, noise, created)] for every host-mode
+    (offline, server) session in which gemmrl.matmul ran the shape with a pack kernel: torch.matmul
+    of the same layout over gemmrl.matmul (its paired ratio where recorded, else the medians; the
+    means in server mode, as the reports take them), and that session's noise, how far torch.matmul
+    and its repeat disagreed (0 where there was no repeat)."""
+    from gemmrl.bench.stats import paired_over
+    from gemmrl.runtime.pack_impl import served_kernel
+
+    def sha(impl_details):
+        got = served_kernel(impl_details)
+        return None if got is None else got["source_sha256"]
+
+    served = _product_served(store, device, dtype, acc, sha)
+    if not served:
+        return {}
+    modes = ", ".join("?" * len(HOST_MODES))
+    sessions: dict = {}
+    for run_id, session, mode, M, N, K, impl, med, mean, details, created in store.db.execute(
+            "SELECT run_id, session, mode, M, N, K, impl, median_us, mean_us, details, created FROM measurements "
+            f"WHERE device=? AND dtype=? AND acc=? AND mode IN ({modes}) AND status='ok' AND session IN "
+            f"(SELECT session FROM measurements WHERE device=? AND mode IN ({modes}) AND impl IN (?, ?))",
+            (device, dtype, acc, *HOST_MODES, device, *HOST_MODES, *PRODUCT_IMPLS)):
+        t = mean if mode == "server" else med
+        if t and t > 0:
+            got = sessions.setdefault(session, {})
+            got[impl] = (float(t), json.loads(details or "{}").get("paired") or {},
+                         (run_id, mode, int(M), int(N), int(K), created))
+    out: dict = {}
+    for t in sessions.values():
+        noise = 0.0
+        if "torch.matmul" in t and "torch.matmul@repeat" in t:
+            noise = abs(1 - paired_over(t["torch.matmul@repeat"][1], "torch.matmul", t["torch.matmul@repeat"][0],
+                                        t["torch.matmul"][0]))
+        for impl, base in PRODUCT_VERSUS.items():
+            if impl not in t or base not in t:
+                continue
+            run_id, mode, M, N, K, created = t[impl][2]
+            got = served.get((run_id, M, N, K, impl))
+            if got is None:
+                continue
+            ratio = paired_over(t[impl][1], base, t[impl][0], t[base][0])
+            out.setdefault((M, N, K, impl[-2:].upper()), []).append((got, mode, ratio, noise, created))
+    return out
+
+
+def host_verdict(sessions) -> tuple[str, float, float, int] | None:
+    """The host mode in which gemmrl.matmul ran a kernel slower than torch.matmul beyond the
+    noise: [(mode, ratio, noise)] of its sessions -> (mode, median ratio, median noise, sessions)
+    of the first such mode, or None. Slower beyond the noise: the median ratio under 1 less
+    HOST_SLOWER or twice the median disagreement of torch.matmul with its repeat, whichever is
+    larger. Pure."""
+    per: dict = {}
+    for mode, ratio, noise in sessions:
+        per.setdefault(mode, []).append((ratio, noise))
+    for mode in sorted(per):
+        ratios = [r for r, _ in per[mode]]
+        noise = statistics.median(n for _, n in per[mode])
+        ratio = statistics.median(ratios)
+        if ratio < 1 - max(HOST_SLOWER, 2 * noise):
+            return mode, ratio, noise, len(ratios)
+    return None
+
+
 def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tuple[list, set, list]:
     """(candidates, run ids, skipped reasons): one dict per verified gemmrl winner. A winner
     timed in several kernel-mode sessions since it was chosen is judged by the median of its
@@ -339,6 +408,7 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
     history = _baseline_history(every_session)
     speedups = _session_speedups(store, device, dtype, acc)
     product = _product_speedups(store, device, dtype, acc)
+    host = _product_host_ratios(store, device, dtype, acc)
     cands, runs, skipped = [], set(), []
     for row in rows:
         problem = Problem(row["M"], row["N"], row["K"], dtype, acc)
@@ -405,6 +475,19 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
                                    f"baselines): one session is not enough; time it again")
                     continue
             runs.add(ours["run_id"])
+        in_host = host.get((problem.M, problem.N, problem.K, spec.layout), [])
+        if in_host:  # the product timed as users call it: never slower than torch.matmul beyond the noise
+            sha = sha256_text(fam.render(spec, problem))
+            mine = [(mode, r, n) for s_, mode, r, n, created in in_host if s_ == sha and created >= row["created"]]
+            bad = host_verdict(mine)
+            if bad is not None:
+                mode, ratio, noise, n = bad
+                skipped.append(f"{problem.shape} {impl}: gemmrl.matmul ran it at {ratio:.4f} of torch.matmul in "
+                               f"{mode} mode ({n} session{'s' * (n != 1)}; torch.matmul within {noise:.2%} of its "
+                               f"repeat): slower beyond the noise")
+                continue
+            if mine:
+                sessions["host_sessions"] = len(mine)
         runs.add(ver["run_id"])
         cands.append({"problem": problem, "impl": impl, "family": fam, "spec": spec,
                       "kernel_us": kernel_us, "baseline": baseline, "baseline_us": baseline_us,
@@ -601,7 +684,7 @@ def export_pack(store, device: str, out_dir, dtype: str = "fp16", acc: str = "fp
                 "speedup": (round(c["baseline_us"] / c["kernel_us"], 4)
                             if c["kernel_us"] and c["baseline_us"] else None),
                 "tuned_us": c["tuned_us"],
-                **{k: c[k] for k in ("sessions", "speedup_median", "product_sessions") if k in c}})
+                **{k: c[k] for k in ("sessions", "speedup_median", "product_sessions", "host_sessions") if k in c}})
         served = {(e["M"], e["N"], e["K"], e["layout"]) for e in entries}
         library = [f"{M}x{N}x{K}:{layout}" for M, N, K in sorted(_tuned_shapes(store, device, dtype, acc))
                    for layout in LAYOUTS if (M, N, K, layout) not in served]
