@@ -505,9 +505,9 @@ def report(db, out, device, subject, dtype, acc, versus, since_run):
                                                "'NVIDIA H100 80GB HBM3'")
 @click.option("--subject", default="gemmrl-tuned", show_default=True)
 @click.option("--acc", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16"]))
-@click.option("--product", default=None, metavar="JSON",
-              help="scripts/product-report.py's JSON over the grid (default: the newest "
-                   "product-vs-torch-grid-latest-*.json in the report folder)")
+@click.option("--product", multiple=True, metavar="JSON",
+              help="scripts/product-report.py's JSONs over the grid, the newest for each mode used "
+                   "(default: every product-vs-torch-grid-*.json in the report folder); repeatable")
 @click.option("--json", "json_out", default=None, metavar="FILE", help="also write the result as JSON")
 def targets(results_dir, device, subject, acc, product, json_out):
     """Check the speed targets of the kernel-families (#3) and whole-grid (#4) issues against the
@@ -520,7 +520,7 @@ def targets(results_dir, device, subject, acc, product, json_out):
     gpu = gpu_slug(device)
     precision = Problem(64, 64, 64, "fp16", acc).precision
     try:
-        result = evaluate(results_dir, gpu, subject, precision, product)
+        result = evaluate(results_dir, gpu, subject, precision, product or None)
     except (FileNotFoundError, ValueError, KeyError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(markdown(result), nl=False)

@@ -95,10 +95,26 @@ def kind_of(key: tuple, served: set, neighbours: set) -> str:
 
 def summarize(times: dict, served: set, neighbours: set = frozenset()) -> dict:
     """{mode: {'<layout> served'|'<layout> neighbour'|'<layout> fallback': stats, 'noise': stats of
-    torch.matmul / its repeat}}."""
+    torch.matmul / its repeat, 'beyond_noise': the (shape, layout) where gemmrl.matmul was slower
+    than torch.matmul beyond that session's noise (gemmrl.runtime.pack.slower_beyond_noise)}}."""
+    from gemmrl.runtime.pack import slower_beyond_noise
+
     res: dict = {}
     for mode in MODES:
         per: dict = {}
+        beyond = []
+        for (md, _, M, N, K), t in sorted(times.items(), key=lambda kv: kv[0][2:]):
+            if md != mode:
+                continue
+            noise = (abs(1 - over(t, "torch.matmul@repeat", "torch.matmul"))
+                     if "torch.matmul" in t and "torch.matmul@repeat" in t else 0.0)
+            for layout, ours, torch_impl in PAIRS:
+                if ours in t and torch_impl in t:
+                    r = over(t, ours, torch_impl)
+                    if slower_beyond_noise(r, noise, mode):
+                        beyond.append({"shape": f"{M}x{N}x{K}", "layout": layout,
+                                       "call": kind_of((M, N, K, layout), served, neighbours),
+                                       "ratio": round(r, 4), "noise": round(noise, 4)})
         for layout, ours, torch_impl in PAIRS:
             for kind in ("served", "neighbour", "fallback"):
                 ratios, diffs, worst = [], [], None
@@ -124,6 +140,7 @@ def summarize(times: dict, served: set, neighbours: set = frozenset()) -> dict:
             if rep:
                 per["noise"] = {"torch.matmul / its repeat, median |1 - r|": statistics.median(abs(1 - r) for r in rep),
                                 "max |1 - r|": max(abs(1 - r) for r in rep)}
+            per["beyond_noise"] = beyond
             res[mode] = per
     return res
 
@@ -213,12 +230,16 @@ def main(argv=None) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for mode, per in res.items():
         for k, s in per.items():
-            if k != "noise":
+            if k not in ("noise", "beyond_noise"):
                 print(f"| {mode} | {k} | {s['versus']} | {s['shapes']} | {s['geomean']:.3f} | {s['min']:.3f} "
                       f"({s['min_shape']}) | {s['slower_than_0.99']} | {s['median_diff_us']:+.2f} |")
         if "noise" in per:
             n = per["noise"]
             print(f"| {mode} | noise | torch.matmul@repeat | | median {list(n.values())[0]:.4f} | max {n['max |1 - r|']:.4f} | | |")
+    for mode, per in res.items():
+        for b in per.get("beyond_noise", []):
+            print(f"{mode}: {b['shape']} {b['layout']} ({b['call']}) at {b['ratio']:.4f} of torch.matmul, "
+                  f"slower beyond the noise (torch.matmul within {b['noise']:.2%} of its repeat there)")
     nrows = neighbour_rows(timed, neighbours)
     if nrows:
         print("\n| mode | shape | call | neighbour (distance) | its kernel | gemmrl.matmul us | torch.matmul us | ratio |")

@@ -191,7 +191,11 @@ def test_the_products_own_sessions_of_the_same_kernel_count_toward_the_median(st
 
 
 def test_host_verdict_is_slower_beyond_the_noise_per_mode():
-    from gemmrl.runtime.pack import host_verdict
+    from gemmrl.runtime.pack import host_verdict, slower_beyond_noise
+
+    assert slower_beyond_noise(0.989, 0.0, "kernel") and not slower_beyond_noise(0.991, 0.0, "kernel")
+    assert not slower_beyond_noise(0.985, 0.0, "offline") and slower_beyond_noise(0.985, 0.001, "kernel")
+    assert not slower_beyond_noise(0.97, 0.02, "server") and slower_beyond_noise(0.959, 0.02, "kernel")
 
     assert host_verdict([]) is None
     assert host_verdict([("offline", 0.981, 0.001)]) is None  # within the 2% floor

@@ -422,6 +422,11 @@ def test_product_report_splits_served_and_fallback_calls_per_session(tmp_path):
     assert abs(k["NN fallback"]["geomean"] - (10 / 11) ** 0.5) < 1e-9 and k["NN fallback"]["slower_than_0.99"] == 1
     assert k["NN fallback"]["min_shape"] == "128x64x64" and k["NN fallback"]["median_diff_us"] == 0.5
     assert abs(res["offline"]["NN fallback"]["geomean"] - 10 / 11) < 1e-9
+    # each (shape, layout) slower than torch.matmul beyond its session's noise, in each mode
+    for mode in ("kernel", "offline"):
+        assert res[mode]["beyond_noise"] == [{"shape": "128x64x64", "layout": "NN", "call": "fallback",
+                                              "ratio": 0.9091, "noise": 0.0099}]
+    assert "offline: 128x64x64 NN (fallback) at 0.9091 of torch.matmul, slower beyond the noise" in r.stdout
     assert "| kernel | NN served | torch.matmul | 2 | 1.369 |" in r.stdout
     assert k["NN neighbour"]["shapes"] == 1 and abs(k["NN neighbour"]["geomean"] - 10 / 9) < 1e-9
     assert k["NN fallback"]["shapes"] == 2  # 128x64x64 and the failed kernel's 1024x64x64; not the neighbour's

@@ -84,20 +84,42 @@ def test_grid_targets_need_the_whole_grid():
     assert _by_key(grid_targets({"kernel": low}, None, None, None))["kernel-buckets"].met is False
 
 
-def _product(min_ratio, noise):
-    return {"modes": {"kernel": {"NN served": {"shapes": 3, "min": 1.01, "min_shape": "a"},
-                                 "TN fallback": {"shapes": 5, "min": min_ratio, "min_shape": "64x64x64"},
-                                 "noise": {"max |1 - r|": noise}}}}
+def _product(min_ratio, noise, date="2026-01-01", mode="kernel", beyond=None):
+    per = {"NN served": {"shapes": 3, "min": 1.01, "min_shape": "a"},
+           "TN fallback": {"shapes": 5, "min": min_ratio, "min_shape": "64x64x64"},
+           "noise": {"max |1 - r|": noise}}
+    if beyond is not None:
+        per["beyond_noise"] = beyond
+    return {"provenance": {"date": date}, "modes": {mode: per}}
 
 
 def test_product_never_slower_beyond_noise():
+    # an older report without per-session verdicts: each group's lowest against the largest noise
     ok = _by_key(grid_targets({}, _product(0.992, 0.01), None, None))["product-vs-torch"]
-    assert ok.met is True and ok.value == 0.992 and "8 (shape, layout) pairs" in ok.detail
+    assert ok.met is True and ok.value == 0.992 and "kernel: 0 of 8 (shape, layout) pairs" in ok.detail
     bad = _by_key(grid_targets({}, _product(0.985, 0.01), None, None))["product-vs-torch"]
-    assert bad.met is False and "kernel TN fallback" in bad.detail
+    assert bad.met is False and "64x64x64 TN 0.985" in bad.detail
     no_noise = _product(0.999, 0.01)
     del no_noise["modes"]["kernel"]["noise"]
     assert _by_key(grid_targets({}, no_noise, None, None))["product-vs-torch"].met is None
+    # a report with its per-session verdicts: those decide, not the largest noise
+    slow = [{"shape": "64x64x64", "layout": "TN", "ratio": 0.95}]
+    t = _by_key(grid_targets({}, _product(0.95, 0.2, beyond=slow), None, None))["product-vs-torch"]
+    assert t.met is False and "1 of 8" in t.detail and "each session's noise" in t.detail
+    t = _by_key(grid_targets({}, _product(0.985, 0.0, beyond=[]), None, None))["product-vs-torch"]
+    assert t.met is True
+
+
+def test_newest_product_report_per_mode():
+    from gemmrl.report.targets import _newest_per_mode
+
+    a, b = _product(0.9, 0.01, "2026-01-02"), _product(0.99, 0.01, "2026-01-01")
+    c = _product(0.97, 0.01, "2026-01-01", mode="offline", beyond=[])
+    merged, used = _newest_per_mode([("a", a), ("b", b), ("c", c)])
+    assert used == {"kernel": "a", "offline": "c"} and merged["modes"]["kernel"]["TN fallback"]["min"] == 0.9
+    assert _newest_per_mode([("b", b), ("b2", _product(0.98, 0.01, "2026-01-01"))])[1] == {"kernel": "b2"}
+    with pytest.raises(ValueError, match="not a product"):
+        _newest_per_mode([("x", ["junk"])])
 
 
 def test_cuda_l2_most_shapes_in_each_mode_and_fp16():
@@ -135,7 +157,7 @@ def _report_dir(tmp_path):
         {"provenance": {"device": "NVIDIA H100 80GB HBM3", "commit": "abc"},
          "protocols": {"kernel": {"kernel:v1": 1, "kernel:v3": 1}}}))
     (d / "product-vs-torch-grid-latest-2026-01-01.json").write_text(json.dumps(_product(0.5, 0.01)))
-    (d / "product-vs-torch-grid-latest-2026-02-01.json").write_text(json.dumps(_product(0.995, 0.01)))
+    (d / "product-vs-torch-grid-latest-2026-02-01.json").write_text(json.dumps(_product(0.995, 0.01, "2026-02-01")))
     return tmp_path / "results"
 
 
@@ -146,7 +168,7 @@ def test_evaluate_reads_the_report_files(tmp_path):
     assert t["big-shapes-vs-lt"]["status"] == "met" and t["tflops-8192"]["value"] == 733.0
     assert t["small-shapes-median"]["value"] == 1.3
     assert t["product-vs-torch"]["met"] is True  # the newest product report, not the older one
-    assert res["product_report"].endswith("2026-02-01.json")
+    assert res["product_reports"]["kernel"].endswith("2026-02-01.json")
     assert t["cuda-l2"]["status"] == "no data" and t["fp16-acc"]["status"] == "no data"
     assert res["met"] == sum(x["met"] is True for x in res["targets"])
     md = markdown(res)
