@@ -12,8 +12,10 @@ Each target is read as the issue words it, against the column it names:
 - #4: kernel-time geomean 1.10 or more over cuBLASLt autotuned and no size bucket (FLOPs by
   powers of 8) below 1.00; offline mean 1.30 or more and server mean 1.40 or more over cuBLASLt
   autotuned; gemmrl.matmul, fallback included, never slower than torch.matmul beyond the noise
-  (scripts/product-report.py's JSON: each group's minimum against 1 less the largest
-  torch.matmul / its-repeat difference); CUDA-L2's kernels beaten on most shapes in each mode
+  (scripts/product-report.py's JSONs, the newest for each mode: the (shape, layout) pairs it lists
+  as slower beyond their session's noise, gemmrl.runtime.pack.slower_beyond_noise; in an older
+  JSON without that list, each group's minimum against 1 less the largest disagreement of
+  torch.matmul with its repeat); CUDA-L2's kernels beaten on most shapes in each mode
   where they build; the fp16-accumulator variant reported like the fp32 one (all three modes,
   the whole grid).
 

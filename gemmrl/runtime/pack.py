@@ -335,6 +335,8 @@ def slower_beyond_noise(ratio: float, noise: float, mode: str) -> bool:
     2% in the host modes) or twice `noise` (how far torch.matmul and its repeat disagreed in that
     session), whichever is larger. Pure."""
     return ratio < 1 - max(SLOWER_FLOOR[mode], 2 * noise)
+
+
 PRODUCT_VERSUS = {"gemmrl.matmul-nn": "torch.matmul", "gemmrl.matmul-tn": "torch.matmul-tn"}
 
 
