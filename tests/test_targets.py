@@ -84,13 +84,13 @@ def test_grid_targets_need_the_whole_grid():
     assert _by_key(grid_targets({"kernel": low}, None, None, None))["kernel-buckets"].met is False
 
 
-def _product(min_ratio, noise, date="2026-01-01", mode="kernel", beyond=None):
+def _product(min_ratio, noise, date="2026-01-01", mode="kernel", beyond=None, pack="packs/h100-fp16-F32F16F16F32"):
     per = {"NN served": {"shapes": 3, "min": 1.01, "min_shape": "a"},
            "TN fallback": {"shapes": 5, "min": min_ratio, "min_shape": "64x64x64"},
            "noise": {"max |1 - r|": noise}}
     if beyond is not None:
         per["beyond_noise"] = beyond
-    return {"provenance": {"date": date}, "modes": {mode: per}}
+    return {"provenance": {"date": date}, "pack": pack, "modes": {mode: per}}
 
 
 def test_product_never_slower_beyond_noise():
@@ -176,6 +176,19 @@ def test_evaluate_reads_the_report_files(tmp_path):
     assert md.count("\n| #") == len(res["targets"])
     with pytest.raises(FileNotFoundError):
         evaluate(tmp_path / "results", "h200")
+    # the fp16-accumulator reports: no fp32 product report judges them, and the target about the
+    # fp16 variant is not one of its own
+    d = tmp_path / "results" / "h100"
+    (d / "product-vs-torch-grid-fp16.json").write_text(json.dumps(
+        _product(0.9, 0.0, "2026-03-01", beyond=[], pack="packs/h100-fp16-F16F16F16F16")))
+    res16 = evaluate(tmp_path / "results", "h100", precision="F16F16F16F16")
+    t16 = {x["key"]: x for x in res16["targets"]}
+    assert "fp16-acc" not in t16 and len(res16["targets"]) == len(res["targets"]) - 1
+    assert res16["product_reports"] == {"kernel": str(d / "product-vs-torch-grid-fp16.json")}
+    assert t16["product-vs-torch"]["value"] == 0.9 and t16["product-vs-torch"]["met"] is True
+    assert evaluate(tmp_path / "results", "h100")["product_reports"]["kernel"].endswith("2026-02-01.json")
+    with pytest.raises(FileNotFoundError, match="no product report at"):
+        evaluate(tmp_path / "results", "h100", product=[tmp_path / "none.json"])
 
 
 def test_readers_reject_malformed_shapes(tmp_path):

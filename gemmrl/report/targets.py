@@ -177,24 +177,26 @@ def bucket_geomeans(values: Mapping[str, float]) -> dict[str, tuple[int, float]]
 
 def grid_targets(speedups: Mapping[str, Mapping[str, Mapping[str, float]] | None],
                  product: Mapping | None, cuda_l2: Mapping | None,
-                 fp16_modes: Mapping[str, int] | None) -> list[Target]:
+                 fp16_modes: Mapping[str, int] | None, fp16_target: bool = True) -> list[Target]:
     """#4's speed targets. speedups: {mode: read_speedups(...) or None}; product: the JSON of
     scripts/product-report.py over the grid (or None); cuda_l2: the 'modes' of the cuda-l2
     versus-gemmrl-tuned summary (or None); fp16_modes: {mode: shapes} the fp16-accumulator
-    report covers (or None)."""
+    report covers (or None); fp16_target: False where the reports judged are the
+    fp16-accumulator variant's own (the target is about it, not of it)."""
     out = []
     kernel = _column(speedups.get("kernel") or {}, LT_AUTO)
     t = "kernel-time geomean speedup of 1.10 or more over cuBLASLt autotuned, over the whole grid"
+    buckets_text = "no size bucket (FLOPs by powers of 8) below 1.00 in kernel time"
     if not kernel:
         out.append(_no_data(4, "kernel-geomean", t, 1.10, "no kernel-mode speedups"))
+        out.append(_no_data(4, "kernel-buckets", buckets_text, 1.0, "no kernel-mode speedups"))
     else:
         g = math.exp(sum(map(math.log, kernel.values())) / len(kernel))
         out.append(Target(4, "kernel-geomean", t, 1.10, g, g >= 1.10 and len(kernel) >= GRID_SHAPES,
                           f"{len(kernel)} shapes; geomean {g:.3f}", {"shapes": len(kernel)}))
         buckets = bucket_geomeans(kernel)
         low = {b: gm for b, (n, gm) in buckets.items() if gm < 1.0}
-        out.append(Target(4, "kernel-buckets", "no size bucket (FLOPs by powers of 8) below 1.00 in kernel time",
-                          1.0, min(gm for _, gm in buckets.values()), not low,
+        out.append(Target(4, "kernel-buckets", buckets_text, 1.0, min(gm for _, gm in buckets.values()), not low,
                           "; ".join(f"{b}: {gm:.3f} ({n})" for b, (n, gm) in buckets.items()),
                           {"buckets": {b: {"shapes": n, "geomean": gm} for b, (n, gm) in buckets.items()}}))
     for mode, want in (("offline", 1.30), ("server", 1.40)):
@@ -250,7 +252,9 @@ def grid_targets(speedups: Mapping[str, Mapping[str, Mapping[str, float]] | None
                           "; ".join(f"{m}: CUDA-L2 slower on {v:.0%} of {n}" for m, (v, n) in shares.items()),
                           {"modes": {m: {"share_cuda_l2_slower": v, "shapes": n} for m, (v, n) in shares.items()}}))
     t = "the fp16-accumulator variant tuned and reported the same way (the whole grid, all three modes)"
-    if not fp16_modes:
+    if not fp16_target:
+        pass
+    elif not fp16_modes:
         out.append(_no_data(4, "fp16-acc", t, GRID_SHAPES, "no fp16-accumulator report"))
     else:
         least = min(fp16_modes.get(m, 0) for m in MODES)
@@ -292,8 +296,15 @@ def evaluate(results_dir: str | Path, gpu: str, subject: str = "gemmrl-tuned",
     times_path = d / f"{stem}_times_kernel.csv.gz"
     times = read_times(times_path, subject) if times_path.is_file() else None
     summary = _load_json(d / f"{stem}_summary.json")
-    products = [Path(p) for p in product] if product else sorted(d.glob("product-vs-torch-grid-*.json"))
-    prod, used = _newest_per_mode([(p, _load_json(p)) for p in products])
+    if product:
+        docs = [(Path(p), _load_json(Path(p))) for p in product]
+        missing = [str(p) for p, doc in docs if doc is None]
+        if missing:
+            raise FileNotFoundError(f"no product report at {', '.join(missing)}")
+    else:  # the reports of this precision's pack (the JSON names the pack, whose name holds it)
+        docs = [(p, _load_json(p)) for p in sorted(d.glob("product-vs-torch-grid-*.json"))]
+        docs = [(p, doc) for p, doc in docs if not isinstance(doc, dict) or precision in str(doc.get("pack", ""))]
+    prod, used = _newest_per_mode(docs)
     l2 = _load_json(d / f"cuda-l2_{gpu}_{precision}_vs_{subject.replace('.', '_')}_summary.json")
     fp16_prec = "F16F16F16F16" if precision == "F32F16F16F32" else None
     fp16 = _load_json(d / f"{subject.replace('.', '_')}_{gpu}_{fp16_prec}_summary.json") if fp16_prec else None
@@ -304,7 +315,7 @@ def evaluate(results_dir: str | Path, gpu: str, subject: str = "gemmrl-tuned",
         floor_reaches = {f"{r['M']}_{r['N']}_{r['K']}": r["roofline_us"] / r["times_us"]["memory-floor"] >= 0.8
                          for r in floor.get("rows", []) if (r.get("times_us") or {}).get("memory-floor")}
     targets = kernel_family_targets(speedups["kernel"], times, floor_reaches) + grid_targets(
-        speedups, prod, (l2 or {}).get("modes"), fp16_modes)
+        speedups, prod, (l2 or {}).get("modes"), fp16_modes, fp16_target=precision == "F32F16F16F32")
     return {
         "gpu": gpu, "subject": subject, "precision": precision,
         "reports": str(d), "product_reports": {m: str(p) for m, p in used.items()},
