@@ -28,13 +28,13 @@ from __future__ import annotations
 import csv
 import gzip
 import json
-import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Mapping
 
 from gemmrl.core.problem import bucket_label, size_bucket
+from gemmrl.report.export import geomean
 
 LT_AUTO = "cuBLASLt-auto-tuning-max"  # the best of NN and TN, each autotuned
 MODES = ("kernel", "offline", "server")
@@ -172,7 +172,7 @@ def bucket_geomeans(values: Mapping[str, float]) -> dict[str, tuple[int, float]]
     per: dict[int, list[float]] = {}
     for k, r in values.items():
         per.setdefault(size_bucket(flops(k)), []).append(r)
-    return {bucket_label(b): (len(v), math.exp(sum(map(math.log, v)) / len(v))) for b, v in sorted(per.items())}
+    return {bucket_label(b): (len(v), geomean(v)) for b, v in sorted(per.items())}
 
 
 def grid_targets(speedups: Mapping[str, Mapping[str, Mapping[str, float]] | None],
@@ -191,7 +191,7 @@ def grid_targets(speedups: Mapping[str, Mapping[str, Mapping[str, float]] | None
         out.append(_no_data(4, "kernel-geomean", t, 1.10, "no kernel-mode speedups"))
         out.append(_no_data(4, "kernel-buckets", buckets_text, 1.0, "no kernel-mode speedups"))
     else:
-        g = math.exp(sum(map(math.log, kernel.values())) / len(kernel))
+        g = geomean(kernel.values())
         out.append(Target(4, "kernel-geomean", t, 1.10, g, g >= 1.10 and len(kernel) >= GRID_SHAPES,
                           f"{len(kernel)} shapes; geomean {g:.3f}", {"shapes": len(kernel)}))
         buckets = bucket_geomeans(kernel)

@@ -27,6 +27,7 @@ was measured.
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import hashlib
 import json
 import math
@@ -282,6 +283,15 @@ def _product_served(store, device: str, dtype: str, acc: str, read) -> dict:
     return served
 
 
+def _served_sha(impl_details) -> str | None:
+    """The source of the pack kernel that served a gemmrl.matmul verification; None where none
+    did or it failed there (the call fell back: not that kernel's session)."""
+    from gemmrl.runtime.pack_impl import served_kernel
+
+    got = served_kernel(impl_details)
+    return None if got is None else got["source_sha256"]
+
+
 def _product_speedups(store, device: str, dtype: str, acc: str) -> dict:
     """(M, N, K, layout) -> [(source_sha256, speedup, created)] for every kernel-mode session in
     which gemmrl.matmul ran the shape with a pack kernel (its verification in the same run names
@@ -291,13 +301,8 @@ def _product_speedups(store, device: str, dtype: str, acc: str) -> dict:
     medians. Sessions before `served` was recorded say nothing and are left out, as do those
     where the served kernel failed to build or load (the call fell back)."""
     from gemmrl.report.export import is_baseline
-    from gemmrl.runtime.pack_impl import served_kernel
 
-    def sha(impl_details):  # a kernel that failed there: not its session
-        got = served_kernel(impl_details)
-        return None if got is None else got["source_sha256"]
-
-    served = _product_served(store, device, dtype, acc, sha)
+    served = _product_served(store, device, dtype, acc, _served_sha)
     if not served:
         return {}
     sessions: dict = {}
@@ -347,13 +352,8 @@ def _product_host_ratios(store, device: str, dtype: str, acc: str) -> dict:
     means in server mode, as the reports take them), and that session's noise, how far torch.matmul
     and its repeat disagreed (0 where there was no repeat)."""
     from gemmrl.bench.stats import paired_over
-    from gemmrl.runtime.pack_impl import served_kernel
 
-    def sha(impl_details):
-        got = served_kernel(impl_details)
-        return None if got is None else got["source_sha256"]
-
-    served = _product_served(store, device, dtype, acc, sha)
+    served = _product_served(store, device, dtype, acc, _served_sha)
     if not served:
         return {}
     modes = ", ".join("?" * len(HOST_MODES))
@@ -451,6 +451,7 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
         ours = recs.get(impl)
         kernel_us = baseline = baseline_us = None
         sessions: dict = {}
+        own_sha = functools.cache(lambda: sha256_text(fam.render(spec, problem)))  # rendered once, if at all
         if ours is not None:
             if ours.get("status") != "ok" or not ours.get("median_us"):
                 skipped.append(f"{problem.shape} {impl}: kernel timing {ours.get('status')}")
@@ -462,7 +463,7 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
             since = list(speedups.get((problem.M, problem.N, problem.K, impl), []))
             theirs = product.get((problem.M, problem.N, problem.K, spec.layout), [])
             if theirs:
-                sha = sha256_text(fam.render(spec, problem))
+                sha = own_sha()
                 mine = [x for s_, x, created in theirs if s_ == sha and created >= row["created"]]
                 since += mine
                 if mine:
@@ -488,7 +489,7 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
             runs.add(ours["run_id"])
         in_host = host.get((problem.M, problem.N, problem.K, spec.layout), [])
         if in_host:  # the product timed as users call it: never slower than torch.matmul beyond the noise
-            sha = sha256_text(fam.render(spec, problem))
+            sha = own_sha()
             mine = [(mode, r, n) for s_, mode, r, n, created in in_host if s_ == sha and created >= row["created"]]
             bad = host_verdict(mine)
             if bad is not None:
