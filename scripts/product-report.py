@@ -60,16 +60,17 @@ def run_served(db: sqlite3.Connection, runs: tuple) -> tuple[dict, set]:
     return neighbours, failed
 
 
-def sessions(db: sqlite3.Connection, runs: tuple, latest: bool = False) -> dict:
+def sessions(db: sqlite3.Connection, runs: tuple, latest: bool = False, modes: tuple = MODES) -> dict:
     """(mode, session, M, N, K) -> {impl: (time, paired)}: medians, means in server mode, and the
     record's paired ratios {other: t_other / t_self} where it has them (the reports' rule).
     latest: of the sessions that timed gemmrl.matmul on one shape in one mode, only the last
-    run's (the product as it last ran there, when several runs timed the shape again)."""
+    run's (the product as it last ran there, when several runs timed the shape again).
+    modes: only these modes' sessions."""
     out: dict = defaultdict(dict)
     q = ("SELECT run_id, mode, session, M, N, K, impl, median_us, mean_us, details FROM measurements "
-         f"WHERE run_id IN ({_in(runs)}) AND status='ok' ORDER BY run_id, id")
+         f"WHERE run_id IN ({_in(runs)}) AND mode IN ({_in(modes)}) AND status='ok' ORDER BY run_id, id")
     last: dict = {}  # (mode, M, N, K) -> the last run that timed gemmrl.matmul there
-    for run, mode, session, M, N, K, impl, med, mean, details in db.execute(q, tuple(runs)):
+    for run, mode, session, M, N, K, impl, med, mean, details in db.execute(q, (*runs, *modes)):
         t = mean if mode == "server" else med
         if t and t > 0:
             paired = (json.loads(details or "{}") or {}).get("paired") or {}
@@ -184,8 +185,15 @@ def main(argv=None) -> int:
                          "last run's session: the grid as the product last ran it (runs of several calls, e.g. "
                          "after a pack was exported again; the served/fallback split is the given pack's and "
                          "each run's verification records')")
+    ap.add_argument("--mode", default=",".join(MODES),
+                    help="only these modes, comma-separated (default: all three): a grid report of one mode, "
+                         "whose runs also timed a few shapes in another")
     a = ap.parse_args(argv)
     from gemmrl.bench.select import _pack_spec
+
+    modes = tuple(dict.fromkeys(m.strip() for m in a.mode.split(",") if m.strip()))
+    if not modes or set(modes) - set(MODES):
+        ap.error(f"--mode takes {', '.join(MODES)}, comma-separated: got {a.mode!r}")
 
     try:
         path, nearest = _pack_spec(f"pack:{a.pack}")  # DIR[@nearest=D], as bench --impl takes it
@@ -213,11 +221,13 @@ def main(argv=None) -> int:
     devices = {row[0] for row in rows.values()}
     if len(devices) > 1:
         ap.error(f"runs {a.run} timed different GPUs ({', '.join(sorted(devices))}): one report a GPU model")
-    row = rows[runs[0]]
+    # the newest run's provenance (its date is what `gemmrl targets` ranks reports by); the first's date beside it
+    row = rows[max(runs)]
+    first_date = json.loads(rows[min(runs)][1] or "{}").get("date")
     label = f"run {runs[0]}" if len(runs) == 1 else "runs " + ",".join(map(str, runs))
     # a pack kernel that failed in the run (not built, not loaded) left the call to the fallback
     neighbours, failed = run_served(db, runs)
-    timed = sessions(db, runs, a.latest)
+    timed = sessions(db, runs, a.latest, modes)
     res = summarize(timed, served_keys(json.loads(mf.read_text())) - failed, neighbours)
     if not res:
         print(f"{label} timed no gemmrl.matmul beside torch.matmul", file=sys.stderr)
@@ -249,7 +259,8 @@ def main(argv=None) -> int:
                   f"| {r['us']:.2f} | {r['torch_us']:.2f} | {r['vs_torch']:.3f} |")
     if a.json:
         Path(a.json).write_text(json.dumps({"run": runs[0] if len(runs) == 1 else list(runs), "device": row[0],
-                                            "provenance": prov, "pack": str(mf.parent), "nearest": nearest,
+                                            "provenance": prov, "first_run_date": first_date,
+                                            "pack": str(mf.parent), "nearest": nearest,
                                             "latest": a.latest, "modes": res, "neighbours": nrows}, indent=1) + "\n")
     return 0
 

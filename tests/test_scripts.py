@@ -505,8 +505,9 @@ def test_product_report_latest_keeps_the_last_run_of_each_shape(tmp_path):
     from gemmrl.store.db import Store
 
     st = Store(tmp_path / "s.sqlite")
-    prov = {"driver": "1", "cuda": "13.0", "torch": "2", "commit": "abc"}
-    first, second = (st.start_run("gemmrl bench", "GPU X", prov, {}) for _ in range(2))
+    prov = {"driver": "1", "cuda": "13.0", "torch": "2", "commit": "abc", "date": "2026-11-01"}
+    first, second = (st.start_run("gemmrl bench", "GPU X", prov | {"commit": c, "date": f"2026-11-0{i}"}, {})
+                     for i, c in ((1, "abc"), (2, "def")))
     again, once = Problem(64, 64, 64), Problem(128, 64, 64)
     for run, p, ours in ((first, again, 12.5), (first, once, 8.0), (second, again, 9.0)):
         for mode in ("kernel", "offline"):
@@ -531,6 +532,16 @@ def test_product_report_latest_keeps_the_last_run_of_each_shape(tmp_path):
         last = d["modes"][mode]["NN fallback"]
         assert last["shapes"] == 2 and last["slower_than_0.99"] == 0  # 64x64x64 at run 2's 10/9, not run 1's 0.8
         assert abs(last["geomean"] - (10 / 9 * 10 / 8) ** 0.5) < 1e-9 and last["min_shape"] == "64x64x64"
+    # the newest run's provenance, whatever the order of --run (gemmrl targets ranks reports by its date)
+    assert d["provenance"]["commit"] == "def" and d["provenance"]["date"] == "2026-11-02"
+    assert d["first_run_date"] == "2026-11-01"
+    # --mode: one mode's grid report, the other mode's sessions of the same runs left out
+    only = report("--latest", "--mode", "offline")
+    assert list(only["modes"]) == ["offline"] and only["modes"]["offline"]["NN fallback"]["shapes"] == 2
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "product-report.py"), "--run", str(first),
+                          "--pack", str(tmp_path / "pack"), "--db", str(tmp_path / "s.sqlite"), "--mode", "offline,fast"],
+                         capture_output=True, text=True, env=ENV, timeout=300)
+    assert bad.returncode == 2 and "--mode takes" in bad.stderr
 
 
 def test_autotune_check_summarizes_choices_against_the_heuristic_in_the_independent_session(tmp_path):
