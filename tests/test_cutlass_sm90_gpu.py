@@ -71,6 +71,12 @@ SPECS = [
     CutlassSpec(128, 160, 64, 2, 1, "cooperative", "persistent", 1, 0, "heuristic", 1, "NN", "fp16", "fp32",
                 swap_ab=True),
     CutlassSpec(128, 160, 64, 1, 1, "pingpong", "persistent", 1, 0, "heuristic", 1, "TN", "fp16", "fp32"),
+    # wide clusters (TMA multicast to 4 and 8 CTAs) with split-K: 2x2 with the in-kernel
+    # reduction, NN; 2x4 with the separate reduction, TN; 4x2 ping-pong with it, NN
+    CutlassSpec(128, 128, 64, 2, 2, "cooperative", "splitk", 8, 0, "heuristic", 1, "NN", "fp16", "fp32"),
+    CutlassSpec(128, 64, 64, 2, 4, "cooperative", "splitk", 16, 0, "heuristic", 1, "TN", "fp16", "fp32",
+                "separate"),
+    CutlassSpec(64, 128, 64, 4, 2, "pingpong", "splitk", 8, 0, "heuristic", 1, "NN", "fp16", "fp32", "separate"),
 ]
 PDL_SPECS = [s for s in SPECS if s.pdl]
 
@@ -108,6 +114,9 @@ def _problems(spec: CutlassSpec) -> list[Problem]:
         step = 8 * spec.splits
         cands = [Problem(p.M, p.N, -(-p.K // step) * step, d, a) for p in cands]
         cands = list(dict.fromkeys(cands)) + [Problem(256, 256, 16384, d, a), Problem(72, 1000, 8 * step, d, a)]
+    if spec.cluster_m * spec.cluster_n >= 4:  # a cluster overhanging the tile grid on both sides
+        step = 8 * spec.splits
+        cands += [Problem(200, 328, 16 * step, d, a), Problem(520, 136, 24 * step, d, a)]
     keep = [p for p in cands if valid(spec, p) is None]
     assert len(keep) >= 6
     return keep

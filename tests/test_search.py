@@ -67,6 +67,10 @@ def true_us(family: str, spec, problem: Problem) -> float:
             g += 0.1 - 0.35 * _clip((lM - 10) / 4)
         if (spec.cluster_m, spec.cluster_n) == (1, 2):
             g += 0.1 - 0.35 * _clip((lN - 10) / 4)
+        if spec.cluster_m * spec.cluster_n >= 4:
+            # the wide clusters' multicast pays off on a long K over few tiles, and costs
+            # elsewhere (every CTA of a cluster waits for the slowest's operands)
+            g += 0.25 - 0.35 * _clip((lK - 12) / 2) * _clip((22 - lM - lN) / 4)
         if spec.tile_k == 128:
             g += 0.1 - 0.3 * _clip((lK - 11) / 3)
         if spec.scheduler == "streamk":
@@ -339,25 +343,30 @@ def test_a_prior_from_another_gpu_saves_candidates():
     problems = [Problem(*s) for s in ((64, 4096, 8192), (4096, 4096, 4096), (128, 1024, 16384), (2048, 64, 2048),
                                       (512, 512, 512), (256, 256, 4096), (16384, 1024, 1024), (1024, 8192, 256))]
 
-    other = tune(problems, ModelFreePolicy(layouts=LAYOUTS, seed=1), OtherGPU(), per_shape_candidates=48, batch=8)
+    # three seeds of both searches: one seed's counts swing with any change to the pool (a spec
+    # more or less moves every later draw), their sum much less
     cold_n, warm_n = [], []
-    for p in problems:
-        target = 0.98 * optimum(p)
-        cold = tune([p], ModelFreePolicy(layouts=LAYOUTS), SimGPU(), per_shape_candidates=32, batch=8)
-        warm_policy = ModelFreePolicy(layouts=LAYOUTS)
-        for q in problems:  # as add_store_prior gives it: best first
-            ranked = sorted((t for t in other.trials if t.problem == q and t.status == "ok"), key=lambda t: -t.reward)
-            warm_policy.add_prior(q, [(t.candidate.family, t.candidate.spec) for t in ranked])
-        warm = tune([p], warm_policy, SimGPU(), per_shape_candidates=32, batch=8)
-        assert [t.candidate.origin for t in warm.trials[:3]] == ["prior"] * 3
-        cold_n.append(candidates_to_reach(cold, p, target, 32))
-        warm_n.append(candidates_to_reach(warm, p, target, 32))
-    # measured: cold [3, 33, 12, 4, 21, 33, 30, 27], warm [1, 33, 1, 7, 21, 1, 1, 33] (33: not
-    # reached within 32): the other GPU's winner is this one's on 4 shapes; where it is not, the
-    # three slots it takes in the first batch can cost a few candidates
+    for seed in (1, 2, 3):
+        other = tune(problems, ModelFreePolicy(layouts=LAYOUTS, seed=seed), OtherGPU(), per_shape_candidates=48,
+                     batch=8)
+        for p in problems:
+            target = 0.98 * optimum(p)
+            cold = tune([p], ModelFreePolicy(layouts=LAYOUTS, seed=seed + 10), SimGPU(), per_shape_candidates=32,
+                        batch=8)
+            warm_policy = ModelFreePolicy(layouts=LAYOUTS, seed=seed + 10)
+            for q in problems:  # as add_store_prior gives it: best first
+                ranked = sorted((t for t in other.trials if t.problem == q and t.status == "ok"),
+                                key=lambda t: -t.reward)
+                warm_policy.add_prior(q, [(t.candidate.family, t.candidate.spec) for t in ranked])
+            warm = tune([p], warm_policy, SimGPU(), per_shape_candidates=32, batch=8)
+            assert [t.candidate.origin for t in warm.trials[:3]] == ["prior"] * 3
+            cold_n.append(candidates_to_reach(cold, p, target, 32))
+            warm_n.append(candidates_to_reach(warm, p, target, 32))
+    # (33: not reached within 32) the other GPU's winner is often this one's; where it is not,
+    # the three slots it takes in the first batch can cost a few candidates
     print("cold", cold_n, "warm", warm_n)
-    assert sum(w == 1 for w in warm_n) >= 3, (cold_n, warm_n)
-    assert sum(w <= c for c, w in zip(cold_n, warm_n)) >= 6, (cold_n, warm_n)
+    assert sum(w == 1 for w in warm_n) >= 9, (cold_n, warm_n)
+    assert sum(w <= c for c, w in zip(cold_n, warm_n)) >= 18, (cold_n, warm_n)
     assert sum(warm_n) * 1.5 <= sum(cold_n), (cold_n, warm_n)
 
 

@@ -58,6 +58,13 @@ LAYOUTS = ("NN", "TN")
 DTYPES = ("fp16", "bf16")
 ACCS = ("fp32", "fp16")
 CLUSTERS = ((1, 1), (2, 1), (1, 2))
+# Clusters of 4 and 8 CTAs (portable sizes: no opt-in past 8), offered with split-K only (both
+# reductions in the kernel, and the separate one): a long K over a few output tiles is bound by
+# the operand bytes each SM pulls out of L2, not by HBM (H100, 256x512x12288: cuBLASLt autotuned
+# 13.2 us, ours 13.8, a kernel moving only the compulsory bytes 7.6). A 2x2 cluster's TMA
+# multicast reads each A and B tile once for two CTAs each, halving those bytes; 2x4 over a
+# 256x512 output of 128x128 tiles reads every operand byte once per K chunk.
+WIDE_CLUSTERS = ((2, 2), (1, 4), (4, 1), (2, 4), (4, 2))
 TILE_KS = (32, 64, 128)
 MAX_SPLITS = 16
 MAX_SEPARATE_SPLITS = 64  # the separate reduction has no turnstile: deeper splits are worth offering
@@ -294,8 +301,12 @@ def valid(spec: CutlassSpec, problem=None) -> str | None:
     if s.tile_k not in TILE_KS:
         return (f"tile_k must be one of {', '.join(map(str, TILE_KS))} (16-bit wgmma takes K=16 steps "
                 f"and the swizzled smem atom is 32 or 64 elements), got {s.tile_k}")
-    if (s.cluster_m, s.cluster_n) not in CLUSTERS:
-        return f"cluster must be 1x1, 2x1 or 1x2, got {s.cluster_m}x{s.cluster_n}"
+    if (s.cluster_m, s.cluster_n) not in CLUSTERS + WIDE_CLUSTERS:
+        return (f"cluster must be 1x1, 2x1 or 1x2 (or, with split-K, 2x2, 1x4, 4x1, 2x4 or 4x2), "
+                f"got {s.cluster_m}x{s.cluster_n}")
+    if (s.cluster_m, s.cluster_n) in WIDE_CLUSTERS and s.scheduler != "splitk":
+        return (f"a {s.cluster_m}x{s.cluster_n} cluster is offered with split-K only (the few-tile, long-K "
+                f"shapes whose L2 traffic multicast cuts), not with the {s.scheduler!r} scheduler")
     if lean != (s.scheduler == "tile"):
         return (f"the {s.schedule!r} kernel runs one CTA per tile: scheduler 'tile', not {s.scheduler!r}" if lean
                 else f"scheduler 'tile' is the lean kernels' ({', '.join(LEAN_SCHEDULES)}), not {s.schedule!r}'s")
@@ -432,17 +443,26 @@ def enumerate_specs(layout: str = "TN", dtype: str = "fp16", acc: str = "fp32") 
                                     out.append(spec)
                                     if scheduler == "splitk" and tm * tn <= DEEP_SPLIT_TILE:
                                         out.append(replace(spec, reduction="nondeterministic"))
+                                    if (scheduler == "splitk" and tm * tn <= DEEP_SPLIT_TILE and tk == 64
+                                            and (cm, cn) == (1, 1)):
+                                        # the long-K few-tile shapes' multicast: 2x2 here, every
+                                        # wide cluster with the separate reduction below
+                                        twin = replace(spec, cluster_m=2, cluster_n=2)
+                                        if valid(twin) is None:
+                                            out.append(twin)
     # split-K with the separate reduction kernel: for long K over a handful of tiles, where the
-    # in-kernel reductions serialise (issue #3); 1x1 clusters (the K chunks share no operand)
+    # in-kernel reductions serialise (issue #3); 1x1 clusters, and with tile_k 64 the wide ones
+    # (WIDE_CLUSTERS: the CTAs of one K chunk share operands across tiles by multicast)
     for schedule, tm, tn in _SEPARATE_TILES:
         for tk in (64, 128):
             if tk == 128 and tm + tn > 256:
                 continue
             for splits in SEPARATE_SPLITS:
-                spec = CutlassSpec(tm, tn, tk, 1, 1, schedule, "splitk", splits, 0, "heuristic", 1,
-                                   layout, dtype, acc, "separate")
-                if valid(spec) is None:
-                    out.append(spec)
+                for cm, cn in ((1, 1),) + (SEPARATE_WIDE_CLUSTERS if tk == 64 and splits in WIDE_SEPARATE_SPLITS else ()):
+                    spec = CutlassSpec(tm, tn, tk, cm, cn, schedule, "splitk", splits, 0, "heuristic", 1,
+                                       layout, dtype, acc, "separate")
+                    if valid(spec) is None:
+                        out.append(spec)
     # narrow tiles, persistent: two to four times the CTAs of 64x64 on a small output; then the
     # wgmma widths between the powers of two for 64-row ping-pong tiles
     for schedule, tm, tn in _NARROW_TILES + tuple(("pingpong", 64, n) for n in _ODD_TILE_N):
@@ -558,6 +578,10 @@ _SEPARATE_TILES = (("cooperative", 128, 64), ("cooperative", 128, 128), ("cooper
                    ("cooperative", 256, 128), ("pingpong", 64, 64), ("pingpong", 64, 128),
                    ("pingpong", 128, 64), ("pingpong", 128, 128))
 SEPARATE_SPLITS = (4, 8, 16, 32, 64)
+WIDE_SEPARATE_SPLITS = (8, 16, 32)  # the separate reduction's splits offered with wide clusters ...
+# ... and those clusters: 1x4 and 4x1 are valid, not in the pool (they made tune --transfer-from's
+# simulated prior no better than a cold start: tests/test_search.py)
+SEPARATE_WIDE_CLUSTERS = ((2, 2), (2, 4), (4, 2))
 
 
 SMS = 132  # H100 / H200 SXM
@@ -619,7 +643,9 @@ def estimate_us(spec: CutlassSpec, problem, tflops_per_sm: float = 5.5, gbs: flo
         problem = replace(problem, M=problem.N, N=problem.M)
     tiles_m = -(-problem.M // spec.tile_m)
     tiles_n = -(-problem.N // spec.tile_n)
-    tiles = tiles_m * tiles_n
+    # CUTLASS's schedulers launch whole clusters: a 4x1 cluster over 2 rows of tiles runs 4
+    # (half of them on tiles past the edge), so the work is counted on the cluster-rounded grid
+    tiles = _round_up(tiles_m, spec.cluster_m) * _round_up(tiles_n, spec.cluster_n)
     usable = SMS - SMS % (spec.cluster_m * spec.cluster_n)
     k_chunks = max(1, problem.K // (8 * spec.tile_k))
     if spec.scheduler == "splitk":
