@@ -67,10 +67,6 @@ def true_us(family: str, spec, problem: Problem) -> float:
             g += 0.1 - 0.35 * _clip((lM - 10) / 4)
         if (spec.cluster_m, spec.cluster_n) == (1, 2):
             g += 0.1 - 0.35 * _clip((lN - 10) / 4)
-        if spec.cluster_m * spec.cluster_n >= 4:
-            # the wide clusters' multicast pays off on a long K over few tiles, and costs
-            # elsewhere (every CTA of a cluster waits for the slowest's operands)
-            g += 0.25 - 0.35 * _clip((lK - 12) / 2) * _clip((22 - lM - lN) / 4)
         if spec.tile_k == 128:
             g += 0.1 - 0.3 * _clip((lK - 11) / 3)
         if spec.scheduler == "streamk":

@@ -58,12 +58,15 @@ LAYOUTS = ("NN", "TN")
 DTYPES = ("fp16", "bf16")
 ACCS = ("fp32", "fp16")
 CLUSTERS = ((1, 1), (2, 1), (1, 2))
-# Clusters of 4 and 8 CTAs (portable sizes: no opt-in past 8), offered with split-K only (both
-# reductions in the kernel, and the separate one): a long K over a few output tiles is bound by
-# the operand bytes each SM pulls out of L2, not by HBM (H100, 256x512x12288: cuBLASLt autotuned
-# 13.2 us, ours 13.8, a kernel moving only the compulsory bytes 7.6). A 2x2 cluster's TMA
-# multicast reads each A and B tile once for two CTAs each, halving those bytes; 2x4 over a
-# 256x512 output of 128x128 tiles reads every operand byte once per K chunk.
+# Clusters of 4 and 8 CTAs (portable sizes: no opt-in past 8), valid with split-K only (both
+# reductions in the kernel, and the separate one). The hypothesis (2026-11-27): a long K over a
+# few output tiles is bound by the operand bytes each SM pulls out of L2, not by HBM (H100,
+# 256x512x12288: cuBLASLt autotuned 13.2 us, ours 13.8, a kernel moving only the compulsory
+# bytes 7.6), and TMA multicast to 4 or 8 CTAs cuts those bytes. Runs 329-330 (H100, 48 such
+# shapes, NN, 5 candidates each) said no: the best wide-cluster trial ran at a median 1.106 of
+# the shape's winner (best 0.991); the in-kernel-reduction 2x2 kernels at 1.61. They won 5
+# shapes, within the noise. So they are not in the search's pool (enumerate_specs): they stay
+# valid, for the winners stored, named kernels and the LLM policy.
 WIDE_CLUSTERS = ((2, 2), (1, 4), (4, 1), (2, 4), (4, 2))
 TILE_KS = (32, 64, 128)
 MAX_SPLITS = 16
@@ -443,26 +446,18 @@ def enumerate_specs(layout: str = "TN", dtype: str = "fp16", acc: str = "fp32") 
                                     out.append(spec)
                                     if scheduler == "splitk" and tm * tn <= DEEP_SPLIT_TILE:
                                         out.append(replace(spec, reduction="nondeterministic"))
-                                    if (scheduler == "splitk" and tm * tn <= DEEP_SPLIT_TILE and tk == 64
-                                            and (cm, cn) == (1, 1)):
-                                        # the long-K few-tile shapes' multicast: 2x2 here, every
-                                        # wide cluster with the separate reduction below
-                                        twin = replace(spec, cluster_m=2, cluster_n=2)
-                                        if valid(twin) is None:
-                                            out.append(twin)
     # split-K with the separate reduction kernel: for long K over a handful of tiles, where the
-    # in-kernel reductions serialise (issue #3); 1x1 clusters, and with tile_k 64 the wide ones
-    # (WIDE_CLUSTERS: the CTAs of one K chunk share operands across tiles by multicast)
+    # in-kernel reductions serialise (issue #3); 1x1 clusters (WIDE_CLUSTERS: measured, not
+    # pooled)
     for schedule, tm, tn in _SEPARATE_TILES:
         for tk in (64, 128):
             if tk == 128 and tm + tn > 256:
                 continue
             for splits in SEPARATE_SPLITS:
-                for cm, cn in ((1, 1),) + (SEPARATE_WIDE_CLUSTERS if tk == 64 and splits in WIDE_SEPARATE_SPLITS else ()):
-                    spec = CutlassSpec(tm, tn, tk, cm, cn, schedule, "splitk", splits, 0, "heuristic", 1,
-                                       layout, dtype, acc, "separate")
-                    if valid(spec) is None:
-                        out.append(spec)
+                spec = CutlassSpec(tm, tn, tk, 1, 1, schedule, "splitk", splits, 0, "heuristic", 1,
+                                   layout, dtype, acc, "separate")
+                if valid(spec) is None:
+                    out.append(spec)
     # narrow tiles, persistent: two to four times the CTAs of 64x64 on a small output; then the
     # wgmma widths between the powers of two for 64-row ping-pong tiles
     for schedule, tm, tn in _NARROW_TILES + tuple(("pingpong", 64, n) for n in _ODD_TILE_N):
@@ -578,10 +573,11 @@ _SEPARATE_TILES = (("cooperative", 128, 64), ("cooperative", 128, 128), ("cooper
                    ("cooperative", 256, 128), ("pingpong", 64, 64), ("pingpong", 64, 128),
                    ("pingpong", 128, 64), ("pingpong", 128, 128))
 SEPARATE_SPLITS = (4, 8, 16, 32, 64)
-WIDE_SEPARATE_SPLITS = (8, 16, 32)  # the separate reduction's splits offered with wide clusters ...
-# ... and those clusters: 1x4 and 4x1 are valid, not in the pool (they made tune --transfer-from's
-# simulated prior no better than a cold start: tests/test_search.py)
-SEPARATE_WIDE_CLUSTERS = ((2, 2), (2, 4), (4, 2))
+# A wide cluster's time over its unclustered twin's: the median of 50 (shape, kernel) pairs of
+# H100 trials with the separate reduction (2x2 1.18, 2x4 1.10, 4x2 1.14; runs 329-330 against
+# the twins' trials), where the reread term of estimate_us would have it faster: estimate_us
+# prices a wide cluster as its twin times this
+WIDE_CLUSTER_COST = 1.12
 
 
 SMS = 132  # H100 / H200 SXM
@@ -639,6 +635,9 @@ def estimate_us(spec: CutlassSpec, problem, tflops_per_sm: float = 5.5, gbs: flo
     unchanged at 0.21). It is what lets split-K 16 outrank split-K 8 where 8 leaves SMs idle.
     A wider epilogue subtile is priced against its automatic twin (subtile_us). A swapped
     kernel (swap_ab) is priced on the transposed problem, the one it runs."""
+    if spec.cluster_m * spec.cluster_n > 2:  # measured, not modelled: see WIDE_CLUSTER_COST
+        return estimate_us(replace(spec, cluster_m=1, cluster_n=1), problem, tflops_per_sm, gbs,
+                           l2_gbs) * WIDE_CLUSTER_COST
     if spec.swap_ab:
         problem = replace(problem, M=problem.N, N=problem.M)
     tiles_m = -(-problem.M // spec.tile_m)
