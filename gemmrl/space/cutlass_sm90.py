@@ -308,8 +308,8 @@ def valid(spec: CutlassSpec, problem=None) -> str | None:
         return (f"cluster must be 1x1, 2x1 or 1x2 (or, with split-K, 2x2, 1x4, 4x1, 2x4 or 4x2), "
                 f"got {s.cluster_m}x{s.cluster_n}")
     if (s.cluster_m, s.cluster_n) in WIDE_CLUSTERS and s.scheduler != "splitk":
-        return (f"a {s.cluster_m}x{s.cluster_n} cluster is offered with split-K only (the few-tile, long-K "
-                f"shapes whose L2 traffic multicast cuts), not with the {s.scheduler!r} scheduler")
+        return (f"a {s.cluster_m}x{s.cluster_n} cluster is offered with split-K only (for few-tile, long-K "
+                f"shapes; see WIDE_CLUSTERS), not with the {s.scheduler!r} scheduler")
     if lean != (s.scheduler == "tile"):
         return (f"the {s.schedule!r} kernel runs one CTA per tile: scheduler 'tile', not {s.scheduler!r}" if lean
                 else f"scheduler 'tile' is the lean kernels' ({', '.join(LEAN_SCHEDULES)}), not {s.schedule!r}'s")
