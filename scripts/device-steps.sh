@@ -22,6 +22,8 @@
 # CACHE_BACK=FILE: the builds a step listed in FILE (`build ... --entries FILE`) come back packed as
 # OUT/gcache-back.txz (carry it in a later call, as .ext/carry/gcache-NAME.txz, instead of
 # compiling them again).
+# Carry the deltas of this session's earlier calls as .ext/carry/delta*.sqlite.xz: they are merged into
+# the call's store before any step (a `pack` on the device otherwise exports from the committed store).
 # BG="command" runs beside the steps at the lowest CPU priority (CPU work for a later call, such
 # as scripts/cuda-l2-prebuild.py), its output in OUT/bg.log; the call waits for it until TOTAL_S
 # less 30 s, then stops it (SIGTERM, and up to 15 s for its own clean-up).
@@ -36,6 +38,18 @@ install_cutlass
 unpack_caches "$GEMMRL_CACHE"
 db=results/gemmrl.sqlite
 python3 -m gemmrl.cli store --db "$db" > "$out/logs/store-before.txt" 2>&1  # unpacked once, before the lanes
+# carried deltas (.ext/carry/delta*.sqlite[.xz]: what earlier calls sent back, merged where the session
+# runs but not yet committed) go into the store first, in name order, so that a step reading the
+# store (pack, scripts/stale-shapes.py) sees them; merging one twice adds nothing, and the call
+# sends back only its own runs
+for d in .ext/carry/delta*.sqlite .ext/carry/delta*.sqlite.xz; do
+  [ -f "$d" ] || continue
+  if python3 -m gemmrl.cli store --db "$db" --merge "$d" >> "$out/logs/store-before.txt" 2>&1; then
+    echo "merged $d" | tee -a "$out/logs/steps.txt"
+  else
+    echo "could not merge $d (store-before.txt)" | tee -a "$out/logs/steps.txt"
+  fi
+done
 since=$(python3 -c "import sqlite3, sys; print(sqlite3.connect(sys.argv[1]).execute('SELECT COALESCE(MAX(id), 0) FROM runs').fetchone()[0])" "$db")
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv > "$out/logs/gpu.txt"
 bgpid=""

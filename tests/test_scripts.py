@@ -156,6 +156,49 @@ def test_cutlass_headers_pack_and_unpack_to_the_same_build_key(tmp_path):
     assert keys == "('cutlass-9.8.7/include', 'cutlass-9.8.7/tools/util/include')"
 
 
+def test_device_steps_merges_carried_deltas_before_the_steps(tmp_path):
+    """.ext/carry/delta*.sqlite[.xz] (earlier calls' runs, not yet in the committed store) are
+    merged into the call's store before any step reads it, once however often carried, and the
+    call sends back only its own runs."""
+    import shutil
+    import sqlite3
+
+    from gemmrl.store.db import Store
+
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "results").mkdir()
+    (repo / ".ext" / "carry").mkdir(parents=True)
+    for name in ("device-steps.sh", "device-common.sh", "pack-build-cache.sh"):
+        shutil.copy(ROOT / "scripts" / name, repo / "scripts")
+    store = Store(repo / "results" / "gemmrl.sqlite")
+    store.start_run("gemmrl bench (committed)", "Fake GPU", {}, {})
+    store.close()
+    delta = Store(repo / ".ext" / "carry" / "delta-1.sqlite")
+    delta.start_run("gemmrl tune (an earlier call)", "Fake GPU", {}, {})
+    delta.close()
+    shutil.copy(repo / ".ext" / "carry" / "delta-1.sqlite", repo / ".ext" / "carry" / "delta-2.sqlite")  # the same, twice
+    # the step sees the merged store: it records what the store's runs are
+    (repo / "scripts" / "runs.py").write_text(
+        "import os, sqlite3\ndb = sqlite3.connect('results/gemmrl.sqlite')\n"
+        "open(os.environ['OUT'] + '/runs.txt', 'w').write('\\n'.join(r[0] for r in "
+        "db.execute('SELECT command FROM runs ORDER BY id')))\n")
+    out = tmp_path / "out"
+    env = {**ENV, "STEPS": "scripts/runs.py", "TOTAL_S": "300", "GEMMRL_CACHE": str(tmp_path / "cache"),
+           "PATH": os.environ["PATH"]}
+    r = subprocess.run(["bash", str(repo / "scripts" / "device-steps.sh"), str(out)], capture_output=True,
+                       text=True, env=env, cwd=repo, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "merged .ext/carry/delta-1.sqlite" in r.stdout and "merged .ext/carry/delta-2.sqlite" in r.stdout
+    assert (out / "runs.txt").read_text().splitlines() == ["gemmrl bench (committed)", "gemmrl tune (an earlier call)"]
+    # what comes back is the call's own work: no run (the step made none), not the carried one
+    back = tmp_path / "back.sqlite"
+    m = subprocess.run([sys.executable, "-m", "gemmrl.cli", "store", "--db", str(back), "--merge",
+                        str(out / "gemmrl-delta.sqlite.xz")], capture_output=True, text=True, env=ENV, timeout=300)
+    assert m.returncode == 0, m.stdout + m.stderr
+    assert sqlite3.connect(back).execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 0
+
+
 def test_device_steps_runs_each_step_in_turn_with_its_cap_and_returns_the_store(tmp_path):
     """scripts/device-steps.sh on a copy of the repository's layout with a small store: each step
     gets --db, a step with @N is cut after N seconds, one that fails does not stop the next, a
