@@ -1005,3 +1005,54 @@ def test_protocol_gap_report_reads_the_traces(tmp_path):
     for extra in (["--report", str(path)], ["--report", str(path), "--ref", "absent"], []):
         r = subprocess.run([sys.executable, script, *extra], capture_output=True, text=True, env=ENV, timeout=300)
         assert r.returncode == 2, (extra, r.stderr)
+
+
+def test_product_untimed_lists_the_grid_shapes_a_cut_run_left(tmp_path):
+    """scripts/product-untimed.py: a shape is timed in a mode when both product layouts have an ok
+    session there in a run after --after on the device; the rest are written in the file's order.
+    A failed layout, another mode, another device and older runs do not count."""
+    from gemmrl.core.problem import Problem
+    from gemmrl.store.db import Store
+
+    db = tmp_path / "s.sqlite"
+    st = Store(db)
+    h200, h100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
+    both = {"gemmrl.matmul-nn": {"median_us": 5.0, "n": 5}, "gemmrl.matmul-tn": {"median_us": 5.0, "n": 5}}
+    old = st.start_run("gemmrl bench", h200, {}, {})
+    st.record_session(old, "a", h200, Problem(64, 64, 64), "server", "server:v5", both)  # before --after
+    st.finish_run(old)
+    run = st.start_run("gemmrl bench", h200, {}, {})
+    st.record_session(run, "b", h200, Problem(128, 64, 64), "server", "server:v5", both)
+    st.record_session(run, "c", h200, Problem(256, 64, 64), "server", "server:v5",
+                      {"gemmrl.matmul-nn": both["gemmrl.matmul-nn"],
+                       "gemmrl.matmul-tn": {"median_us": None, "n": 0, "status": "failed"}})
+    st.record_session(run, "d", h200, Problem(512, 64, 64), "offline", "offline:v2", both)
+    st.finish_run(run)
+    other = st.start_run("gemmrl bench", h100, {}, {})
+    st.record_session(other, "e", h100, Problem(1024, 64, 64), "server", "server:v5", both)
+    st.finish_run(other)
+    st.close()
+    shapes = tmp_path / "g.txt"
+    shapes.write_text("# grid\n1024x64x64\n64x64x64\n128x64x64\n256x64x64\n512x64x64\n")
+    out = tmp_path / "left.txt"
+
+    def left(*args):
+        r = subprocess.run([sys.executable, str(ROOT / "scripts" / "product-untimed.py"), "--db", str(db),
+                            "--shapes", str(shapes), "--out", str(out), *args],
+                           capture_output=True, text=True, env=ENV, timeout=300)
+        return r, [l for l in out.read_text().splitlines() if not l.startswith("#")] if out.exists() else None
+
+    r, got = left("--device", "H200", "--mode", "server", "--after", str(old))
+    assert r.returncode == 0, r.stderr
+    assert got == ["1024x64x64", "64x64x64", "256x64x64", "512x64x64"] and "4 of 5 shapes left" in r.stdout
+    r, got = left("--device", "H200", "--mode", "server")  # every run counts
+    assert got == ["1024x64x64", "256x64x64", "512x64x64"]
+    r, got = left("--device", "H200", "--mode", "offline", "--after", str(old))
+    assert got == ["1024x64x64", "64x64x64", "128x64x64", "256x64x64"]
+    r, got = left("--device", "H100", "--mode", "server")
+    assert got == ["64x64x64", "128x64x64", "256x64x64", "512x64x64"]
+    r, _ = left("--device", "NVIDIA", "--mode", "server")
+    assert r.returncode != 0 and "several GPUs" in r.stderr
+    shapes.write_text("64x64\n")
+    r, _ = left("--device", "H200", "--mode", "server")
+    assert r.returncode != 0 and "not an MxNxK shape" in r.stderr
