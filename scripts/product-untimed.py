@@ -66,7 +66,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--device {a.device} names several GPUs in the store: {', '.join(devices)}")
     done = timed(db, a.device, a.mode, a.after, a.acc)
     left = [s for s in shapes if s not in done]
-    Path(a.out).write_text(f"# {len(left)} of {len(shapes)} shapes of {a.shapes} without a {a.mode}-mode session of "
+    Path(a.out).write_text(f"# {len(left)} of {len(shapes)} shapes of {a.shapes} without a session in {a.mode} mode of "
                            f"{' and '.join(PRODUCT)} ({a.acc}) on {a.device} after run {a.after}\n"
                            + "".join(f"{M}x{N}x{K}\n" for M, N, K in left))
     print(f"{len(left)} of {len(shapes)} shapes left ({len(shapes) - len(left)} timed in {a.mode} mode after run "

@@ -259,6 +259,46 @@ def test_a_kernel_the_product_runs_slower_than_torch_in_a_host_mode_leaves_the_p
                and "slower beyond the noise" in s for s in skipped), skipped
 
 
+def test_a_kernel_the_product_runs_slower_than_torch_in_kernel_time_leaves_the_pack(store, tmp_path):
+    """gemmrl.matmul timed in kernel mode with the winner's own kernel: where the median of those
+    sessions is slower than torch.matmul of the layout beyond the noise (1% in kernel time, or
+    twice torch.matmul's disagreement with its repeat), the kernel leaves, though its speedup over
+    the best baseline, these sessions counted, is still 1.0 or more (H200, run 355: 12288x256x64 TN
+    at 0.953). Within 1% it stays; kernel sessions are not counted as host sessions."""
+    from gemmrl.runtime.pack import sha256_text
+
+    p = Problem(12288, 256, 64)
+    spec = cutlass_sm90.heuristic_specs(p, "TN")[0]
+    sha = sha256_text(cutlass_sm90.render(spec, p))
+    store.put_tuning(DEV, p, "gemmrl-tuned", _choice(spec, "cutlass_sm90"), spec.name, 5.0)
+    run = store.start_run("gemmrl bench", DEV, PROV, {})
+    store.record_verification(run, DEV, p, "gemmrl-tuned", True, "ok", {})
+    for i in range(3):  # well ahead of the best baseline in its own sessions
+        store.record_session(run, f"t{i}", DEV, p, "kernel", "kp1", {
+            "gemmrl-tuned": {"median_us": 5.0, "n": 50}, "cuBLAS-tn": {"median_us": 6.0, "n": 50}})
+
+    def product(i, ours, torch_us):
+        prun = store.start_run("gemmrl bench --impl pack:DIR --mode kernel", DEV, PROV, {})
+        store.record_verification(prun, DEV, p, "gemmrl.matmul-tn", True, "ok",
+                                  {"impl": {"served": {"source_sha256": sha, "shape": p.shape}}})
+        store.record_session(prun, f"k{i}", DEV, p, "kernel", "kernel:v3:ci=0.005", {
+            "gemmrl.matmul-tn": {"median_us": ours, "n": 50}, "torch.matmul-tn": {"median_us": torch_us, "n": 50},
+            "torch.matmul": {"median_us": 10.0, "n": 50}, "torch.matmul@repeat": {"median_us": 10.0, "n": 50}})
+
+    def entry(name):
+        m = _manifest(export_pack(store, DEV, tmp_path / name, "fp16", "fp32"))
+        return {(r["M"], r["N"], r["K"]): r for r in m["entries"]}.get((12288, 256, 64)), m["skipped"]
+
+    product(0, 5.04, 5.0)  # 0.992: within the 1% floor
+    e, _ = entry("a")
+    assert e is not None and "host_sessions" not in e and e["product_sessions"] == 1
+    product(1, 5.25, 5.0)  # 0.952: the median of the two is 0.9722
+    e, skipped = entry("b")
+    assert e is None
+    assert any("12288x256x64" in s and "0.9722 of torch.matmul in kernel mode (2 sessions" in s
+               and "slower beyond the noise" in s for s in skipped), skipped
+
+
 def test_a_winner_is_judged_by_its_own_sessions_baselines_after_they_are_timed_again(store, tmp_path):
     """A later run that times some baselines again (the autotuned one picked again, with its
     heuristic beside it) makes theirs the latest records. A winner timed in one session is still
@@ -441,6 +481,46 @@ def test_the_products_sessions_of_an_autotuned_algorithm_count_toward_its_rule(s
     # 1.05x torch.matmul-tn's time by its paired ratio (the medians say 0.99): out
     product(5, _algo(66), 33.0, 33.3, paired={"torch.matmul-tn": 1 / 1.05})
     assert key not in lt_names()
+
+
+def test_an_autotuned_algorithm_the_product_runs_slower_in_a_host_mode_leaves_the_pack(store, tmp_path):
+    """The host rule for lt_algos: an algorithm that gemmrl.matmul's fallback ran offline or in
+    server mode slower than torch.matmul of the layout beyond the noise (the median of that mode's
+    sessions under 0.98, or twice torch.matmul's disagreement with its repeat) leaves, with a note
+    in `skipped`, though kernel time found it faster than the heuristic's choice (H200, runs
+    340-351: 4096x16384x8192 NN at 0.97 offline, 0.96 in server mode). The fp16-accumulator pack's
+    sessions count too: its fallback is the same fp32 one. Another algorithm's sessions do not."""
+    run = store.start_run("gemmrl bench", DEV, PROV, {})
+    p = Problem(4096, 16384, 8192)
+    store.put_tuning(DEV, p, "cuBLASLt-auto-tuning-nn", _algo(77), "algo=77", 900.0)
+    store.record_session(run, "lt", DEV, p, "kernel", "kernel:v3:ci=0.005", {
+        "cuBLASLt-auto-tuning-nn": {"median_us": 900.0, "n": 20}, "cuBLASLt-heuristic-nn": {"median_us": 930.0, "n": 20}})
+
+    def lt(name):
+        m = _manifest(export_pack(store, DEV, tmp_path / name, "fp16", "fp32"))
+        return {(d["M"], d["N"], d["K"], d["layout"]) for d in m.get("lt_algos", [])}, m["skipped"]
+
+    def product(i, algo, ours, torch_us, mode="offline", acc="fp32"):
+        q = Problem(4096, 16384, 8192, "fp16", acc)
+        prun = store.start_run("gemmrl bench --impl pack:DIR --mode " + mode, DEV, PROV, {})
+        store.record_verification(prun, DEV, q, "gemmrl.matmul-nn", True, "ok",
+                                  {"impl": {"served": None, "served_lt": algo.hex()}})
+        t = "mean_us" if mode == "server" else "median_us"
+        store.record_session(prun, f"h{i}", DEV, q, mode, f"{mode}:v2", {
+            "gemmrl.matmul-nn": {t: ours, "median_us": ours, "n": 50},
+            "torch.matmul": {t: torch_us, "median_us": torch_us, "n": 50},
+            "torch.matmul@repeat": {t: torch_us, "median_us": torch_us, "n": 50}})
+
+    key = (4096, 16384, 8192, "NN")
+    assert key in lt("a")[0]
+    product(0, _algo(78), 1000.0, 900.0)  # another algorithm
+    product(1, _algo(77), 925.0, 910.0)  # 0.984 offline: within the 2% floor
+    assert key in lt("b")[0]
+    product(2, _algo(77), 960.0, 920.0, mode="server", acc="fp16")  # 0.958 in server mode, the fp16 pack's run
+    got, skipped = lt("c")
+    assert key not in got
+    assert any("4096x16384x8192 NN cuBLASLt algorithm" in s and "0.9583 of torch.matmul in server mode" in s
+               for s in skipped), skipped
 
 
 def test_load_pack_round_trips(pack_dir):
