@@ -190,6 +190,7 @@ def main(argv=None) -> int:
                          "whose runs also timed a few shapes in another")
     a = ap.parse_args(argv)
     from gemmrl.bench.select import _pack_spec
+    from gemmrl.runtime.pack import serving_digest
 
     modes = tuple(dict.fromkeys(m.strip() for m in a.mode.split(",") if m.strip()))
     if not modes or set(modes) - set(MODES):
@@ -228,7 +229,8 @@ def main(argv=None) -> int:
     # a pack kernel that failed in the run (not built, not loaded) left the call to the fallback
     neighbours, failed = run_served(db, runs)
     timed = sessions(db, runs, a.latest, modes)
-    res = summarize(timed, served_keys(json.loads(mf.read_text())) - failed, neighbours)
+    manifest = json.loads(mf.read_text())
+    res = summarize(timed, served_keys(manifest) - failed, neighbours)
     if not res:
         print(f"{label} timed no gemmrl.matmul beside torch.matmul", file=sys.stderr)
         return 1
@@ -260,7 +262,8 @@ def main(argv=None) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps({"run": runs[0] if len(runs) == 1 else list(runs), "device": row[0],
                                             "provenance": prov, "first_run_date": first_date,
-                                            "pack": str(mf.parent), "nearest": nearest,
+                                            "pack": str(mf.parent), "pack_digest": serving_digest(manifest),
+                                            "nearest": nearest,
                                             "latest": a.latest, "modes": res, "neighbours": nrows}, indent=1) + "\n")
     return 0
 

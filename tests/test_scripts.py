@@ -479,6 +479,9 @@ def test_product_report_splits_served_and_fallback_calls_per_session(tmp_path):
     assert row["shape"] == "512x64x64" and row["neighbour"] == "256x64x64" and row["distance"] == 1.0
     assert abs(row["vs_torch"] - 10 / 9) < 1e-9 and row["layout"] == "NN" and row["mode"] == "kernel"
     assert json.loads(out.read_text())["nearest"] is None
+    from gemmrl.runtime.pack import serving_digest  # what `gemmrl targets` checks the pack here against
+    assert json.loads(out.read_text())["pack_digest"] == serving_digest(
+        json.loads((tmp_path / "pack" / "manifest.json").read_text()))
     r2 = subprocess.run([sys.executable, str(ROOT / "scripts" / "product-report.py"), "--run", str(run), "--pack",
                          f"{tmp_path / 'pack'}@nearest=2", "--db", str(tmp_path / "s.sqlite"), "--json", str(out)],
                         capture_output=True, text=True, env=ENV, timeout=300)

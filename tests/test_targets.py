@@ -211,3 +211,56 @@ def test_cli_prints_the_table_and_writes_json(tmp_path):
     assert json.loads(out.read_text())["gpu"] == "h100"
     r = CliRunner().invoke(main, ["targets", "--results", str(root), "--device", "H200"])
     assert r.exit_code != 0 and "no reports at" in r.output
+
+
+def test_a_pack_exported_again_after_its_product_report_is_not_judged_met(tmp_path):
+    """A product report records its pack's serving digest: where the pack here (its path from the
+    folder above results) now serves some (shape, layout) otherwise, the product target is not
+    met and says why; the same serving under a new stamp and new notes, a report without the
+    digest, and a pack not here leave the verdict to the report."""
+    from gemmrl.runtime.pack import serving_digest
+
+    res_dir = _report_dir(tmp_path)
+    d = res_dir / "h100"
+    pack = tmp_path / "packs" / "h100-fp16-F32F16F16F32"
+    pack.mkdir(parents=True)
+    manifest = {"stamp": {"date": "2026-02-01"}, "skipped": ["a note"],
+                "entries": [{"M": 64, "N": 64, "K": 64, "layout": "NN", "source_sha256": "ab" * 32}],
+                "lt_algos": [{"M": 128, "N": 64, "K": 64, "layout": "TN", "algo": "01" * 64}]}
+    (pack / "manifest.json").write_text(json.dumps(manifest))
+    report = _product(0.995, 0.01, "2026-02-01", beyond=[])
+    report["pack_digest"] = serving_digest(manifest)
+    (d / "product-vs-torch-grid-latest-2026-02-01.json").write_text(json.dumps(report))
+
+    def product_target():
+        return {x["key"]: x for x in evaluate(res_dir, "h100")["targets"]}["product-vs-torch"]
+
+    assert product_target()["met"] is True
+    (pack / "manifest.json").write_text(json.dumps({**manifest, "stamp": {"date": "2026-03-01"}, "skipped": []}))
+    assert product_target()["met"] is True  # the same serving
+    manifest["lt_algos"] = []  # 128x64x64 TN now falls back to the heuristic's plan
+    (pack / "manifest.json").write_text(json.dumps(manifest))
+    t = product_target()
+    assert t["met"] is False and t["extra"]["pack_changed"] == ["kernel"]
+    assert "exported again after the kernel report" in t["detail"]
+    del report["pack_digest"]
+    (d / "product-vs-torch-grid-latest-2026-02-01.json").write_text(json.dumps(report))
+    assert product_target()["met"] is True
+    report["pack_digest"] = "0" * 16
+    report["pack"] = "packs/gone-F32F16F16F32"
+    (d / "product-vs-torch-grid-latest-2026-02-01.json").write_text(json.dumps(report))
+    assert product_target()["met"] is True
+
+
+def test_serving_digest_follows_what_serves_each_pair():
+    from gemmrl.runtime.pack import serving, serving_digest
+
+    m = {"entries": [{"M": 64, "N": 64, "K": 64, "layout": "NN", "source_sha256": "ab"}],
+         "lt_algos": [{"M": 64, "N": 64, "K": 64, "layout": "TN", "algo": "01"}], "stamp": {"x": 1}}
+    assert serving(m) == {"64x64x64:NN": "kernel:ab", "64x64x64:TN": "lt:01"}
+    assert serving_digest(m) == serving_digest({**m, "stamp": {"x": 2}, "skipped": ["n"]})
+    other = {**m, "entries": [{**m["entries"][0], "source_sha256": "cd"}]}
+    assert serving_digest(other) != serving_digest(m)
+    swapped = {"entries": [{"M": 64, "N": 64, "K": 64, "layout": "TN", "source_sha256": "ab"}],
+               "lt_algos": [{"M": 64, "N": 64, "K": 64, "layout": "NN", "algo": "01"}]}
+    assert serving_digest(swapped) != serving_digest(m) and len(serving_digest(m)) == 16

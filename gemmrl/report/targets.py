@@ -238,8 +238,14 @@ def grid_targets(speedups: Mapping[str, Mapping[str, Mapping[str, float]] | None
             + ("" if not beyond[m] else " (" + ", ".join(
                 f"{b['shape']} {b['layout']} {b['ratio']:.3f}" for b in sorted(beyond[m], key=lambda b: b["ratio"])[:3])
                + ")") for m in judged)
-        out.append(Target(4, "product-vs-torch", t, 1.0, lowest, n_beyond == 0, detail,
-                          {"modes": {m: {"pairs": shapes[m], "beyond_noise": beyond[m]} for m in judged}}))
+        changed = [m for m in (product or {}).get("pack_changed") or [] if m in judged]
+        if changed:  # the reports judge the pack they measured; the one here serves some pairs otherwise
+            detail += (f"; the pack was exported again after the {', '.join(changed)} report"
+                       f"{'s' * (len(changed) > 1)}: its changed pairs are not timed yet (pack --against "
+                       f"the measured manifest --changed-shapes, then bench --impl pack:DIR)")
+        out.append(Target(4, "product-vs-torch", t, 1.0, lowest, n_beyond == 0 and not changed, detail,
+                          {"modes": {m: {"pairs": shapes[m], "beyond_noise": beyond[m]} for m in judged},
+                           "pack_changed": changed}))
     t = "CUDA-L2's published kernels beaten on most shapes in each mode where they build"
     shares = {m: (s.get("share_slower"), s.get("count", 0)) for m, s in (cuda_l2 or {}).items()
               if s.get("count")}
@@ -282,6 +288,23 @@ def _newest_per_mode(products) -> tuple[dict, dict]:
     return {"modes": {m: v[2] for m, v in best.items()}}, {m: v[1] for m, v in best.items()}
 
 
+def _pack_drift(doc: Mapping, results_dir: Path) -> bool:
+    """Whether the pack a product report measured now serves some (shape, layout) otherwise:
+    its manifest (the report's `pack`, from the folder above results_dir, else from the working
+    directory) has another serving digest than the report recorded. False where the report
+    predates the digest or the pack is not here."""
+    want, where = doc.get("pack_digest"), doc.get("pack")
+    if not want or not where:
+        return False
+    from gemmrl.runtime.pack import serving_digest
+
+    for base in (results_dir.resolve().parent, Path(".")):
+        mf = base / where / "manifest.json"
+        if mf.is_file():
+            return serving_digest(json.loads(mf.read_text())) != want
+    return False
+
+
 def evaluate(results_dir: str | Path, gpu: str, subject: str = "gemmrl-tuned",
              precision: str = "F32F16F16F32", product=None) -> dict:
     """Every target of #3 and #4 from the reports under results_dir/gpu; product: the
@@ -305,6 +328,9 @@ def evaluate(results_dir: str | Path, gpu: str, subject: str = "gemmrl-tuned",
         docs = [(p, _load_json(p)) for p in sorted(d.glob("product-vs-torch-grid-*.json"))]
         docs = [(p, doc) for p, doc in docs if not isinstance(doc, dict) or precision in str(doc.get("pack", ""))]
     prod, used = _newest_per_mode(docs)
+    by_path = {Path(p): doc for p, doc in docs}
+    drift = {m: _pack_drift(by_path[Path(p)], Path(results_dir)) for m, p in used.items()}
+    prod["pack_changed"] = sorted(m for m, v in drift.items() if v)
     l2 = _load_json(d / f"cuda-l2_{gpu}_{precision}_vs_{subject.replace('.', '_')}_summary.json")
     fp16_prec = "F16F16F16F16" if precision == "F32F16F16F32" else None
     fp16 = _load_json(d / f"{subject.replace('.', '_')}_{gpu}_{fp16_prec}_summary.json") if fp16_prec else None

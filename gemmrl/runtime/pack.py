@@ -36,6 +36,7 @@ import re
 import shutil
 import statistics
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,6 +139,24 @@ def _norm_device(name: str) -> str:
 
 def _minor(version: str) -> tuple:
     return tuple(version.split(".")[:2])
+
+
+def serving(manifest: Mapping) -> dict:
+    """What a manifest serves each (shape, layout) with: {"MxNxK:LAYOUT": "kernel:<source sha256>"
+    or "lt:<algorithm hex>"}; the rest fall back to the heuristic's plan. Pure."""
+    out = {}
+    for d in manifest.get("lt_algos") or []:
+        out[f"{d['M']}x{d['N']}x{d['K']}:{d['layout']}"] = f"lt:{d.get('algo')}"
+    for e in manifest.get("entries") or []:
+        out[f"{e['M']}x{e['N']}x{e['K']}:{e['layout']}"] = f"kernel:{e.get('source_sha256')}"
+    return out
+
+
+def serving_digest(manifest: Mapping) -> str:
+    """A short digest of serving(manifest): two exports that serve every (shape, layout) alike
+    share it, whatever their stamps, timings and notes. Pure."""
+    text = "\n".join(f"{k} {v}" for k, v in sorted(serving(manifest).items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def sha256_text(text: str) -> str:
