@@ -1059,3 +1059,42 @@ def test_product_untimed_lists_the_grid_shapes_a_cut_run_left(tmp_path):
     shapes.write_text("64x64\n")
     r, _ = left("--device", "H200", "--mode", "server")
     assert r.returncode != 0 and "not an MxNxK shape" in r.stderr
+
+
+def test_mode_transfer_gives_each_pairs_medians_by_bucket_and_mode(tmp_path):
+    """scripts/mode-transfer.py: from the speedup CSVs of one GPU's reports, the median of each
+    pair's ratio per FLOPs bucket and mode (a baseline over another: the quotient of gemmrl-tuned's
+    speedups over them), and of each shape's host-mode ratio over its kernel-mode one; a shape a
+    mode lacks is left out there."""
+    d = tmp_path / "results" / "h200"
+    d.mkdir(parents=True)
+    cols = ["mnk", "cuBLASLt-auto-tuning-max", "cuBLASLt-auto-tuning-nn", "cuBLASLt-heuristic-nn",
+            "cuBLASLt-auto-tuning-tn", "cuBLASLt-heuristic-tn"]
+    # gemmrl-tuned over each baseline; autotuned NN over heuristic NN = heur / auto
+    rows = {"kernel": [["8192_8192_8192", "0.99", "0.99", "1.0296", "1.0", "1.0"],   # 2^40: auto 1.04x heur
+                       ["4096_8192_8192", "0.97", "0.97", "1.0088", "1.0", "1.0"],   # 2^39: 1.04
+                       ["64_64_64", "1.3", "1.3", "1.3", "1.3", "1.3"]],             # 2^19
+            "server": [["8192_8192_8192", "0.95", "1.0", "1.01", "1.0", "1.0"],      # auto 1.01x heur
+                       ["64_64_64", "1.2", "1.2", "1.2", "1.2", "1.2"]]}
+    for mode, rs in rows.items():
+        with open(d / f"gemmrl-tuned_h200_F32F16F16F32_speedup_{mode}.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(cols)
+            w.writerows(rs)
+    out = tmp_path / "t.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "mode-transfer.py"), "--device", "H200", "--results",
+                        str(tmp_path / "results"), "--json", str(out)], capture_output=True, text=True, env=ENV,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())["pairs"]
+    ours, lt = res["gemmrl-tuned / cuBLASLt-auto-tuning-max"], res["cuBLASLt-auto-tuning-nn / cuBLASLt-heuristic-nn"]
+    assert set(ours) == {"2^18-2^21", "2^39-2^42"}
+    big = ours["2^39-2^42"]
+    assert big["shapes"] == 2 and big["kernel"] == pytest.approx(0.98) and big["server"] == 0.95
+    assert big["offline"] is None and big["server/kernel"] == pytest.approx(0.95 / 0.99, abs=1e-4)
+    assert lt["2^39-2^42"]["kernel"] == pytest.approx(1.04, abs=1e-4) and lt["2^39-2^42"]["server"] == 1.01
+    assert ours["2^18-2^21"]["server/kernel"] == pytest.approx(1.2 / 1.3, abs=1e-4)
+    assert "| 2^39-2^42 | 2 | 0.980 |  | 0.950 |  | 0.960 |" in r.stdout
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "mode-transfer.py"), "--device", "H100", "--results",
+                        str(tmp_path / "results")], capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode != 0 and "no kernel-mode report" in r.stderr
