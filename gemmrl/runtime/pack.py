@@ -430,6 +430,13 @@ def host_verdict(sessions) -> tuple[str, float, float, int] | None:
     return None
 
 
+def _slower_note(what: str, verdict) -> str:
+    """The `skipped` note for a kernel or algorithm host_verdict judged slower than torch.matmul."""
+    mode, ratio, noise, n = verdict
+    return (f"{what}: gemmrl.matmul ran it at {ratio:.4f} of torch.matmul in {mode} mode ({n} session"
+            f"{'s' * (n != 1)}; torch.matmul within {noise:.2%} of its repeat): slower beyond the noise")
+
+
 def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tuple[list, set, list]:
     """(candidates, run ids, skipped reasons): one dict per verified gemmrl winner. A winner
     timed in several kernel-mode sessions since it was chosen is judged by the median of its
@@ -522,10 +529,7 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
             mine = [(mode, r, n) for s_, mode, r, n, created in in_host if s_ == sha and created >= row["created"]]
             bad = host_verdict(mine)
             if bad is not None:
-                mode, ratio, noise, n = bad
-                skipped.append(f"{problem.shape} {impl}: gemmrl.matmul ran it at {ratio:.4f} of torch.matmul in "
-                               f"{mode} mode ({n} session{'s' * (n != 1)}; torch.matmul within {noise:.2%} of its "
-                               f"repeat): slower beyond the noise")
+                skipped.append(_slower_note(f"{problem.shape} {impl}", bad))
                 continue
             n_host = sum(1 for mode, _, _ in mine if mode in HOST_MODES)
             if n_host:
@@ -657,10 +661,8 @@ def _lt_choices(store, device: str, dtype: str, served: set, margin: float = LT_
             verdict = host_verdict(host.get(key + (bytes(choice).hex(),), []))
             if verdict is not None:  # faster in kernel time, slower through gemmrl.matmul in a host mode
                 if skipped is not None:
-                    mode, ratio, noise, n = verdict
-                    skipped.append(f"{key[0]}x{key[1]}x{key[2]} {layout} cuBLASLt algorithm: gemmrl.matmul ran it "
-                                   f"at {ratio:.4f} of torch.matmul in {mode} mode over {n} session(s) (noise "
-                                   f"{noise:.4f}): slower beyond the noise, so the fallback keeps the heuristic's plan")
+                    skipped.append(_slower_note(f"{key[0]}x{key[1]}x{key[2]} {layout} cuBLASLt algorithm", verdict)
+                                   + ", so the fallback keeps the heuristic's plan")
                 continue
             out.append({"M": key[0], "N": key[1], "K": key[2], "layout": layout, "algo": bytes(choice).hex(),
                         "us": None if us is None else round(float(us), 3), "info": info,
