@@ -26,7 +26,16 @@ among them `bench`'s v3: the precision target on paired ratios) and the company 
         --companies alone,with-lt,with-all --kernel sm90_pp_128x144x64_c2x1_persist_s0_rh_sw1_tn_f16_f32 \
         --kernel sm90_pp_128x160x64_c1x1_persist_s0_rh_sw2_tn_f16_f32 4096x8192x16384:fp32
 
-Each record then also carries its per-round trace: every replay's per-call time with the name of
+The host modes as `bench --quick` times them are protocols too (`offline`, `server`: host
+clock, fresh inputs, server mode's idle gaps at 1000 QPS), and every record carries the SM clock
+and power read every 20 ms while it was timed (`gpu_during`): whether a lead measured in kernel
+time shrinks in server mode because the idle gaps let the clock rise (`scripts/mode-transfer.py`,
+2026-11-27: 2-4% on the largest shapes, ours and cuBLASLt's autotuned choice alike):
+
+    python3 scripts/protocol-gap.py --out OUT/modes.json --protocols v3,offline,server \
+        --companies with-all 8192x8192x8192:fp32 4096x16384x8192:fp32
+
+Each kernel-mode record then also carries its per-round trace: every replay's per-call time with the name of
 the replay that ran just before it in the round, to tell an effect of a kernel's neighbour.
 Without a GPU, the traces as a table: per timing, each kernel's median within-round time ratio to
 a reference kernel and the share of rounds in which it ran more than 5% over it:
@@ -58,7 +67,64 @@ def _gpu_state():
     return out
 
 
-PROTOCOLS = ("quick", "full", "quick-rounds/2000us", "full-rounds/500us", "v3")
+PROTOCOLS = ("quick", "full", "quick-rounds/2000us", "full-rounds/500us", "v3", "offline", "server")
+HOST_PROTOCOLS = ("offline", "server")  # bench --quick's host modes (time_host), not kernel timings
+
+
+def clock_summary(samples: list) -> dict:
+    """[(sm_mhz, power_mw)] read while a timing ran -> their count, the SM clock's median, lowest
+    and highest, and the median power in watts; samples a reader could not give (not numbers)
+    are left out. Pure."""
+    import statistics
+
+    mhz = [m for m, _ in samples if isinstance(m, (int, float))]
+    mw = [w for _, w in samples if isinstance(w, (int, float))]
+    out: dict = {"samples": len(samples)}
+    if mhz:
+        out |= {"sm_mhz_median": statistics.median(mhz), "sm_mhz_min": min(mhz), "sm_mhz_max": max(mhz)}
+    if mw:
+        out["power_w_median"] = round(statistics.median(mw) / 1000, 1)
+    return out
+
+
+class ClockSampler:
+    """Reads the SM clock and power every `period_s` on a thread while a timing runs (with ...:),
+    so a record says at what clock it ran, not only what the clock was before and after (the
+    GPU runs at its power limit in sustained GEMMs, and server mode's idle gaps let its clock
+    rise). `read` gives (sm_mhz, power_mw); by default torch.cuda's NVML readings."""
+
+    def __init__(self, period_s: float = 0.02, read=None):
+        import threading
+
+        self.period_s, self.samples, self._stop = period_s, [], threading.Event()
+        self._read = read or self._nvml
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _nvml():
+        import torch
+
+        return torch.cuda.clock_rate(), torch.cuda.power_draw()
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                self.samples.append(self._read())
+            except Exception:  # pynvml missing or the reading failed: no sample
+                pass
+            self._stop.wait(self.period_s)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        return False
+
+    def summary(self) -> dict:
+        return clock_summary(self.samples)
 COMPANIES = ("alone", "with-lt", "with-all")
 LT = ("cuBLASLt-auto-tuning-nn", "cuBLASLt-auto-tuning-tn")
 
@@ -195,6 +261,11 @@ def main(argv=None) -> int:
         "full-rounds/500us": replace(full, target_replay_us=timing.QUICK.target_replay_us),
         "v3": timing.KernelSettings(**kernel_precision(False, None, None)),  # bench's default
     }
+    from gemmrl.cli import host_precision  # bench --quick's host modes, as its grid runs time them
+
+    protocols["offline"] = timing.HostSettings(mode="offline", **host_precision("offline", True, None, None))
+    protocols["server"] = timing.HostSettings(mode="server", min_rounds=40, qps=1000.0, gaps="round",
+                                              **host_precision("server", True, None, None))
     protocols = {k: protocols[k] for k in pnames}
     names = list(LT) + (["baselines"] if "with-all" in companies else [])
     records = []
@@ -220,23 +291,30 @@ def main(argv=None) -> int:
                     before = _gpu_state()
                     t0 = time.perf_counter()
                     trace = []
-                    res = timing.time_kernel(problem, calls, l2_bytes=l2, settings=settings, seed=rep, trace=trace)
+                    with ClockSampler() as clock:
+                        if pname in HOST_PROTOCOLS:
+                            res = timing.time_host(problem, calls, settings=settings, seed=rep)
+                        else:
+                            res = timing.time_kernel(problem, calls, l2_bytes=l2, settings=settings, seed=rep,
+                                                     trace=trace)
                     rows = neighbours(trace)
                     wall = time.perf_counter() - t0
                     after = _gpu_state()
+                    during = clock.summary()
                     for nm, r in res.items():
                         rec = {"shape": dims, "acc": problem.acc, "repeat": rep, "protocol": pname,
                                "company": company, "impl": nm, "median_us": r.get("median_us"),
-                               "min_us": r.get("min_us"), "n": r.get("n"),
+                               "min_us": r.get("min_us"), "mean_us": r.get("mean_us"), "n": r.get("n"),
                                "calls_per_replay": r.get("details", {}).get("calls_per_replay"),
                                "sets": r.get("details", {}).get("sets"), "wall_s": round(wall, 3),
                                "paired": r.get("details", {}).get("paired"),
-                               "gpu_before": before, "gpu_after": after,
+                               "gpu_before": before, "gpu_after": after, "gpu_during": during,
                                "trace": [row for row in rows if row[1] == nm]}
                         records.append(rec)
                         print(f"{dims}:{problem.acc} r{rep} {pname:22s} {company:15s} {nm:26s} "
                               f"median {rec['median_us'] or float('nan'):9.2f} us  calls/replay {rec['calls_per_replay']}"
-                              f"  clock {after['sm_mhz']}  power {after['power_mw']}", flush=True)
+                              f"  clock {during.get('sm_mhz_median', 'n/a')} MHz (median while timed)  "
+                              f"power {during.get('power_w_median', 'n/a')} W", flush=True)
         _write(args.out, device, prov, records)  # after every shape: a cut call keeps the rest
     return 0
 

@@ -970,6 +970,35 @@ def test_protocol_gap_names_kernels_companies_and_neighbours():
                                      (1, "c", 12.5, None), (1, "a", 10.5, "c")]
 
 
+def test_protocol_gap_samples_the_clock_while_a_timing_runs():
+    """ClockSampler reads (SM clock, power) on a thread until the with-block ends; the summary
+    is the clock's median, lowest and highest and the median power in watts, unreadable samples
+    (pynvml missing) left out; a reader that raises gives no sample and stops nothing."""
+    import time as _time
+
+    mod = _protocol_gap()
+    assert mod.clock_summary([(1980, 690000), (1500, 700000), (1700, "n/a")]) == {
+        "samples": 3, "sm_mhz_median": 1700, "sm_mhz_min": 1500, "sm_mhz_max": 1980, "power_w_median": 695.0}
+    assert mod.clock_summary([]) == {"samples": 0}
+    readings = iter([(1980, 650000), (1400, 700000)] + [(1600, 690000)] * 10000)
+    with mod.ClockSampler(period_s=0.001, read=lambda: next(readings)) as c:
+        _time.sleep(0.05)
+    n = len(c.samples)
+    assert n >= 3 and c.samples[:2] == [(1980, 650000), (1400, 700000)]
+    _time.sleep(0.02)
+    assert len(c.samples) == n  # stopped with the block
+    assert c.summary()["sm_mhz_min"] == 1400 and c.summary()["sm_mhz_max"] == 1980
+
+    def broken():
+        raise RuntimeError("no NVML")
+
+    with mod.ClockSampler(period_s=0.001, read=broken) as c:
+        _time.sleep(0.01)
+    assert c.summary() == {"samples": 0}
+    # the host modes are protocols too, timed with time_host rather than time_kernel
+    assert {"offline", "server"} <= set(mod.PROTOCOLS) and set(mod.HOST_PROTOCOLS) == {"offline", "server"}
+
+
 def test_protocol_gap_refuses_bad_arguments_before_any_gpu_work():
     script = str(ROOT / "scripts" / "protocol-gap.py")
     for extra in (["--protocols", "v9"], ["--companies", "crowd"], ["--kernel", "sm90_nonsense"],
