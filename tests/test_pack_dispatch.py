@@ -478,9 +478,13 @@ def test_the_products_sessions_of_an_autotuned_algorithm_count_toward_its_rule(s
     assert lt_names()[key]["sessions"] == 1
     product(4, _algo(66), 33.0, 33.2)  # as fast as torch.matmul-tn: counted, still ships
     assert lt_names()[key]["sessions"] == 2
-    # 1.05x torch.matmul-tn's time by its paired ratio (the medians say 0.99): out
+    # 1.05x torch.matmul-tn's time by its paired ratio (the medians say 0.99): out, and said so
     product(5, _algo(66), 33.0, 33.3, paired={"torch.matmul-tn": 1 / 1.05})
     assert key not in lt_names()
+    m = _manifest(export_pack(store, DEV, tmp_path / "notes", "fp16", "fp32"))
+    assert [s for s in m["skipped"] if "cuBLASLt algorithm" in s] == [
+        "2048x256x12288 TN cuBLASLt algorithm: gemmrl.matmul ran it at up to 1.0500x torch.matmul's time in "
+        "kernel mode (2 sessions), so the fallback keeps the heuristic's plan"]
 
 
 def test_an_autotuned_algorithm_the_product_runs_slower_in_a_host_mode_leaves_the_pack(store, tmp_path):
