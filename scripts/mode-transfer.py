@@ -18,10 +18,13 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gemmrl.core.problem import bucket_label, size_bucket  # noqa: E402
 
 MODES = ("kernel", "offline", "server")
 PRECISION = {"fp32": "F32F16F16F32", "fp16": "F16F16F16F16"}
@@ -30,11 +33,6 @@ PRECISION = {"fp32": "F32F16F16F32", "fp16": "F16F16F16F16"}
 PAIRS = {"gemmrl-tuned / cuBLASLt-auto-tuning-max": (None, "cuBLASLt-auto-tuning-max"),
          "cuBLASLt-auto-tuning-nn / cuBLASLt-heuristic-nn": ("cuBLASLt-auto-tuning-nn", "cuBLASLt-heuristic-nn"),
          "cuBLASLt-auto-tuning-tn / cuBLASLt-heuristic-tn": ("cuBLASLt-auto-tuning-tn", "cuBLASLt-heuristic-tn")}
-
-
-def bucket(M: int, N: int, K: int) -> int:
-    """The FLOPs bucket's lower exponent: 2^(3b) <= 2MNK < 2^(3b+3), as b*3."""
-    return 3 * int(math.log2(2 * M * N * K) // 3)
 
 
 def read(path: Path) -> dict:
@@ -59,7 +57,8 @@ def transfer(reports: dict) -> dict:
         per: dict = {}
         for mnk in kernel:
             M, N, K = (int(x) for x in mnk.split("_"))
-            b = per.setdefault(bucket(M, N, K), {m: [] for m in MODES} | {f"{m}/kernel": [] for m in MODES[1:]})
+            b = per.setdefault(size_bucket(2 * M * N * K),
+                               {m: [] for m in MODES} | {f"{m}/kernel": [] for m in MODES[1:]})
             rk = ratio(kernel[mnk], pair)
             for mode in MODES:
                 r = ratio((reports.get(mode) or {}).get(mnk, {}), pair)
@@ -68,8 +67,8 @@ def transfer(reports: dict) -> dict:
                 b[mode].append(r)
                 if mode != "kernel" and rk is not None:
                     b[f"{mode}/kernel"].append(r / rk)
-        out[name] = {f"2^{lo}-2^{lo + 3}": {k: (round(statistics.median(v), 4) if v else None) for k, v in cols.items()}
-                     | {"shapes": len(cols["kernel"])} for lo, cols in sorted(per.items())}
+        out[name] = {bucket_label(b): {k: (round(statistics.median(v), 4) if v else None) for k, v in cols.items()}
+                     | {"shapes": len(cols["kernel"])} for b, cols in sorted(per.items())}
     return out
 
 

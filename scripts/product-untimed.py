@@ -18,21 +18,9 @@ import sqlite3
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 PRODUCT = ("gemmrl.matmul-nn", "gemmrl.matmul-tn")
-
-
-def read_shapes(path: str) -> list[tuple[int, int, int]]:
-    out = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        try:
-            M, N, K = (int(x) for x in line.lower().split("x"))
-        except ValueError:
-            raise SystemExit(f"{path}:{n}: not an MxNxK shape: {line!r}")
-        out.append((M, N, K))
-    return out
 
 
 def timed(db: sqlite3.Connection, device: str, mode: str, after: int, acc: str) -> set:
@@ -58,7 +46,13 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if not Path(a.db).exists():
         raise SystemExit(f"no store at {a.db} (gemmrl store unpacks the committed one)")
-    shapes = read_shapes(a.shapes)
+    from gemmrl.core.problem import ProblemError
+    from gemmrl.core.shapes import parse_shape_file
+
+    try:
+        shapes = [(p.M, p.N, p.K) for p in parse_shape_file(a.shapes)]
+    except ProblemError as e:
+        raise SystemExit(f"not an MxNxK shape file: {e}")
     db = sqlite3.connect(a.db)
     devices = sorted({d for (d,) in db.execute("SELECT DISTINCT device FROM runs WHERE device LIKE ?",
                                                 (f"%{a.device}%",))})

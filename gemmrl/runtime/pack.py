@@ -143,12 +143,13 @@ def _minor(version: str) -> tuple:
 
 def serving(manifest: Mapping) -> dict:
     """What a manifest serves each (shape, layout) with: {"MxNxK:LAYOUT": "kernel:<source sha256>"
-    or "lt:<algorithm hex>"}; the rest fall back to the heuristic's plan. Pure."""
+    or "lt:<algorithm hex>"}; the rest fall back to the heuristic's plan (malformed items are
+    left out, as _keys leaves them). Pure."""
     out = {}
-    for d in manifest.get("lt_algos") or []:
-        out[f"{d['M']}x{d['N']}x{d['K']}:{d['layout']}"] = f"lt:{d.get('algo')}"
-    for e in manifest.get("entries") or []:
-        out[f"{e['M']}x{e['N']}x{e['K']}:{e['layout']}"] = f"kernel:{e.get('source_sha256')}"
+    for (kind, field_), items in ((("lt", "algo"), manifest.get("lt_algos")),
+                                  (("kernel", "source_sha256"), manifest.get("entries"))):
+        for (M, N, K, layout), d in _keys(items).items():
+            out[f"{M}x{N}x{K}:{layout}"] = f"{kind}:{d.get(field_)}"
     return out
 
 
@@ -362,8 +363,6 @@ def slower_beyond_noise(ratio: float, noise: float, mode: str) -> bool:
 
 
 PRODUCT_VERSUS = {"gemmrl.matmul-nn": "torch.matmul", "gemmrl.matmul-tn": "torch.matmul-tn"}
-
-
 PRODUCT_MODES = ("kernel",) + HOST_MODES
 
 
@@ -580,53 +579,28 @@ def _lt_vs_heuristic(store, device: str, dtype: str) -> dict:
     return out
 
 
-def _product_lt(store, device: str, dtype: str) -> dict:
-    """(M, N, K, layout, algo hex) -> [gemmrl.matmul's time over torch.matmul's of the same
-    layout] for every kernel-mode session in which the pack's fallback ran that cuBLASLt
-    algorithm (its verification in the same run names it: pack_impl's `served_lt`), the packs
-    of either accumulator counted: the fallback accumulates in fp32 whatever the pack's.
-    torch.matmul is what the algorithm replaces: without it the fallback runs the heuristic's
-    first choice, as torch.matmul's cuBLAS does."""
+def _product_lt(store, device: str, dtype: str) -> tuple[dict, dict]:
+    """(kernel, host) for every session in which gemmrl.matmul's fallback ran a cuBLASLt
+    algorithm of the pack (its verification in the same run names it: pack_impl's `served_lt`;
+    _product_host_ratios over every mode), the packs of either accumulator counted: the fallback
+    accumulates in fp32 whatever the pack's. kernel: (M, N, K, layout, algo hex) ->
+    [gemmrl.matmul's time over torch.matmul's of the same layout] in kernel time; host: the same
+    key -> [(mode, ratio, noise)] offline and in server mode. torch.matmul is what the algorithm
+    replaces: without it the fallback runs the heuristic's first choice, as torch.matmul's
+    cuBLAS does."""
     from gemmrl.runtime.pack_impl import served_lt
 
-    torch_of = {"gemmrl.matmul-nn": "torch.matmul", "gemmrl.matmul-tn": "torch.matmul-tn"}
-    out: dict = {}
+    kernel: dict = {}
+    host: dict = {}
     for acc in ("fp32", "fp16"):
-        served = _product_served(store, device, dtype, acc, served_lt)
-        if not served:
-            continue
-        sessions: dict = {}
-        for run_id, session, M, N, K, impl, us, details in store.db.execute(
-                "SELECT run_id, session, M, N, K, impl, median_us, details FROM measurements WHERE device=? "
-                "AND dtype=? AND acc=? AND mode='kernel' AND status='ok' AND median_us > 0 "
-                "AND impl IN (?, ?, ?, ?)", (device, dtype, acc, *PRODUCT_IMPLS, *torch_of.values())):
-            t = sessions.setdefault(session, {})
-            t[impl] = (float(us), json.loads(details).get("paired") or {}, (run_id, int(M), int(N), int(K)))
-        for t in sessions.values():
-            for impl, base in torch_of.items():
-                if impl not in t or base not in t:
-                    continue
-                run_id, M, N, K = t[impl][2]
-                algo = served.get((run_id, M, N, K, impl))
-                if algo is not None:  # torch.matmul's time over gemmrl.matmul's, inverted
-                    out.setdefault((M, N, K, impl[-2:].upper(), algo), []).append(
-                        1.0 / _over({k: v[:2] for k, v in t.items()}, impl, base))
-    return out
-
-
-def _product_lt_host(store, device: str, dtype: str) -> dict:
-    """(M, N, K, layout, algo hex) -> [(mode, ratio, noise)] for every host-mode session in which
-    gemmrl.matmul's fallback ran that cuBLASLt algorithm of the pack (_product_host_ratios with
-    served_lt), the packs of either accumulator counted: the fallback accumulates in fp32 whatever
-    the pack's."""
-    from gemmrl.runtime.pack_impl import served_lt
-
-    out: dict = {}
-    for acc in ("fp32", "fp16"):
-        for key, sessions in _product_host_ratios(store, device, dtype, acc, served_lt).items():
+        ratios = _product_host_ratios(store, device, dtype, acc, served_lt, modes=PRODUCT_MODES)
+        for key, sessions in ratios.items():
             for algo, mode, ratio, noise, _ in sessions:
-                out.setdefault(key + (algo,), []).append((mode, ratio, noise))
-    return out
+                if mode == "kernel":  # torch.matmul's time over gemmrl.matmul's, inverted
+                    kernel.setdefault(key + (algo,), []).append(1.0 / ratio)
+                else:
+                    host.setdefault(key + (algo,), []).append((mode, ratio, noise))
+    return kernel, host
 
 
 def _lt_choices(store, device: str, dtype: str, served: set, margin: float = LT_MARGIN,
@@ -646,8 +620,7 @@ def _lt_choices(store, device: str, dtype: str, served: set, margin: float = LT_
     runs 340-351, the autotuned choice of 4096x16384x8192 NN, 0.967 of the heuristic's kernel
     time, ran 0.97 of torch.matmul's speed offline and 0.96 in server mode."""
     ratios, out = _lt_vs_heuristic(store, device, dtype), []
-    product = _product_lt(store, device, dtype)
-    host = _product_lt_host(store, device, dtype)
+    product, host = _product_lt(store, device, dtype)
     for layout in LAYOUTS:
         rows = store.db.execute("SELECT M, N, K, choice, info, time_us FROM tuning WHERE device=? AND dtype=? "
                                 "AND acc='fp32' AND impl=? ORDER BY M, N, K",
