@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gemmrl.core.problem import bucket_label, size_bucket  # noqa: E402
 
 MODES = ("kernel", "offline", "server")
+PROVENANCE = ("device", "driver", "cuda", "torch", "commit", "date")
 PRECISION = {"fp32": "F32F16F16F32", "fp16": "F16F16F16F16"}
 # name -> (numerator, denominator) of gemmrl-tuned's speedup columns: A over B = sp[B] / sp[A];
 # None as the numerator: gemmrl-tuned itself (its speedup column over B)
@@ -93,8 +94,13 @@ def main(argv=None) -> int:
         for label, r in rows.items():
             cells = [r[k] for k in ("kernel", "offline", "server", "offline/kernel", "server/kernel")]
             print(f"| {label} | {r['shapes']} | " + " | ".join("" if c is None else f"{c:.3f}" for c in cells) + " |")
-    if a.json:
+    if a.json:  # the reports' provenance (device, driver, CUDA, torch, commit, date) and this command
+        summary = d / f"{a.subject}_{a.device.lower()}_{PRECISION[a.acc]}_summary.json"
+        prov = json.loads(summary.read_text()).get("provenance", {}) if summary.is_file() else {}
         Path(a.json).write_text(json.dumps({"device": a.device, "acc": a.acc, "subject": a.subject,
+                                            "provenance": {k: prov.get(k) for k in PROVENANCE},
+                                            "command": "python3 scripts/mode-transfer.py " + " ".join(
+                                                sys.argv[1:] if argv is None else argv),
                                             "reports": {m: str(p) for m, p in paths.items() if p.is_file()},
                                             "pairs": res}, indent=1) + "\n")
     return 0

@@ -1110,12 +1110,19 @@ def test_mode_transfer_gives_each_pairs_medians_by_bucket_and_mode(tmp_path):
             w = csv.writer(f)
             w.writerow(cols)
             w.writerows(rs)
+    (d / "gemmrl-tuned_h200_F32F16F16F32_summary.json").write_text(json.dumps(
+        {"provenance": {"device": "NVIDIA H200", "driver": "580", "cuda": "13.0", "torch": "2.11", "commit": "abc",
+                        "date": "2026-11-27", "runs": [1, 2]}}))
     out = tmp_path / "t.json"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "mode-transfer.py"), "--device", "H200", "--results",
                         str(tmp_path / "results"), "--json", str(out)], capture_output=True, text=True, env=ENV,
                        timeout=300)
     assert r.returncode == 0, r.stderr
-    res = json.loads(out.read_text())["pairs"]
+    doc = json.loads(out.read_text())
+    assert doc["provenance"] == {"device": "NVIDIA H200", "driver": "580", "cuda": "13.0", "torch": "2.11",
+                                 "commit": "abc", "date": "2026-11-27"}  # the reports', without their run list
+    assert doc["command"].startswith("python3 scripts/mode-transfer.py --device H200")
+    res = doc["pairs"]
     ours, lt = res["gemmrl-tuned / cuBLASLt-auto-tuning-max"], res["cuBLASLt-auto-tuning-nn / cuBLASLt-heuristic-nn"]
     assert set(ours) == {"2^18-2^21", "2^39-2^42"}
     big = ours["2^39-2^42"]
