@@ -35,6 +35,11 @@ time shrinks in server mode because the idle gaps let the clock rise (`scripts/m
     python3 scripts/protocol-gap.py --out OUT/modes.json --protocols v3,offline,server \
         --companies with-all 8192x8192x8192:fp32 4096x16384x8192:fp32
 
+The same output as a table of clocks and speeds, without a GPU (the SM clock and power median
+while each protocol ran; every implementation's speed relative to torch.matmul):
+
+    python3 scripts/protocol-gap.py --report OUT/modes.json --ref torch.matmul --clocks
+
 Each kernel-mode record then also carries its per-round trace: every replay's per-call time with the name of
 the replay that ran just before it in the round, to tell an effect of a kernel's neighbour.
 Without a GPU, the traces as a table: per timing, each kernel's median within-round time ratio to
@@ -191,12 +196,69 @@ def ratio_rows(records: list, ref: str, slow: float = 1.05) -> list[dict]:
     return out
 
 
-def print_report(path: str, ref: str) -> None:
+def clock_rows(records: list, ref: str) -> list[dict]:
+    """Per (shape, accumulator, protocol, company): the SM clock and power while its timings ran
+    (medians over the repeats of each timing's `gpu_during` medians) and each implementation's
+    speed relative to the one whose name contains `ref` (the reference's time over its own; the
+    median over the repeats, each repeat's ratio taken within that repeat: medians, means in
+    server mode, as the reports take them). Whether a lead measured in kernel time (at the power
+    limit's clock) holds where the host modes' gaps let the clock rise. Pure."""
+    import statistics
+
+    groups: dict = {}
+    for r in records:
+        key = (r["shape"], r.get("acc", "fp32"), r["protocol"], r["company"])
+        groups.setdefault(key, {}).setdefault(r["repeat"], []).append(r)
+    out = []
+    for key, repeats in groups.items():
+        ratios: dict = {}
+        clocks, power = [], []
+        for recs in repeats.values():
+            refs = [r for r in recs if ref in r["impl"]]
+            if len(refs) != 1:
+                raise ValueError(f"{key}: {len(refs)} implementations match --ref {ref!r}")
+
+            def t(r):
+                return r.get("mean_us") if key[2] == "server" and r.get("mean_us") else r["median_us"]
+
+            during = refs[0].get("gpu_during") or {}
+            if during.get("sm_mhz_median") is not None:
+                clocks.append(during["sm_mhz_median"])
+            if during.get("power_w_median") is not None:
+                power.append(during["power_w_median"])
+            for r in recs:
+                if r is not refs[0] and t(r) and t(refs[0]):
+                    ratios.setdefault(r["impl"], []).append(t(refs[0]) / t(r))
+        out.append({"shape": key[0], "acc": key[1], "protocol": key[2], "company": key[3],
+                    "sm_mhz": statistics.median(clocks) if clocks else None,
+                    "power_w": statistics.median(power) if power else None, "repeats": len(repeats),
+                    "speed": {impl: statistics.median(v) for impl, v in sorted(ratios.items())}})
+    return out
+
+
+def print_clocks(records: list, ref: str) -> None:
+    rows = clock_rows(records, ref)
+    impls = sorted({i for r in rows for i in r["speed"]})
+    print(f"speed relative to {ref} (its time over each one's; median over the repeats) and the SM clock and "
+          f"power while timed")
+    print("| shape | protocol | company | SM MHz | power W | " + " | ".join(impls) + " |")
+    print("| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in impls) + " |")
+    for r in rows:
+        mhz = "-" if r["sm_mhz"] is None else f"{r['sm_mhz']:.0f}"
+        watts = "-" if r["power_w"] is None else f"{r['power_w']:.0f}"
+        cells = [f"{r['speed'][i]:.3f}" if i in r["speed"] else "-" for i in impls]
+        print(f"| {r['shape']}:{r['acc']} | {r['protocol']} | {r['company']} | {mhz} | {watts} | " + " | ".join(cells) + " |")
+
+
+def print_report(path: str, ref: str, clocks: bool = False) -> None:
     import gzip
 
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         records = json.load(f)["records"]
+    if clocks:
+        print_clocks(records, ref)
+        return
     print(f"time over {ref} (median of the within-round ratios); share of rounds more than 5% over it")
     print("| shape | repeat | protocol | company | implementation | rounds | ratio | rounds > 1.05 |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -212,6 +274,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out")
     ap.add_argument("--report", metavar="JSON", help="print the ratio table of an output (no GPU) and exit")
     ap.add_argument("--ref", help="--report: the reference implementation (a part of its name)")
+    ap.add_argument("--clocks", action="store_true",
+                    help="--report: per shape and protocol, the SM clock and power while timed and each "
+                         "implementation's speed relative to --ref (every protocol, the host modes included)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--kernel", action="append", default=[], metavar="NAME",
                     help="time this CUTLASS kernel (spec name) instead of the tuned winner; repeat")
@@ -222,7 +287,7 @@ def main(argv=None) -> int:
         if not args.ref:
             ap.error("--report needs --ref")
         try:
-            print_report(args.report, args.ref)
+            print_report(args.report, args.ref, args.clocks)
         except (OSError, ValueError, KeyError) as e:
             ap.error(f"{args.report}: {e}")
         return 0

@@ -6,6 +6,7 @@ import csv
 import gzip
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -1134,3 +1135,35 @@ def test_mode_transfer_gives_each_pairs_medians_by_bucket_and_mode(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "mode-transfer.py"), "--device", "H100", "--results",
                         str(tmp_path / "results")], capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode != 0 and "no kernel-mode report" in r.stderr
+
+
+def test_protocol_gap_clock_report_compares_speeds_per_protocol(tmp_path):
+    """--report --clocks: per shape and protocol the SM clock and power while timed, and each
+    implementation's speed relative to the reference, the median over the repeats of ratios taken
+    within each repeat (server mode by the means)."""
+    mod = _protocol_gap()
+
+    def rec(impl, protocol, repeat, median, mean=None, mhz=1410, watts=650.0):
+        return {"shape": "8192x8192x8192", "acc": "fp32", "repeat": repeat, "protocol": protocol,
+                "company": "with-all", "impl": impl, "median_us": median, "mean_us": mean or median,
+                "gpu_during": {"sm_mhz_median": mhz, "power_w_median": watts}}
+
+    records = [rec("torch.matmul", "v3", 0, 1700.0), rec("gemmrl-tuned", "v3", 0, 1600.0),
+               rec("torch.matmul", "v3", 1, 1710.0, mhz=1420), rec("gemmrl-tuned", "v3", 1, 1650.0, mhz=1420),
+               # server mode by the means: ours 2% behind at a higher clock
+               rec("torch.matmul", "server", 0, 1400.0, 1500.0, mhz=1900),
+               rec("gemmrl-tuned", "server", 0, 1390.0, 1530.0, mhz=1900)]
+    rows = {r["protocol"]: r for r in mod.clock_rows(records, "torch.matmul")}
+    assert rows["v3"]["sm_mhz"] == 1415 and rows["v3"]["repeats"] == 2
+    assert rows["v3"]["speed"]["gemmrl-tuned"] == pytest.approx(statistics.median([1700 / 1600, 1710 / 1650]))
+    assert rows["server"]["speed"]["gemmrl-tuned"] == pytest.approx(1500 / 1530)
+    assert rows["server"]["sm_mhz"] == 1900 and rows["server"]["power_w"] == 650.0
+    with pytest.raises(ValueError, match="0 implementations match"):
+        mod.clock_rows(records, "cuBLAS")
+    path = tmp_path / "modes.json"
+    path.write_text(json.dumps({"records": records}))
+    script = str(ROOT / "scripts" / "protocol-gap.py")
+    r = subprocess.run([sys.executable, script, "--report", str(path), "--ref", "torch.matmul", "--clocks"],
+                       capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "| 8192x8192x8192:fp32 | server | with-all | 1900 | 650 | 0.980 |" in r.stdout
