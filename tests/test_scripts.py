@@ -21,7 +21,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTH
     ("server-noise.py", "--rounds"), ("fallback-gap.py", "pack"), ("product-gap.py", "pack"),
     ("protocol-gap.py", "--repeats"), ("launch-gap.py", "--calls"), ("cuda-l2-prebuild.py", "--shapes"),
     ("autotune-check.py", "--layouts"), ("kernel-noise.py", "--rounds"), ("lt-host-cost.py", "--bursts"),
-    ("nearest-loo.py", "--no-library")])
+    ("nearest-loo.py", "--no-library"), ("product-settle.py", "--rounds")])
 def test_gpu_scripts_load_and_show_their_arguments(script, words):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--help"], capture_output=True,
                        text=True, env=ENV, timeout=300)
@@ -1167,3 +1167,116 @@ def test_protocol_gap_clock_report_compares_speeds_per_protocol(tmp_path):
                        capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "| 8192x8192x8192:fp32 | server | with-all | 1900 | 650 | 0.980 |" in r.stdout
+
+
+def _settle_mod():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("product_settle", ROOT / "scripts" / "product-settle.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _FakeGemmrl:
+    """Stands in for `python3 -m gemmrl.cli`: each `pack --changed-shapes F` writes the next of
+    the scripted change lists to F; every command is recorded."""
+
+    def __init__(self, changes, fail=None):
+        self.changes, self.calls, self.fail = list(changes), [], fail or {}
+
+    def __call__(self, argv, label):
+        self.calls.append((label, argv))
+        if argv[0] == "pack":
+            shapes = self.changes.pop(0)
+            path = Path(argv[argv.index("--changed-shapes") + 1])
+            path.write_text("# changed\n" + "".join(s + "\n" for s in shapes))
+        return self.fail.get(label, 0)
+
+
+def test_product_settle_times_the_changed_shapes_until_an_export_changes_nothing(tmp_path):
+    """scripts/product-settle.py: export, time the changed shapes through gemmrl.matmul in every
+    mode (--quick in the host modes, --gpus when asked), export again; settled when an export
+    changes nothing."""
+    mod = _settle_mod()
+    fake = _FakeGemmrl([["64x64x64", "128x64x4096"], ["128x64x4096"], []])
+    got = mod.settle(fake, device="H200", acc="fp16", pack="packs/p", db="s.sqlite", work=str(tmp_path), gpus=4,
+                     log=lambda *_: None)
+    assert got["settled"] and got["stopped"] is None
+    assert [r["shapes"] for r in got["rounds"]] == [["64x64x64", "128x64x4096"], ["128x64x4096"]]
+    assert [label for label, _ in fake.calls] == [
+        "export 0", "build 0", "bench 0 kernel", "bench 0 offline", "bench 0 server",
+        "export 1", "build 1", "bench 1 kernel", "bench 1 offline", "bench 1 server", "export 2"]
+    export = dict(fake.calls)["export 0"]
+    assert export[:7] == ["pack", "--device", "H200", "--acc", "fp16", "--out", "packs/p"]
+    kernel, server = dict(fake.calls)["bench 1 kernel"], dict(fake.calls)["bench 1 server"]
+    assert kernel[kernel.index("--shapes") + 1] == str(tmp_path / "changed-1.txt")
+    for argv in (kernel, server):
+        assert {"--impl", "torch.matmul", "pack:packs/p", "--retime", "--subject", "gemmrl.matmul-nn"} <= set(argv)
+        assert argv[argv.index("--gpus") + 1] == "4" and argv[argv.index("--acc") + 1] == "fp16"
+    assert "--quick" in server and "--quick" not in kernel
+
+
+def test_product_settle_starts_from_given_shapes_and_stops_at_rounds_deadline_or_failure(tmp_path):
+    mod = _settle_mod()
+    given = tmp_path / "given.txt"
+    given.write_text("# from an export elsewhere\n256x256x256\n")
+    fake = _FakeGemmrl([["64x64x64"], ["64x64x64"]])
+    got = mod.settle(fake, device="H200", acc="fp32", pack="p", db="s", work=str(tmp_path), shapes=str(given),
+                     rounds=2, modes=("kernel",), log=lambda *_: None)
+    # round 0 times the given shapes without an export; after two rounds the third export still changed one
+    assert [label for label, _ in fake.calls] == ["build 0", "bench 0 kernel", "export 1", "build 1",
+                                                  "bench 1 kernel", "export 2"]
+    assert not got["settled"] and got["stopped"].startswith("2 rounds timed; the last export changed 1")
+    assert got["rounds"][0]["shapes"] == ["256x256x256"] and got["rounds"][-1]["benches"] == {}
+
+    now = [0.0]
+
+    def clock():
+        now[0] += 50.0  # every look at the clock: 50 s later
+        return now[0]
+
+    fake = _FakeGemmrl([["64x64x64"], []])
+    got = mod.settle(fake, device="H200", acc="fp32", pack="p", db="s", work=str(tmp_path), deadline_s=120,
+                     bench_s=300, clock=clock, log=lambda *_: None)
+    assert not got["settled"] and got["stopped"].startswith("deadline")
+    benches = [argv for label, argv in fake.calls if label.startswith("bench")]
+    assert all(float(a[a.index("--budget-s") + 1]) <= 110 for a in benches)  # never past the deadline
+
+    fake = _FakeGemmrl([["64x64x64"]], fail={"bench 0 offline": 1})
+    got = mod.settle(fake, device="H200", acc="fp32", pack="p", db="s", work=str(tmp_path), log=lambda *_: None)
+    assert got["stopped"].startswith("a bench of round 0 failed") and not got["settled"]
+
+
+def test_product_settle_names_the_runs_of_each_mode_and_refuses_bad_arguments(tmp_path):
+    from gemmrl.core.problem import Problem
+    from gemmrl.store.db import Store
+
+    mod = _settle_mod()
+    db = tmp_path / "s.sqlite"
+    st = Store(db)
+    dev = "NVIDIA H200"
+    both = {"gemmrl.matmul-nn": {"median_us": 5.0, "n": 5}, "gemmrl.matmul-tn": {"median_us": 5.0, "n": 5},
+            "torch.matmul": {"median_us": 5.0, "n": 5}}
+    ids = []
+    for mode in ("kernel", "server", "kernel"):
+        run = st.start_run("gemmrl bench", dev, {}, {})
+        st.record_session(run, f"s{run}", dev, Problem(64, 64, 64, "fp16", "fp16"), mode, f"{mode}:v2", both)
+        st.finish_run(run)
+        ids.append(run)
+    base = st.start_run("gemmrl bench", dev, {}, {})  # baselines only: not a product run
+    st.record_session(base, "b", dev, Problem(64, 64, 64, "fp16", "fp16"), "kernel", "kernel:v3",
+                      {"torch.matmul": {"median_us": 5.0, "n": 5}})
+    st.finish_run(base)
+    st.close()
+    assert mod.runs_by_mode(str(db), ids[0], "fp16") == {"server": [ids[1]], "kernel": [ids[2]]}
+    assert mod.runs_by_mode(str(db), 0, "fp32") == {}
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    script = str(ROOT / "scripts" / "product-settle.py")
+    for extra in (["--pack", str(pack)],  # no manifest.json
+                  ["--pack", str(ROOT / "packs" / "h200-fp16-F32F16F16F32"), "--modes", "kernel,warm"],
+                  ["--pack", str(ROOT / "packs" / "h200-fp16-F32F16F16F32"), "--rounds", "0"]):
+        r = subprocess.run([sys.executable, script, "--device", "H200", "--db", str(db), *extra],
+                           capture_output=True, text=True, env=ENV, timeout=300)
+        assert r.returncode == 2, (extra, r.stderr)

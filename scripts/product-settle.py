@@ -1,0 +1,218 @@
+#!/usr/bin/env python3
+"""Settle a pack against its own product sessions in one device call: export the pack from the
+store, time the shapes whose serving changed through gemmrl.matmul in every mode, and export
+again, until an export changes nothing or the rounds or the deadline run out.
+
+Each export reads the sessions the last round added: a kernel or a cuBLASLt algorithm that
+gemmrl.matmul ran slower than torch.matmul beyond the noise leaves the pack, and the shapes it
+served must then be timed again under the new serving (the thirty-third session, 2026-11-27, took
+three device calls for it: 142, then 24, then 3 shapes). Run on the device, beside the store the
+call sends back:
+
+    python3 scripts/product-settle.py --device H200 --acc fp16 --pack packs/h200-fp16-F16F16F16F16 \\
+        --gpus 4 --deadline-s 480 --json $OUT/settle.json [--shapes FILE]
+
+--shapes: time these shapes first, before any export (a pack exported elsewhere, with its
+`pack --changed-shapes` file). Every step is a `python3 -m gemmrl.cli` command (pack, build --pack,
+bench --impl torch.matmul --impl pack:DIR --subject gemmrl.matmul-nn --retime, --quick in the
+host modes), its output in --logs. The JSON names each round's shapes and the store's runs of
+each mode: `scripts/product-report.py --run ... --latest --mode M` takes them. Exit 0 when the
+pack settled, 3 when rounds or time ran out first (the last export's changed shapes untimed) or a
+SIGTERM stopped it (the running step stops cleanly, keeping what it measured; the JSON is still
+written), 1 when a step failed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MODES = ("kernel", "offline", "server")
+SUBJECT = "gemmrl.matmul-nn"
+
+
+def bench_argv(shapes: str, mode: str, acc: str, pack: str, db: str, out: str, gpus: int = 1,
+               quick_host: bool = True, budget_s: float | None = None) -> list[str]:
+    """The gemmrl bench arguments of one product timing: torch.matmul beside gemmrl.matmul as
+    the pack serves it, both layouts, timed afresh (--retime); the host modes --quick unless
+    told otherwise. Pure."""
+    argv = ["bench", "--shapes", shapes, "--mode", mode, "--acc", acc, "--impl", "torch.matmul",
+            "--impl", f"pack:{pack}", "--subject", SUBJECT, "--retime", "--no-report", "--db", db, "--out", out]
+    if gpus > 1:
+        argv += ["--gpus", str(gpus)]
+    if quick_host and mode != "kernel":
+        argv.append("--quick")
+    if budget_s is not None:
+        argv += ["--budget-s", f"{max(1.0, budget_s):.0f}"]
+    return argv
+
+
+def read_shapes(path: str) -> list[str]:
+    """The MxNxK lines of a `pack --changed-shapes` file (comments skipped); [] for none."""
+    from gemmrl.core.problem import ProblemError
+    from gemmrl.core.shapes import parse_shape_file
+
+    try:
+        return [f"{p.M}x{p.N}x{p.K}" for p in parse_shape_file(path)]
+    except ProblemError as e:
+        if "holds no shapes" in str(e):
+            return []
+        raise
+
+
+def settle(run, *, device: str, acc: str, pack: str, db: str, work: str, shapes: str | None = None,
+           rounds: int = 3, modes=MODES, gpus: int = 1, quick_host: bool = True, deadline_s: float | None = None,
+           bench_s: float = 120.0, clock=time.monotonic, log=print) -> dict:
+    """The settling loop. `run(argv, label)` runs one gemmrl command (argv after `gemmrl`) and
+    returns its exit status; `work` is a directory for the changed-shapes files. Each round:
+    export (`pack --changed-shapes`; round 1 skips it where `shapes` is given), stop if nothing
+    changed, else `build --pack` and one bench a mode on the changed shapes. A step is not started
+    past `deadline_s`; each bench gets at most `bench_s` seconds of budget, and no more than what
+    is left. Returns {'settled', 'stopped', 'rounds': [{'shapes', 'file', 'benches': {mode: rc}}]}."""
+    t0 = clock()
+
+    def left() -> float:
+        return float("inf") if deadline_s is None else deadline_s - (clock() - t0)
+
+    out: dict = {"settled": False, "stopped": None, "rounds": []}
+    for i in range(rounds + 1):  # the last pass only exports, to learn whether the pack settled
+        if i == 0 and shapes:
+            todo_file, todo = shapes, read_shapes(shapes)
+        else:
+            if left() <= 0:
+                out["stopped"] = "deadline before an export"
+                break
+            todo_file = str(Path(work) / f"changed-{i}.txt")
+            rc = run(["pack", "--device", device, "--acc", acc, "--out", pack, "--db", db,
+                      "--changed-shapes", todo_file], f"export {i}")
+            if rc != 0:
+                out["stopped"] = f"export {i} failed (exit {rc})"
+                break
+            todo = read_shapes(todo_file)
+            if not todo:
+                out["settled"] = True
+                log(f"export {i}: nothing changed; the pack is settled")
+                break
+            log(f"export {i}: {len(todo)} shapes changed")
+        if i == rounds:
+            out["stopped"] = f"{rounds} rounds timed; the last export changed {len(todo)} shapes"
+            out["rounds"].append({"shapes": todo, "file": todo_file, "benches": {}})
+            break
+        entry = {"shapes": todo, "file": todo_file, "benches": {}}
+        out["rounds"].append(entry)
+        rc = run(["build", "--pack", pack], f"build {i}")
+        if rc != 0:
+            out["stopped"] = f"build {i} failed (exit {rc})"
+            break
+        for mode in modes:
+            if left() <= 10:
+                out["stopped"] = f"deadline in round {i}, before {mode} mode"
+                break
+            entry["benches"][mode] = run(
+                bench_argv(todo_file, mode, acc, pack, db, str(Path(work) / f"bench-{i}-{mode}"), gpus, quick_host,
+                           min(bench_s, left() - 10)), f"bench {i} {mode}")
+        if out["stopped"]:
+            break
+        if any(rc != 0 for rc in entry["benches"].values()):
+            out["stopped"] = f"a bench of round {i} failed: {entry['benches']}"
+            break
+    return out
+
+
+def runs_by_mode(db: str, after: int, acc: str) -> dict:
+    """{mode: [run ids]} of the product benches after run `after` (their sessions' modes)."""
+    con = sqlite3.connect(db)
+    got: dict = {}
+    for run_id, mode in con.execute(
+            "SELECT DISTINCT run_id, mode FROM measurements WHERE run_id > ? AND acc = ? AND impl IN (?, ?) "
+            "ORDER BY run_id", (after, acc, SUBJECT, "gemmrl.matmul-tn")):
+        got.setdefault(mode, []).append(run_id)
+    return got
+
+
+class Runner:
+    """Runs `python3 -m gemmrl.cli ARGV` with its output in a log file; a SIGTERM to this script
+    goes on to the running step (which stops cleanly, keeping what it measured), and no further
+    step starts."""
+
+    def __init__(self, logs: Path):
+        self.logs, self.proc, self.stopped, self.n = logs, None, False, 0
+        logs.mkdir(parents=True, exist_ok=True)
+        signal.signal(signal.SIGTERM, self._term)
+
+    def _term(self, *_):
+        self.stopped = True
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def __call__(self, argv: list[str], label: str) -> int:
+        if self.stopped:
+            return 143
+        self.n += 1
+        log = self.logs / f"{self.n:02d}-{label.replace(' ', '-')}.log"
+        t = time.monotonic()
+        with open(log, "w") as f:
+            self.proc = subprocess.Popen([sys.executable, "-m", "gemmrl.cli", *argv], stdout=f, stderr=subprocess.STDOUT)
+            rc = self.proc.wait()
+        self.proc = None
+        print(f"{label}: exit {rc} after {time.monotonic() - t:.0f} s ({log})", flush=True)
+        return rc
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", required=True, help="the GPU as the store names it, or a unique part of it (H200)")
+    ap.add_argument("--acc", default="fp32", choices=("fp32", "fp16"))
+    ap.add_argument("--pack", required=True, help="the pack directory, exported again in place")
+    ap.add_argument("--db", default="results/gemmrl.sqlite")
+    ap.add_argument("--shapes", help="time these shapes first, before any export")
+    ap.add_argument("--rounds", type=int, default=3, help="timing rounds at most (default 3)")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--full-host", action="store_true", help="the host modes to the precision target (no --quick)")
+    ap.add_argument("--deadline-s", type=float, help="start no step after this many seconds")
+    ap.add_argument("--bench-s", type=float, default=120.0, help="budget of one bench (default 120)")
+    ap.add_argument("--logs", default="settle-logs", help="directory for the steps' logs and shape files")
+    ap.add_argument("--json", help="write the rounds, their shapes and the store's runs per mode here")
+    a = ap.parse_args(argv)
+    modes = [m for m in a.modes.split(",") if m]
+    if bad := [m for m in modes if m not in MODES]:
+        ap.error(f"unknown mode: {', '.join(bad)} (of {', '.join(MODES)})")
+    if a.rounds < 1 or a.gpus < 1:
+        ap.error("--rounds and --gpus must be at least 1")
+    if not Path(a.db).exists():
+        ap.error(f"no store at {a.db} (gemmrl store unpacks the committed one)")
+    if not (Path(a.pack) / "manifest.json").exists():
+        ap.error(f"{a.pack} is not a pack (no manifest.json)")
+    if a.shapes:
+        try:
+            read_shapes(a.shapes)
+        except Exception as e:  # a bad file is an argument error, before any GPU work
+            ap.error(str(e))
+    after = sqlite3.connect(a.db).execute("SELECT COALESCE(MAX(id), 0) FROM runs").fetchone()[0]
+    runner = Runner(Path(a.logs))
+    got = settle(runner, device=a.device, acc=a.acc, pack=a.pack, db=a.db, work=a.logs, shapes=a.shapes,
+                 rounds=a.rounds, modes=modes, gpus=a.gpus, quick_host=not a.full_host, deadline_s=a.deadline_s,
+                 bench_s=a.bench_s)
+    if runner.stopped:
+        got["stopped"] = "SIGTERM" + (f" ({got['stopped']})" if got["stopped"] else "")
+    got["runs"] = runs_by_mode(a.db, after, a.acc)
+    got.update(device=a.device, acc=a.acc, pack=a.pack, after_run=after)
+    print(json.dumps({k: got[k] for k in ("settled", "stopped", "runs")}))
+    if a.json:
+        Path(a.json).write_text(json.dumps(got, indent=1) + "\n")
+    if got["settled"]:
+        return 0
+    cut = ("SIGTERM", "rounds timed", "deadline")
+    return 3 if any(w in (got["stopped"] or "") for w in cut) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
