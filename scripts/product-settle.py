@@ -13,7 +13,9 @@ call sends back:
         --gpus 4 --deadline-s 480 --json $OUT/settle.json [--shapes FILE]
 
 --shapes: time these shapes first, before any export (a pack exported elsewhere, with its
-`pack --changed-shapes` file). Every step is a `python3 -m gemmrl.cli` command (pack, build --pack,
+`pack --changed-shapes` file). The pack it leaves on the device is not sent back: merge the call's
+store delta here and export again (`gemmrl pack --out DIR`), which gives the same entries from
+the same sessions. Every step is a `python3 -m gemmrl.cli` command (pack, build --pack,
 bench --impl torch.matmul --impl pack:DIR --subject gemmrl.matmul-nn --retime, --quick in the
 host modes), its output in --logs. The JSON names each round's shapes and the store's runs of
 each mode: `scripts/product-report.py --run ... --latest --mode M` takes them. Exit 0 when the
