@@ -130,6 +130,8 @@ class ClockSampler:
 
     def summary(self) -> dict:
         return clock_summary(self.samples)
+
+
 COMPANIES = ("alone", "with-lt", "with-all")
 LT = ("cuBLASLt-auto-tuning-nn", "cuBLASLt-auto-tuning-tn")
 
@@ -209,6 +211,9 @@ def clock_rows(records: list, ref: str) -> list[dict]:
     for r in records:
         key = (r["shape"], r.get("acc", "fp32"), r["protocol"], r["company"])
         groups.setdefault(key, {}).setdefault(r["repeat"], []).append(r)
+    def t(r):  # as the reports take them: the mean in server mode, else the median
+        return r.get("mean_us") if r["protocol"] == "server" and r.get("mean_us") else r["median_us"]
+
     out = []
     for key, repeats in groups.items():
         ratios: dict = {}
@@ -217,10 +222,6 @@ def clock_rows(records: list, ref: str) -> list[dict]:
             refs = [r for r in recs if ref in r["impl"]]
             if len(refs) != 1:
                 raise ValueError(f"{key}: {len(refs)} implementations match --ref {ref!r}")
-
-            def t(r):
-                return r.get("mean_us") if key[2] == "server" and r.get("mean_us") else r["median_us"]
-
             during = refs[0].get("gpu_during") or {}
             if during.get("sm_mhz_median") is not None:
                 clocks.append(during["sm_mhz_median"])

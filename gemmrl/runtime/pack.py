@@ -631,6 +631,10 @@ def _lt_choices(store, device: str, dtype: str, served: set, margin: float = LT_
     server mode."""
     ratios, out = _lt_vs_heuristic(store, device, dtype), []
     product, host = _product_lt(store, device, dtype)
+
+    def passes(x):  # faster than the heuristic's choice by the margin, and in every session
+        return bool(x) and max(x) <= 1.0 and statistics.median(x) <= margin
+
     for layout in LAYOUTS:
         rows = store.db.execute("SELECT M, N, K, choice, info, time_us FROM tuning WHERE device=? AND dtype=? "
                                 "AND acc='fp32' AND impl=? ORDER BY M, N, K",
@@ -639,10 +643,6 @@ def _lt_choices(store, device: str, dtype: str, served: set, margin: float = LT_
             key = (int(M), int(N), int(K), layout)
             own, mine = ratios.get(key, []), product.get(key + (bytes(choice).hex(),), [])
             r = own + mine
-
-            def passes(x):
-                return bool(x) and max(x) <= 1.0 and statistics.median(x) <= margin
-
             if key in served or len(bytes(choice)) != LT_ALGO_BYTES or not passes(r):
                 if skipped is not None and key not in served and mine and passes(own):
                     # the baselines' sessions alone would ship it: the product's own left it out
