@@ -565,6 +565,47 @@ def test_scale_to_stored_carries_a_session_time_to_the_stored_baselines_clock():
     assert scale_to_stored(0.0, 50.0) == 1.0
 
 
+def test_gpu_evaluate_stops_at_the_candidate_that_lost_the_cuda_context(tmp_path, monkeypatch):
+    """After a candidate's sticky CUDA error the batch's later candidates would fail their checks
+    too and be stored as wrong: evaluation stops there (in a worker: the process exits and
+    run_batch quarantines the culprit and runs the rest of the batch anew)."""
+    from types import SimpleNamespace
+
+    from gemmrl.bench import worker
+    from gemmrl.runtime import spec_impl
+    from gemmrl.store.db import Store
+    from gemmrl.verify import checks
+
+    class FakeSpecImpl:
+        def __init__(self, spec):
+            self.spec = spec
+
+        def source(self, problem):
+            return "// " + self.spec.name
+
+        def prepare(self, problem):
+            return lambda *args: None
+
+    verified = []
+
+    def fake_verify(impl, problem, **kw):
+        verified.append(impl.spec.name)
+        ok = impl.spec.name != "wild"
+        return checks.CheckResult(ok, "" if ok else "AcceleratorError: an illegal memory access was encountered")
+    monkeypatch.setattr(spec_impl, "SpecImpl", FakeSpecImpl)
+    monkeypatch.setattr(checks, "verify", fake_verify)
+    monkeypatch.delenv(worker.HEARTBEAT_ENV, raising=False)
+    monkeypatch.setattr(worker, "cuda_context_error", lambda: "AcceleratorError: an illegal memory access")
+    cands = [Candidate("raw", SimpleNamespace(name=n)) for n in ("first", "wild", "after")]
+    store = Store(tmp_path / "store.db")
+    run = store.start_run("x", "test-device", {}, {})
+    evaluate = gpu_evaluate(store, "test-device", lambda problem: 20.0, run_id=run)
+    with pytest.raises(worker.CudaContextLost, match="candidate wild on 64x64x64"):
+        evaluate(Problem(64, 64, 64), cands)
+    assert verified == ["first", "wild"]
+    assert store.verification("test-device", Problem(64, 64, 64), "wild")["passed"] is False
+
+
 @pytest.mark.gpu
 def test_gpu_evaluate_builds_verifies_and_times(tmp_path):
     from gemmrl.store.db import Store

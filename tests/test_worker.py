@@ -102,3 +102,81 @@ def test_a_task_that_cannot_be_loaded_is_an_error(tmp_path, monkeypatch):
             w.close()
     finally:
         sys.modules.pop("vanishing_task", None)
+
+
+def test_a_task_that_leaves_cuda_unusable_is_answered_and_the_next_gets_a_fresh_process(worker):
+    p1 = worker.run(t.pid).value
+    r = worker.run(t.returns_then_context_lost, 7)
+    assert r.ok and r.value == 7 and "illegal memory access (simulated)" in r.details["context_lost"]
+    assert worker.restarts == 1 and worker.run(t.pid).value != p1
+    assert "context_lost" not in worker.run(t.add, 1, 2).details  # the new process is sound
+
+
+def test_a_lost_context_mid_task_exits_the_worker_and_the_heartbeat_names_the_culprit(tmp_path):
+    from gemmrl.bench.worker import CONTEXT_LOST_EXIT, HEARTBEAT_ENV, last_beat
+
+    hb = tmp_path / "hb"
+    with Worker(env={HEARTBEAT_ENV: str(hb)}) as w:
+        p1 = w.run(t.pid).value
+        r = w.run(t.loses_context_in, "bad_kernel")
+        assert r.status == "crashed" and r.details["exitcode"] == CONTEXT_LOST_EXIT
+        assert "lost its CUDA context" in r.reason and last_beat(str(hb)) == "impl:bad_kernel"
+        assert w.run(t.pid).value != p1
+
+
+def test_outside_a_worker_a_lost_context_raises_and_a_sound_one_is_left_alone(monkeypatch):
+    from gemmrl.bench import worker
+
+    monkeypatch.delenv(worker.HEARTBEAT_ENV, raising=False)
+    assert worker.cuda_context_error() is None  # no CUDA started in this process: nothing lost
+    worker.stop_if_context_lost("anything")
+    monkeypatch.setattr(worker, "cuda_context_error", lambda: "AcceleratorError: an illegal memory access")
+    with pytest.raises(worker.CudaContextLost, match="cuda-l2 on 64x64x64 left the CUDA context unusable"):
+        worker.stop_if_context_lost("cuda-l2 on 64x64x64")
+
+
+def test_the_runner_stops_at_the_implementation_that_lost_the_context(tmp_path, monkeypatch):
+    """Without the stop, every implementation after the culprit failed its verification too and
+    was stored as wrong (a bench of CUDA-L2's kernels, 2026-11-27: torch.matmul and cuBLAS
+    'rejected' on two shapes)."""
+    from gemmrl.bench import runner, worker
+    from gemmrl.core.impl import Impl
+    from gemmrl.core.problem import Problem
+    from gemmrl.store.db import Store
+    from gemmrl.verify.checks import CheckResult
+
+    class Fake(Impl):
+        layout = "NN"
+
+        def __init__(self, name):
+            self.name = name
+
+        def prepare(self, problem):
+            return lambda a, b_nn, b_tn, c: None
+
+    verified = []
+
+    def fake_verify(impl, problem, **kw):
+        verified.append(impl.name)
+        if impl.name == "wild":
+            return CheckResult(False, "AcceleratorError: CUDA error: an illegal memory access was encountered")
+        return CheckResult(True, "")
+    monkeypatch.setattr(runner, "verify", fake_verify)
+    monkeypatch.delenv(worker.HEARTBEAT_ENV, raising=False)
+    store = Store(tmp_path / "s.sqlite")
+    run = store.start_run("test", "cpu", {}, {})
+    p = Problem(64, 64, 64)
+    impls = [Fake("honest_first"), Fake("wild"), Fake("honest_after")]
+    counts = {"sessions": 0, "skipped": 0, "rejected": 0}
+    monkeypatch.setattr(worker, "cuda_context_error", lambda: None)  # a plain wrong answer: go on
+    monkeypatch.setattr(runner.timing, "time_kernel", lambda *a, **k: {})
+    runner._one_problem(p, impls, store, runner.RunConfig(repeat_impl=None), "cpu", run, 0, counts, lambda m: None)
+    assert verified == ["honest_first", "wild", "honest_after"] and counts["rejected"] == 1
+    verified.clear()
+    monkeypatch.setattr(worker, "cuda_context_error", lambda: "AcceleratorError: an illegal memory access")
+    cfg = runner.RunConfig(repeat_impl=None, retime=True)
+    with pytest.raises(worker.CudaContextLost, match="wild on 64x64x64"):
+        runner._one_problem(p, impls, store, cfg, "cpu", run, 0, counts, lambda m: None)
+    assert verified == ["honest_first", "wild"]  # nothing after the culprit ran in that process
+    assert store.verification("cpu", p, "wild")["passed"] is False
+    store.close()

@@ -109,3 +109,41 @@ def fake_source_task(problem, source, baseline_us):
         segfault()
     return {"status": "ok", "time_us": baseline_us / 2, "reward": 2.0,
             "key_visible": "GEMMRL_LLM_API_KEY" in os.environ or "OPENAI_API_KEY" in os.environ}
+
+
+def _simulate_lost_context():
+    """From here on this process's CUDA context reads as lost (as after an illegal address)."""
+    from gemmrl.bench import worker
+
+    worker.cuda_context_error = lambda: "AcceleratorError: CUDA error: an illegal memory access (simulated)"
+
+
+def returns_then_context_lost(value):
+    """Finishes its task, but CUDA is unusable afterwards: the worker must not serve another."""
+    _simulate_lost_context()
+    return value
+
+
+def loses_context_in(name):
+    """What the runner does when `name` failed verification and took the CUDA context with it."""
+    from gemmrl.bench.worker import beat, stop_if_context_lost
+
+    beat(f"impl:{name}")
+    _simulate_lost_context()
+    stop_if_context_lost(name)
+    return "went on"  # must not be reached
+
+
+def lose_cuda_context():
+    """A real sticky error: a device-side assert (an index out of bounds) in torch's own kernel."""
+    import torch
+
+    x = torch.zeros(4, device="cuda")
+    x[torch.tensor([1 << 20], device="cuda")] = 1.0
+    torch.cuda.synchronize()
+
+
+def cuda_sum():
+    import torch
+
+    return (os.getpid(), float(torch.ones(4, device="cuda").sum().item()))

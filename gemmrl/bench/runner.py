@@ -20,7 +20,7 @@ import torch
 
 from gemmrl.bench import timing
 from gemmrl.bench.stats import judge_floor
-from gemmrl.bench.worker import HEARTBEAT_ENV, Worker, beat, last_beat
+from gemmrl.bench.worker import HEARTBEAT_ENV, Worker, beat, last_beat, stop_if_context_lost
 from gemmrl.core.impl import UnsupportedProblem
 from gemmrl.verify.checks import clear_reference_cache, verify
 
@@ -152,6 +152,7 @@ def _one_problem(problem, impls, store, cfg, device, run_id, l2, counts, log):
                                       f"prepare failed: {type(e).__name__}: {e}"[:2000], {})
             counts["rejected"] += 1
             log(f"{problem.shape} {impl.name}: prepare failed: {type(e).__name__}: {e}"[:300])
+            stop_if_context_lost(f"{impl.name} on {problem.shape}")
             torch.cuda.synchronize()
             continue
         if cfg.do_verify:
@@ -168,6 +169,10 @@ def _one_problem(problem, impls, store, cfg, device, run_id, l2, counts, log):
                 if not res.passed:
                     counts["rejected"] += 1
                     log(f"{problem.shape} {impl.name}: REJECTED: {res.reason}")
+                    # a sticky CUDA error here would fail every implementation after this one
+                    # (and record them as wrong): the worker exits, its parent quarantines this
+                    # one and runs the problem again without it
+                    stop_if_context_lost(f"{impl.name} on {problem.shape}")
                     continue
         calls[impl.name] = fn
     if cfg.repeat_impl in calls:
@@ -255,7 +260,10 @@ def _isolated_problem(problem, worker, hb, task, impl_specs, store, cfg, device,
             return
         if r.status == "error":  # an exception in gemmrl's own code: report, move on
             counts["errors"] += 1
-            log(f"{problem.shape}: error: {r.reason}")
+            lost = r.details.get("context_lost")
+            log(f"{problem.shape}: error: {r.reason}"
+                + (f" (it left the CUDA context unusable: {lost}; a fresh worker takes the next problem)"
+                   if lost else ""))
             return
         culprit = last_beat(hb)
         kind, _, name = culprit.partition(":")

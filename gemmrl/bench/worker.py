@@ -13,12 +13,55 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
 
 
 HEARTBEAT_ENV = "GEMMRL_HEARTBEAT"
+# a worker exits with this code when its CUDA context is lost (stop_if_context_lost)
+CONTEXT_LOST_EXIT = 75
+
+
+class CudaContextLost(RuntimeError):
+    """A sticky CUDA error (an illegal memory access, a device-side assert, a launch failure)
+    left this process's CUDA context unusable: every later CUDA call in it fails."""
+
+
+def cuda_context_error() -> str | None:
+    """The error a trivial CUDA operation raises now, or None where it runs (or CUDA was never
+    started in this process). After a sticky error every CUDA call fails the same way, so the
+    implementations verified or timed after the culprit would fail too, for no fault of theirs."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        if not torch.cuda.is_initialized():
+            return None
+        torch.cuda.synchronize()
+        x = torch.ones(1, device="cuda")
+        if float(x.add_(1).item()) != 2.0:  # .item() waits for the kernel
+            return "a one-element add on the GPU gave a wrong answer"
+    except Exception as e:  # noqa: BLE001 - whatever CUDA raises is the answer
+        return f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    return None
+
+
+def stop_if_context_lost(culprit: str) -> None:
+    """Call after `culprit` failed on the GPU. Where the CUDA context is gone, a worker exits at
+    once with CONTEXT_LOST_EXIT: its heartbeat still names the culprit, so the parent quarantines
+    it and runs the rest again in a fresh process; outside a worker, CudaContextLost is raised."""
+    err = cuda_context_error()
+    if err is None:
+        return
+    msg = f"{culprit} left the CUDA context unusable ({err}); nothing more can run in this process"
+    if os.environ.get(HEARTBEAT_ENV):
+        sys.stderr.write(f"worker: {msg}; exiting ({CONTEXT_LOST_EXIT})\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(CONTEXT_LOST_EXIT)
+    raise CudaContextLost(msg)
 
 
 def beat(what: str) -> None:
@@ -58,10 +101,16 @@ def _serve(conn, env: dict) -> None:
             out = ("ok", fn(*args, **kwargs))
         except BaseException as e:  # noqa: BLE001 - everything goes back as a record
             out = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}")
+        # the task (or its error) may have left CUDA unusable here: then the record says so,
+        # and this process exits, so that the next task gets a fresh one rather than failing
+        lost = cuda_context_error()
         try:
-            conn.send(out)
+            conn.send(out + (lost,))
         except Exception as e:  # an unpicklable result is the task's error, not the worker's
-            conn.send(("error", f"result could not be sent back: {type(e).__name__}: {e}"))
+            conn.send(("error", f"result could not be sent back: {type(e).__name__}: {e}", lost))
+        if lost is not None:
+            conn.close()
+            os._exit(CONTEXT_LOST_EXIT)
 
 
 @dataclass
@@ -80,6 +129,9 @@ class TaskResult:
 def _describe_exit(code: int | None) -> str:
     if code is None:
         return "still running"
+    if code == CONTEXT_LOST_EXIT:
+        return (f"exited with code {code}: a sticky CUDA error (an illegal memory access, a device-side "
+                "assert) lost its CUDA context")
     if code < 0:
         try:
             return f"killed by signal {signal.Signals(-code).name}"
@@ -158,14 +210,21 @@ class Worker:
             return TaskResult("timeout", reason=f"no answer within {timeout_s:g} s; worker killed",
                               seconds=time.monotonic() - t0)
         try:
-            status, value = self.conn.recv()
+            got = self.conn.recv()
         except (EOFError, OSError):
             return self._crashed(t0)
         dt = time.monotonic() - t0
+        status, value = got[0], got[1]
+        lost = got[2] if len(got) > 2 else None
+        extra = {}
+        if lost is not None:  # the worker exits after this task (_serve): wait for it, start anew
+            self._kill()
+            self.restarts += 1
+            extra = {"context_lost": lost}
         if status == "ok":
-            return TaskResult("ok", value=value, seconds=dt)
+            return TaskResult("ok", value=value, seconds=dt, details=extra)
         return TaskResult("error", reason=str(value).splitlines()[0], seconds=dt,
-                          details={"traceback": value})
+                          details={"traceback": value, **extra})
 
     def close(self) -> None:
         if self.conn is not None and self.proc is not None and self.proc.is_alive():

@@ -91,7 +91,7 @@ class BestOf(Impl):
             return self.chosen.prepare(problem)
         if not self.search:
             raise UnsupportedProblem(f"{self.name}: nothing tuned for {problem.shape} on this device")
-        from gemmrl.bench.worker import beat
+        from gemmrl.bench.worker import beat, stop_if_context_lost
         from gemmrl.verify.checks import verify
 
         impls, calls = {}, {}
@@ -103,9 +103,11 @@ class BestOf(Impl):
                 r = verify(impl, problem, fn=fn, trace=False)
             except Exception as e:  # a candidate that does not build or load is skipped
                 self.log(f"{problem.shape} {spec.name}: {type(e).__name__}: {str(e)[:200]}")
+                stop_if_context_lost(f"candidate {spec.name} on {problem.shape}")
                 continue
             if not r.passed:
                 self.log(f"{problem.shape} {spec.name}: rejected: {r.reason[:200]}")
+                stop_if_context_lost(f"candidate {spec.name} on {problem.shape}")
                 continue
             calls[spec.name], impls[spec.name] = fn, impl
         beat(f"impl:{self.name}")

@@ -322,7 +322,7 @@ def gpu_evaluate(store, device: str, baseline_us_fn: Callable[[Problem], float],
 
         from gemmrl.bench import timing
         from gemmrl.bench.stats import judge_floor
-        from gemmrl.bench.worker import beat
+        from gemmrl.bench.worker import beat, stop_if_context_lost
         from gemmrl.runtime.spec_impl import SpecImpl
         from gemmrl.verify.checks import verify
 
@@ -346,6 +346,7 @@ def gpu_evaluate(store, device: str, baseline_us_fn: Callable[[Problem], float],
                 out[name] = Trial(problem, c, "rejected", details={
                     "stage": stage, "reason": f"{type(e).__name__}: {e}"[:2000],
                     "device_s": time.perf_counter() - t0 if stage == "verify" else 0.0})
+                stop_if_context_lost(f"candidate {name} on {problem.shape}")
                 continue
             verify_s = time.perf_counter() - t0
             if store is not None and run_id is not None:
@@ -353,6 +354,9 @@ def gpu_evaluate(store, device: str, baseline_us_fn: Callable[[Problem], float],
             if not r.passed:
                 out[name] = Trial(problem, c, "rejected", details={"stage": "verify", "reason": r.reason,
                                                                   "device_s": verify_s})
+                # after a sticky CUDA error the batch's later candidates would all fail here: the
+                # worker exits instead, and run_batch quarantines this one and runs the rest anew
+                stop_if_context_lost(f"candidate {name} on {problem.shape}")
                 continue
             calls[name] = fn
             info[name] = {"source_len": source_len, "rel_err": r.details.get("rel_err"),
