@@ -137,6 +137,38 @@ def test_report_versus_writes_the_head_to_head_and_refuses_an_unknown_impl(tmp_p
     assert not list((out / "h100").glob("torch.matmul_*"))
 
 
+def test_a_cuda_l2_report_says_which_gpu_their_kernels_were_written_for(tmp_path):
+    """Their fp16-accumulator kernels exist only for the A100: a report of them on a Hopper GPU
+    counts, per GPU named by each kernel's entry point (or, in older records, by the kernels the
+    profiler saw), the kernels that passed: the latest verification of each shape."""
+    from gemmrl.baselines.cuda_l2 import written_for
+
+    assert written_for({"impl": {"name": "cuda-l2", "entry": "cuda_l2_a100_fp16"}}) == "a100"
+    assert written_for({"trace": {"kernels": ["_Z24cuda_l2_h100_fp32_kernelI6__half"]}}) == "h100"
+    assert written_for({"trace": {"kernels": ["hgemm_128x64_opt(__half const*)"]}}) is None
+    assert written_for({}) is None
+    db = tmp_path / "s.sqlite"
+    st = Store(db)
+    _fill(st)
+    dev = "NVIDIA H100 80GB HBM3"
+    run = st.start_run("gemmrl bench", dev, {}, {})
+    a100 = {"impl": {"name": "cuda-l2", "entry": "cuda_l2_a100_fp32"}}
+    for p, t in ((Problem(64, 64, 64), 5.0), (Problem(4096, 4096, 4096), 260.0)):
+        st.record_verification(run, dev, p, "cuda-l2", True, "", a100)
+        st.record_session(run, "l2", dev, p, "kernel", "kernel:v1", {
+            n: {"median_us": f, "n": 20, "status": "ok", "details": {}}
+            for n, f in (("cuda-l2", t), ("torch.matmul", t * 0.9))})
+    # a later verification of one shape failed: that kernel is not counted
+    st.record_verification(run, dev, Problem(4096, 4096, 4096), "cuda-l2", False, "wrote outside C", a100)
+    st.close()
+    out = tmp_path / "res"
+    r = CliRunner().invoke(main, ["report", "--db", str(db), "--out", str(out), "--subject", "cuda-l2",
+                                  "--versus", "torch.matmul"])
+    assert r.exit_code == 0, r.output
+    for name in ("cuda-l2_h100_F32F16F16F32_summary.json", "cuda-l2_h100_F32F16F16F32_vs_torch_matmul_summary.json"):
+        assert json.loads((out / "h100" / name).read_text())["provenance"]["cuda_l2_written_for"] == {"a100": 1}
+
+
 def test_report_since_run_keeps_one_sessions_shapes(tmp_path):
     """--since-run N: only shapes whose subject was timed from run N on, with that session's
     implementations; an older session's shapes and an implementation timed only before N stay out."""

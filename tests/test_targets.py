@@ -134,6 +134,17 @@ def test_cuda_l2_most_shapes_in_each_mode_and_fp16():
     assert fp16.met is False and fp16.value == 0
 
 
+def test_cuda_l2_kernels_written_for_another_gpu_are_named_in_the_detail():
+    l2 = {m: {"count": 25, "share_slower": 1.0} for m in ("kernel", "offline", "server")}
+    t = _by_key(grid_targets({}, None, l2, None, cuda_l2_written_for={"a100": 25}, gpu="h200"))["cuda-l2"]
+    assert t.met and t.detail.endswith("written for the A100 (25 shapes), not the H200")
+    assert t.extra["written_for"] == {"a100": 25}
+    own = _by_key(grid_targets({}, None, l2, None, cuda_l2_written_for={"h100": 8, "unknown": 9}, gpu="h100"))
+    assert "written for" not in own["cuda-l2"].detail  # their own GPU's kernels: nothing to say
+    mixed = _by_key(grid_targets({}, None, l2, None, cuda_l2_written_for={"h100": 8, "unknown": 9}, gpu="h200"))
+    assert mixed["cuda-l2"].detail.endswith("the H100 (8 shapes), not the H200 (9 more whose records do not say)")
+
+
 def _write_csv(path, columns, rows, gz=False):
     opener = gzip.open if gz else open
     with opener(path, "wt", newline="") as f:

@@ -35,6 +35,23 @@ CUDA_FLAGS = ["-O3", "-std=c++17", "-DNDEBUG", "-U__CUDA_NO_HALF_OPERATORS__",
               "-gencode=arch=compute_90a,code=sm_90a"]
 
 
+ENTRY_GPU_RE = re.compile(r"cuda_l2_([A-Za-z0-9]+)_fp(?:16|32)")
+
+
+def written_for(verification_details: dict) -> str | None:
+    """The GPU a measured CUDA-L2 kernel was written for ('h100', 'a100'), from a verification
+    record's details: the entry point its description names (`cuda_l2_<gpu>_<acc>`), or, for
+    records from before the description held it, the kernels the profiler saw run, whose
+    mangled names carry the same prefix. None where neither says."""
+    entry = ((verification_details or {}).get("impl") or {}).get("entry")
+    names = [entry] if entry else list(((verification_details or {}).get("trace") or {}).get("kernels") or [])
+    for name in names:
+        m = ENTRY_GPU_RE.search(str(name))
+        if m:
+            return m.group(1).lower()
+    return None
+
+
 def entry_point(source: str) -> str:
     m = FUNC_RE.search(source)
     if not m:
@@ -152,6 +169,7 @@ class CudaL2Impl(Impl):
         self.build_root = Path(build_root) if build_root else cache_root() / "cuda_l2"
         self._own: set[str] | None = None
         self.padded = False
+        self._entry: str | None = None  # the last prepared file's entry point (describe)
 
     def prebuild(self, problems, jobs: int | None = None, log=print) -> None:
         """Build the kernels these problems need, in parallel processes, before any timing."""
@@ -170,6 +188,10 @@ class CudaL2Impl(Impl):
     def supports(self, problem) -> bool:
         return problem.dtype == "fp16" and self.path_for(problem).exists()
 
+    def describe(self) -> dict:
+        # the entry point names the GPU the kernel was written for (cuda_l2_a100_fp16: an A100's)
+        return {**super().describe(), "dir": str(self.dir), "entry": self._entry}
+
     def own_kernels(self):
         # padded calls also run torch's copy kernels, so the own-kernel list is not checked there
         return None if self.padded else self._own
@@ -183,6 +205,7 @@ class CudaL2Impl(Impl):
         if not path.exists():
             raise UnsupportedProblem(f"no CUDA-L2 kernel file {path.name} in {self.dir}")
         text = path.read_text()
+        self._entry = entry_point(text)
         mod = build(path, self.build_root)
         self._own = kernel_names(mod.__file__)
         run = mod.run

@@ -177,12 +177,15 @@ def bucket_geomeans(values: Mapping[str, float]) -> dict[str, tuple[int, float]]
 
 def grid_targets(speedups: Mapping[str, Mapping[str, Mapping[str, float]] | None],
                  product: Mapping | None, cuda_l2: Mapping | None,
-                 fp16_modes: Mapping[str, int] | None, fp16_target: bool = True) -> list[Target]:
+                 fp16_modes: Mapping[str, int] | None, fp16_target: bool = True,
+                 cuda_l2_written_for: Mapping[str, int] | None = None, gpu: str | None = None) -> list[Target]:
     """#4's speed targets. speedups: {mode: read_speedups(...) or None}; product: the JSON of
     scripts/product-report.py over the grid (or None); cuda_l2: the 'modes' of the cuda-l2
     versus-gemmrl-tuned summary (or None); fp16_modes: {mode: shapes} the fp16-accumulator
     report covers (or None); fp16_target: False where the reports judged are the
-    fp16-accumulator variant's own (the target is about it, not of it)."""
+    fp16-accumulator variant's own (the target is about it, not of it); cuda_l2_written_for: the
+    versus summary's count of CUDA-L2 kernels per GPU they were written for, said in the detail
+    where it is another GPU than `gpu` (their fp16-accumulator kernels exist for the A100 only)."""
     out = []
     kernel = _column(speedups.get("kernel") or {}, LT_AUTO)
     t = "kernel-time geomean speedup of 1.10 or more over cuBLASLt autotuned, over the whole grid"
@@ -253,10 +256,18 @@ def grid_targets(speedups: Mapping[str, Mapping[str, Mapping[str, float]] | None
         out.append(_no_data(4, "cuda-l2", t, 0.5, "no cuda-l2 versus gemmrl-tuned summary"))
     else:
         worst = min(v for v, _ in shares.values())
+        detail = "; ".join(f"{m}: CUDA-L2 slower on {v:.0%} of {n}" for m, (v, n) in shares.items())
+        origin = dict(cuda_l2_written_for or {})
+        foreign = {g: n for g, n in origin.items() if g != "unknown" and (gpu is None or g != gpu.lower())}
+        if foreign:
+            detail += ("; their kernels compared here were written for "
+                       + ", ".join(f"the {g.upper()} ({n} shapes)" for g, n in sorted(foreign.items()))
+                       + (f", not the {gpu.upper()}" if gpu else "")
+                       + (f" ({origin['unknown']} more whose records do not say)" if origin.get("unknown") else ""))
         out.append(Target(4, "cuda-l2", t, 0.5, worst, all(v > 0.5 for v, _ in shares.values())
-                          and set(shares) >= set(MODES),
-                          "; ".join(f"{m}: CUDA-L2 slower on {v:.0%} of {n}" for m, (v, n) in shares.items()),
-                          {"modes": {m: {"share_cuda_l2_slower": v, "shapes": n} for m, (v, n) in shares.items()}}))
+                          and set(shares) >= set(MODES), detail,
+                          {"modes": {m: {"share_cuda_l2_slower": v, "shapes": n} for m, (v, n) in shares.items()},
+                           "written_for": origin}))
     t = "the fp16-accumulator variant tuned and reported the same way (the whole grid, all three modes)"
     if not fp16_target:
         pass
@@ -341,7 +352,8 @@ def evaluate(results_dir: str | Path, gpu: str, subject: str = "gemmrl-tuned",
         floor_reaches = {f"{r['M']}_{r['N']}_{r['K']}": r["roofline_us"] / r["times_us"]["memory-floor"] >= 0.8
                          for r in floor.get("rows", []) if (r.get("times_us") or {}).get("memory-floor")}
     targets = kernel_family_targets(speedups["kernel"], times, floor_reaches) + grid_targets(
-        speedups, prod, (l2 or {}).get("modes"), fp16_modes, fp16_target=precision == "F32F16F16F32")
+        speedups, prod, (l2 or {}).get("modes"), fp16_modes, fp16_target=precision == "F32F16F16F32",
+        cuda_l2_written_for=((l2 or {}).get("provenance") or {}).get("cuda_l2_written_for"), gpu=gpu)
     return {
         "gpu": gpu, "subject": subject, "precision": precision,
         "reports": str(d), "product_reports": {m: str(p) for m, p in used.items()},

@@ -345,10 +345,13 @@ class Store:
                 out.append(chosen)
         return out
 
-    def verifications(self, device: str | None = None) -> list[dict]:
-        q, args = "SELECT * FROM verifications", ()
-        if device:
-            q, args = q + " WHERE device=?", (device,)
+    def verifications(self, device: str | None = None, impl: str | None = None) -> list[dict]:
+        where, args = [], []
+        for col, val in (("device", device), ("impl", impl)):
+            if val:
+                where.append(f"{col}=?")
+                args.append(val)
+        q = "SELECT * FROM verifications" + (" WHERE " + " AND ".join(where) if where else "")
         return [dict(r, passed=bool(r["passed"]), details=json.loads(r["details"]))
                 for r in self.db.execute(q + " ORDER BY id", args)]
 
