@@ -137,6 +137,29 @@ def test_report_versus_writes_the_head_to_head_and_refuses_an_unknown_impl(tmp_p
     assert not list((out / "h100").glob("torch.matmul_*"))
 
 
+def test_cuda_l2_tiles_are_read_as_their_harness_reads_them_and_pad_the_shape():
+    """Their launchers write `auto BM = Int<128>{};`. A word boundary before the name found no
+    tile in any of their files (the spaces are taken out first, as their harness does), so a
+    kernel whose tiles do not divide the shape ran unpadded and wrote out of bounds: 7 of 32 A100
+    fp16-accumulator kernels on the H200 (2026-11-27), each one of a shape needing padding."""
+    from gemmrl.baselines.cuda_l2 import padding, tile_sizes
+
+    launcher = """template <typename T, int BM, int BN, int BK, int kStage>
+__global__ void cuda_l2_a100_fp16_kernel(T *Aptr, T *Bptr, T *Dptr, int m, int n, int k) {}
+void launch(T *a, T *b, T *c, int M, int N, int K) {
+  auto BM = Int<128>{};
+  auto BN = Int<192>{};
+  auto BK = Int<64>{};
+  auto KStage = Int<Stages>{};
+  using SmemLayoutAtom = decltype(composition(Swizzle<3, 3, 3>{}, make_layout(make_shape(Int<8>{}, Int<BK>{}))));
+}"""
+    assert tile_sizes(launcher) == (128, 192, 64)
+    assert padding(Problem(256, 8192, 64), tile_sizes(launcher)) == (0, 64, 0)  # 8192 = 42 * 192 + 128
+    assert padding(Problem(256, 7680, 64), tile_sizes(launcher)) == (0, 0, 0)
+    assert tile_sizes(launcher.replace("auto BK = Int<64>{};", "")) is None  # all three or none
+    assert tile_sizes("using BM = Int<64>;\nconstexpr auto BN = Int < 32 >{};\nauto BK=Int<16>{};") == (64, 32, 16)
+
+
 def test_a_cuda_l2_report_says_which_gpu_their_kernels_were_written_for(tmp_path):
     """Their fp16-accumulator kernels exist only for the A100: a report of them on a Hopper GPU
     counts, per GPU named by each kernel's entry point (or, in older records, by the kernels the

@@ -21,7 +21,12 @@ from gemmrl.build.cutlass import cutlass_include_dirs
 from gemmrl.core.impl import Impl, UnsupportedProblem
 
 FUNC_RE = re.compile(r"void\s+(cuda_l2_[A-Za-z0-9]+_fp(?:16|32))\s*\(\s*torch::Tensor")
-TILE_RE = re.compile(r"\b(BM|BN|BK)\s*=\s*Int<(\d+)>")
+# their harness's rule (tools/utils.py in their repository): on each line with the spaces taken
+# out, the first `BM=Int<n>` (or BN, BK) anywhere in it, the last such line winning; their files
+# write `auto BM = Int<128>{};`, which is `autoBM=Int<128>{};` once the spaces are gone, so the
+# name has no word boundary before it (a \b here found no tile in any of their files, and kernels
+# whose tiles do not divide the shape then ran unpadded and wrote out of bounds)
+TILE_RE = re.compile(r"(BM|BN|BK)=Int<(\d+)>")
 
 BINDING = """#include <torch/extension.h>
 void {func}(torch::Tensor a, torch::Tensor b, torch::Tensor b_col_major, torch::Tensor c);
@@ -63,7 +68,7 @@ def tile_sizes(source: str) -> tuple[int, int, int] | None:
     """(BM, BN, BK) where the file states them as `BM = Int<..>` (as their harness reads them)."""
     found = {}
     for line in source.splitlines():
-        m = TILE_RE.search(line.replace(" ", "").replace("=Int", " = Int"))
+        m = TILE_RE.search(re.sub(r"\s+", "", line))
         if m:
             found[m.group(1)] = int(m.group(2))
     if all(k in found for k in ("BM", "BN", "BK")):
