@@ -406,7 +406,7 @@ def write_report(store, device, out, subject, dtype, acc, records=None):
         prov["tuning"] = store.tuning_effort(device, dtype, acc, TUNED)
         prov["families"] = family_breakdown(records, TUNED, store.tuned_families(device, dtype, acc, TUNED))
     if subject == "cuda-l2":
-        prov["cuda_l2_written_for"] = cuda_l2_origin(store, device, dtype, acc)
+        prov.update(cuda_l2_origin(store, device, dtype, acc))
     peaks = store.latest_peaks(device)
     subj = subject or "torch.matmul"
     return write_results(records, Path(out) / gpu_slug(device), subj, peaks, prov,
@@ -414,16 +414,21 @@ def write_report(store, device, out, subject, dtype, acc, records=None):
 
 
 def cuda_l2_origin(store, device: str, dtype: str, acc: str) -> dict:
-    """How many of the CUDA-L2 kernels that passed verification on this device (the latest
-    verification per shape) were written for each GPU ('a100': 25): their fp16-accumulator
-    kernels exist only for the A100, and a report of them on a Hopper GPU must say so."""
+    """Of the CUDA-L2 kernels that passed verification on this device (the latest verification
+    per shape): how many were written for each GPU ('cuda_l2_written_for': {'a100': 25}; their
+    fp16-accumulator kernels exist only for the A100, and a report of them on a Hopper GPU must
+    say so), and the shapes whose call padded the inputs inside the timed call
+    ('cuda_l2_padded', where the record says; their own harness pads outside the clock)."""
     from gemmrl.baselines.cuda_l2 import written_for
 
     latest = {}
     for v in store.verifications(device, impl="cuda-l2"):
         if v["dtype"] == dtype and v["acc"] == acc:
             latest[(v["M"], v["N"], v["K"])] = v  # in id order: the latest stays
-    return dict(Counter(written_for(v["details"]) or "unknown" for v in latest.values() if v["passed"]))
+    passed = {k: v for k, v in latest.items() if v["passed"]}
+    return {"cuda_l2_written_for": dict(Counter(written_for(v["details"]) or "unknown" for v in passed.values())),
+            "cuda_l2_padded": [f"{m}x{n}x{k}" for (m, n, k), v in sorted(passed.items())
+                               if ((v["details"] or {}).get("impl") or {}).get("padded")]}
 
 
 def report_prefix(subject: str, device: str, dtype: str, acc: str) -> str:
@@ -494,8 +499,7 @@ def report(db, out, device, subject, dtype, acc, versus, since_run):
         from gemmrl.report.export import ReportError, write_versus
 
         prefix = report_prefix(subj, device, dtype, acc)
-        l2 = ({"cuda_l2_written_for": cuda_l2_origin(store, device, dtype, acc)}
-              if "cuda-l2" in (subj, *versus) else None)
+        l2 = cuda_l2_origin(store, device, dtype, acc) if "cuda-l2" in (subj, *versus) else None
         for other in versus:
             try:
                 paths += write_versus(records, Path(out) / gpu_slug(device), subj, other, prefix, l2)

@@ -175,9 +175,10 @@ def test_a_cuda_l2_report_says_which_gpu_their_kernels_were_written_for(tmp_path
     _fill(st)
     dev = "NVIDIA H100 80GB HBM3"
     run = st.start_run("gemmrl bench", dev, {}, {})
-    a100 = {"impl": {"name": "cuda-l2", "entry": "cuda_l2_a100_fp32"}}
+    a100 = {"impl": {"name": "cuda-l2", "entry": "cuda_l2_a100_fp32", "padded": False}}
     for p, t in ((Problem(64, 64, 64), 5.0), (Problem(4096, 4096, 4096), 260.0)):
-        st.record_verification(run, dev, p, "cuda-l2", True, "", a100)
+        st.record_verification(run, dev, p, "cuda-l2", True, "",
+                               {"impl": {**a100["impl"], "padded": p.M == 64}})
         st.record_session(run, "l2", dev, p, "kernel", "kernel:v1", {
             n: {"median_us": f, "n": 20, "status": "ok", "details": {}}
             for n, f in (("cuda-l2", t), ("torch.matmul", t * 0.9))})
@@ -189,7 +190,8 @@ def test_a_cuda_l2_report_says_which_gpu_their_kernels_were_written_for(tmp_path
                                   "--versus", "torch.matmul"])
     assert r.exit_code == 0, r.output
     for name in ("cuda-l2_h100_F32F16F16F32_summary.json", "cuda-l2_h100_F32F16F16F32_vs_torch_matmul_summary.json"):
-        assert json.loads((out / "h100" / name).read_text())["provenance"]["cuda_l2_written_for"] == {"a100": 1}
+        prov = json.loads((out / "h100" / name).read_text())["provenance"]
+        assert prov["cuda_l2_written_for"] == {"a100": 1} and prov["cuda_l2_padded"] == ["64x64x64"]
 
 
 def test_report_since_run_keeps_one_sessions_shapes(tmp_path):

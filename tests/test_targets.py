@@ -143,6 +143,10 @@ def test_cuda_l2_kernels_written_for_another_gpu_are_named_in_the_detail():
     assert "written for" not in own["cuda-l2"].detail  # their own GPU's kernels: nothing to say
     mixed = _by_key(grid_targets({}, None, l2, None, cuda_l2_written_for={"h100": 8, "unknown": 9}, gpu="h200"))
     assert mixed["cuda-l2"].detail.endswith("the H100 (8 shapes), not the H200 (9 more whose records do not say)")
+    padded = _by_key(grid_targets({}, None, l2, None, cuda_l2_written_for={"a100": 25}, gpu="h200",
+                                  cuda_l2_padded=["256x8192x64", "8192x512x8192"]))["cuda-l2"]
+    assert padded.detail.endswith("; 2 of their calls padded the inputs inside the timed call")
+    assert padded.extra["padded"] == ["256x8192x64", "8192x512x8192"]
 
 
 def _write_csv(path, columns, rows, gz=False):
