@@ -1271,6 +1271,14 @@ def verify_cmd(impl_opts, shape_spec, dtype, acc, residues, include_dirs):
                 click.echo(json.dumps({"impl": impl.name, "shape": q.shape, "passed": r.passed,
                                        "reason": r.reason, "rel_err": r.details.get("rel_err")}))
                 bad += not r.passed
+                if not r.passed:  # after a sticky CUDA error every later check would fail too
+                    from gemmrl.bench.worker import CudaContextLost, stop_if_context_lost
+
+                    try:
+                        stop_if_context_lost(f"{impl.name} on {q.shape}")
+                    except CudaContextLost as e:
+                        click.echo(f"error: {e}; the checks after it were not run", err=True)
+                        sys.exit(1)
     sys.exit(1 if bad else 0)
 
 

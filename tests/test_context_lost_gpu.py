@@ -49,3 +49,20 @@ def test_an_illegal_address_costs_only_its_own_kernel(tmp_path):
     measured = {(r["M"], r["impl"]) for r in store.measurements(device=dev) if r["status"] == "ok"}
     assert measured == {(p.M, n) for p in problems for n in ("torch.matmul", "cuBLAS-nn")}
     store.close()
+
+
+def test_gemmrl_verify_stops_at_a_kernel_that_lost_the_context():
+    """In a process of its own (a lost context would poison this test process): the kernel's
+    check fails, and the command stops there with the reason instead of failing every check
+    after it."""
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "gemmrl.cli", "verify", "--impl", f"kernel:{KERNEL}",
+                        "--impl", "torch.matmul", "--shapes", "256x384x1024"],
+                       capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 1, r.stderr[-2000:]
+    lines = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert [(d["impl"], d["passed"]) for d in lines] == [("kernel:illegal_address", False)]
+    assert "left the CUDA context unusable" in r.stderr and "the checks after it were not run" in r.stderr
