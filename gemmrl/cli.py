@@ -591,11 +591,14 @@ def targets(results_dir, device, subject, acc, product, json_out):
                    "keep the fastest: the search's quick timing misranks the largest shapes. The winner that "
                    "last passed the final verification always races too (so with 1, a new winner races only "
                    "the old one); with --built-only, CUTLASS contenders only if already built")
-@click.option("--transfer-from", "transfer_from", default=None, metavar="GPU",
+@click.option("--transfer-from", "transfer_from", default=None, metavar="GPU[:ACC]",
               help="seed the search with what tuning found on another GPU model in the store, of the same "
                    "architecture ('NVIDIA H200' or 'h200', for an H100): per shape its winner and runners-up lead "
-                   "the first batch (for untuned shapes, the nearest tuned ones'); `gemmrl build --tuned-in DB "
-                   "--device GPU --race K` compiles them ahead")
+                   "the first batch (for untuned shapes, the nearest tuned ones'; on shapes searched already, the "
+                   "first three not yet tried); `gemmrl build --tuned-in DB --device GPU --race K` compiles them "
+                   "ahead. GPU:ACC ('h200:fp32', this GPU too) takes that GPU's tuning with the ACC accumulator, "
+                   "each kernel rebuilt with this run's --acc: `gemmrl build --tuned-in DB --transfer-from "
+                   "GPU:ACC --shapes S --acc A` compiles what it proposes first")
 def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, built_only, family_opts, match, layouts,
          db, out, ray_address, gpus, no_report, reuse_baselines, race, transfer_from):
     """Search kernels per shape with speed over the best baseline as the reward; keep the winners.
@@ -648,8 +651,11 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
     store = Store(db)
     device = torch.cuda.get_device_name()
     prov = env.provenance(_cublas_version())  # packs read it: their lt_algos need it
+    transfer_acc = None
     if transfer_from is not None:
-        transfer_from = _check_transfer_source(store, transfer_from, device, prov.get("capability"))
+        transfer_from, transfer_acc = split_transfer_source(transfer_from)
+        transfer_from = _check_transfer_source(store, transfer_from, device, prov.get("capability"),
+                                               cross_acc=transfer_acc not in (None, acc))
     run_id = store.start_run(" ".join(["gemmrl"] + sys.argv[1:]), device, prov,
                              {"candidates": candidates, "more": more, "batch": batch, "budget_s": budget_s,
                               "layouts": lays})
@@ -707,7 +713,7 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
                                budget_s=budget_s or float("inf"), layouts=lays, run_id=run_id, on_trial=on_trial,
                                deadline=time.monotonic() + wall_s if wall_s else None,
                                generic_built_only=built_only, families=fams, match=match, more=more,
-                               transfer_from=transfer_from)
+                               transfer_from=transfer_from, transfer_acc=transfer_acc)
                 search_wall = time.monotonic() - t_search
             finally:
                 close()
@@ -769,17 +775,31 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
 RUNNER_UP_ROUNDS = 3  # how many times a shape's rejected winner gives way to the next (tune)
 
 
-def _check_transfer_source(store, source: str, device: str, capability: str | None) -> str:
+def split_transfer_source(text: str) -> tuple[str, str | None]:
+    """tune/build --transfer-from GPU[:ACC]: the GPU's name and the accumulator named after its
+    last colon ('h200:fp32' -> ('h200', 'fp32'); 'NVIDIA H200' -> ('NVIDIA H200', None))."""
+    gpu, sep, acc = text.rpartition(":")
+    if sep and acc.strip().lower() in ("fp32", "fp16"):
+        if not gpu.strip():
+            raise click.BadParameter(f"{text!r}: name the GPU before the accumulator (h200:fp32)",
+                                     param_hint="--transfer-from")
+        return gpu.strip(), acc.strip().lower()
+    return text, None
+
+
+def _check_transfer_source(store, source: str, device: str, capability: str | None,
+                           cross_acc: bool = False) -> str:
     """tune --transfer-from: the source must be another GPU model the store has tuning of (its
     name as torch gives it, or its short name: 'h200'), and of this GPU's architecture where its
-    runs recorded one (kernels for another one would not load). Returns its name in the store."""
+    runs recorded one (kernels for another one would not load). With `cross_acc` (the source's
+    tuning with the other accumulator) it may be this GPU. Returns its name in the store."""
     from gemmrl.bench.env import gpu_slug
 
     tuned = {c[0] for c in store.tuned_choices("gemmrl-tuned")}
     if source not in tuned:
         named = [d for d in tuned if gpu_slug(d) == source.lower()]
         source = named[0] if len(named) == 1 else source
-    if source == device:
+    if source == device and not cross_acc:
         raise click.BadParameter(f"{source!r} is this GPU: its own trials already seed the search",
                                  param_hint="--transfer-from")
     if source not in tuned:
@@ -1083,11 +1103,15 @@ def store_cmd(db, compress, small, merge_from, since_run):
               help="each family's candidates are its search pool's kernels whose names match this regular "
                    "expression (re.search), the cost model's fastest --top of them: what `gemmrl tune --match "
                    "REGEX --built-only` will find built (e.g. '_128x160x' for cuBLASLt's big-output tile)")
+@click.option("--transfer-from", "transfer_text", default=None, metavar="GPU[:ACC]",
+              help="with --tuned-in: compile what `gemmrl tune --transfer-from GPU[:ACC]` proposes first on "
+                   "--shapes with --acc: per shape the first --top of that GPU's winner and runners-up (with "
+                   ":ACC, its tuning with that accumulator, each kernel's --acc twin). tune takes 3")
 @click.option("--pack", "pack_dir", default=None, metavar="DIR",
               help="compile every kernel of this pack instead (what gemmrl.warmup() builds on the GPU "
                    "machine): a deployment's cache made ahead of time; only --jobs, --dry-run and --entries apply")
 def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned_device, variant_opt, acc_only, jobs,
-              dry_run, pending_db, candidates, max_shapes, entries_file, race_k, former, match, pack_dir):
+              dry_run, pending_db, candidates, max_shapes, entries_file, race_k, former, match, transfer_text, pack_dir):
     """Compile the kernels a set of shapes will try into the build cache ($GEMMRL_CACHE), ahead of
     time and without a GPU; copy the cache to the GPU machine to save its time."""
     from gemmrl.build import ahead
@@ -1128,6 +1152,11 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
         fams = [registry.get(f) for f in family_opts or (() if tuned_db else ("cutlass_sm90",))]
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--family") from None
+    if transfer_text is not None:
+        if tuned_db is None:
+            raise click.UsageError("--transfer-from goes with --tuned-in DB, the store holding that tuning")
+        return _build_transfer(tuned_db, transfer_text, shape_spec, dtype, acc, top, fams, tuned_device,
+                               variant_opt, acc_only, race_k, pending_db, max_shapes, jobs, dry_run, entries_file)
     if tuned_db is not None:
         if pending_db is not None or max_shapes is not None:
             raise click.UsageError("--tuned-in builds stored winners: --pending-in and --max-shapes do not apply")
@@ -1194,6 +1223,47 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
         return _compile_jobs(planned, f"{len(problems)} shapes (kernels matching {match!r})", jobs, dry_run,
                              entries_file)
     _compile_jobs(ahead.plan(problems, fams, lays, top), f"{len(problems)} shapes", jobs, dry_run, entries_file)
+
+
+def _build_transfer(tuned_db, transfer_text, shape_spec, dtype, acc, top, fams, tuned_device, variant_opt, acc_only,
+                    race_k, pending_db, max_shapes, jobs, dry_run, entries_file):
+    """build --tuned-in DB --transfer-from GPU[:ACC]: the kernels tune's prior puts first."""
+    from gemmrl.build import ahead
+    from gemmrl.search.run import TUNED, store_prior
+    from gemmrl.store.db import Store, device_by_part, unpack_if_missing
+
+    given = [opt for opt, v in (("--device", tuned_device), ("--variants", variant_opt), ("--acc-only", acc_only),
+                                ("--race", race_k), ("--pending-in", pending_db), ("--max-shapes", max_shapes))
+             if v is not None]
+    if given:
+        raise click.UsageError(f"--transfer-from builds the prior's kernels: {', '.join(given)} "
+                               f"{'does' if len(given) == 1 else 'do'} not apply")
+    source, source_acc = split_transfer_source(transfer_text)
+    unpack_if_missing(tuned_db)
+    if not Path(tuned_db).exists():
+        raise click.ClickException(f"no store at {tuned_db}")
+    problems = _problems(shape_spec, dtype, acc)
+    store = Store(tuned_db, readonly=True)
+    try:
+        devices = store.tuned_devices(TUNED)
+        try:
+            source = device_by_part(source, devices, "GPUs")
+        except ValueError as e:
+            raise click.ClickException(str(e)) from None
+        if source not in devices:
+            raise click.ClickException(f"{tuned_db} holds no {TUNED} winners on {source!r}"
+                                       + (f"; it has {', '.join(map(repr, sorted(devices)))}" if devices else ""))
+        prior = store_prior(store, source, problems, source_acc, acc)
+    finally:
+        store.close()
+    if not prior:
+        raise click.ClickException(f"the tuning on {source}" + (f" ({source_acc})" if source_acc else "")
+                                   + f" suggests nothing for these {len(problems)} shapes")
+    return _compile_jobs(ahead.plan_transfer(prior, top, {f.name for f in fams} if fams else None),
+                         f"the first {top} of {source}'s" + (f" {source_acc}" if source_acc else "")
+                         + f" suggestions on {len(prior)} of {len(problems)} shapes"
+                         + (f" as {acc}-accumulator twins" if source_acc not in (None, acc) else ""),
+                         jobs, dry_run, entries_file)
 
 
 def _check_match(match: str | None) -> None:

@@ -434,6 +434,48 @@ def test_shapes_below_a_speedup_lists_where_to_search_again(tmp_path):
     assert r.exit_code == 2 and "no column 'cuBLAS-max'" in r.output
 
 
+def test_build_transfer_from_compiles_the_fp16_twins_of_the_fp32_winners(tmp_path, monkeypatch):
+    """build --tuned-in DB --transfer-from GPU:fp32 --acc fp16: what tune --transfer-from GPU:fp32
+    proposes first, the fp32 winners as fp16-accumulator kernels (dry run: no nvcc)."""
+    import json
+    from dataclasses import replace
+
+    from gemmrl.space import cutlass_sm90, raw
+
+    monkeypatch.setenv("GEMMRL_CACHE", str(tmp_path / "cache"))
+    db = tmp_path / "t.sqlite"
+    store = Store(db)
+    cut = next(s for s in cutlass_sm90.heuristic_specs(Problem(256, 1024, 512), "TN") if s.scheduler == "persistent")
+    sr = cutlass_sm90.CutlassSpec(64, 64, 64, 1, 1, "pingpong", "splitk", 16, 0, "heuristic", 1, "TN", "fp16",
+                                  "fp32", "separate")
+    rw = raw.heuristic_specs(Problem(64, 1024, 4096), "TN")[0]
+    for p, fam, spec in ((Problem(256, 1024, 512), "cutlass_sm90", cut), (Problem(128, 128, 16384), "cutlass_sm90", sr),
+                         (Problem(64, 1024, 4096), "raw", rw)):
+        store.put_tuning("NVIDIA H200", p, "gemmrl-tuned",
+                         json.dumps({"family": fam, "spec": dict(spec.__dict__)}).encode(), spec.name, 1.0)
+    store.close()
+    base = ["build", "--tuned-in", str(db), "--dry-run", "--acc", "fp16",
+            "--shapes", "256x1024x512,128x128x16384,64x1024x4096,512x512x512"]
+    r = CliRunner().invoke(main, base + ["--transfer-from", "h200:fp32"])
+    assert r.exit_code == 0, r.output
+    assert "3 distinct kernels for the first 4 of NVIDIA H200's fp32 suggestions on 3 of 4 shapes as " \
+           "fp16-accumulator twins" in r.output
+    for spec in (cut, sr, rw):
+        twin = replace(spec, acc="fp16")
+        assert twin.name in r.output and spec.name not in r.output
+    r = CliRunner().invoke(main, base + ["--transfer-from", "h200:fp32", "--family", "raw"])
+    assert r.exit_code == 0 and "1 distinct kernels" in r.output, r.output
+    # the fp16 tuning on the H200 is empty: nothing to suggest
+    r = CliRunner().invoke(main, base + ["--transfer-from", "h200"])
+    assert r.exit_code == 1 and "suggests nothing for these 4 shapes" in r.output, r.output
+    r = CliRunner().invoke(main, base + ["--transfer-from", "a100:fp32"])
+    assert r.exit_code == 1 and "no gemmrl-tuned winners on 'a100'" in r.output, r.output
+    r = CliRunner().invoke(main, ["build", "--transfer-from", "h200:fp32"])
+    assert r.exit_code == 2 and "goes with --tuned-in" in r.output
+    r = CliRunner().invoke(main, base + ["--transfer-from", "h200:fp32", "--race", "2"])
+    assert r.exit_code == 2 and "--race does not apply" in r.output
+
+
 def test_build_tuned_in_compiles_the_stored_winners_once_each(tmp_path, monkeypatch):
     import json
 

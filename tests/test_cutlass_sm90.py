@@ -27,6 +27,10 @@ GOLDEN_SPECS = [
     CutlassSpec(128, 256, 64, 2, 1, "cooperative", "persistent", 1, 0, "heuristic", 1, "NN", "fp16", "fp32"),
     CutlassSpec(64, 128, 64, 1, 1, "pingpong", "persistent", 1, 0, "heuristic", 1, "TN", "fp16", "fp16"),
     CutlassSpec(128, 128, 64, 1, 1, "cooperative", "streamk", 1, 0, "heuristic", 1, "TN", "bf16", "fp32"),
+    # split-K with the separate reduction: fp32 partials (its text is the build-cache key of every
+    # fp32 winner of this kind) and fp16 partials of an fp16 accumulator
+    CutlassSpec(128, 128, 64, 1, 1, "cooperative", "splitk", 8, 0, "heuristic", 1, "TN", "fp16", "fp32", "separate"),
+    CutlassSpec(64, 64, 64, 1, 1, "pingpong", "splitk", 16, 0, "heuristic", 1, "NN", "fp16", "fp16", "separate"),
 ]
 BASE = CutlassSpec()  # 128x128x64 cooperative persistent, TN fp16 -> fp32 accumulate
 
@@ -372,14 +376,43 @@ def test_separate_reduction_is_a_split_k_mode_with_its_own_rules():
     assert "splits in 2..16" in valid(replace(det, splits=32))
     assert valid(replace(SR, schedule="pingpong", tile_m=64)) is None
     assert "only the persistent scheduler" in valid(replace(det, schedule="pingpong", tile_m=64))
-    assert "fp32 partials" in valid(replace(SR, acc="fp16"))
+    assert valid(replace(SR, acc="fp16")) is None  # fp16 partials (test below)
+    assert "fp16 accumulator needs fp16 inputs" in valid(replace(SR, acc="fp16", dtype="bf16"))
     assert "split-K mode" in valid(replace(SR, scheduler="streamk", splits=1))
     # K is cut into `splits` equal chunks, each a whole number of 16-byte rows
     assert valid(SR, Problem(256, 256, 16384)) is None and valid(SR, Problem(256, 256, 64)) is None
     why = valid(SR, Problem(256, 256, 16384 + 8))
     assert "multiple of 8 splits x 8" in why
-    # the fp32 partials double the epilogue's staging buffers
+    # the fp32 partials double the epilogue's staging buffers; fp16 ones are C's size
     assert cs.epilogue_smem_bytes(SR) > cs.epilogue_smem_bytes(det)
+    assert cs.epilogue_smem_bytes(replace(SR, acc="fp16")) == cs.epilogue_smem_bytes(replace(det, acc="fp16"))
+
+
+def test_separate_reduction_of_an_fp16_accumulator_keeps_fp16_partials_and_sums_in_fp32():
+    sr16 = replace(SR, acc="fp16")
+    assert sr16.name == "sm90_coop_128x128x64_c1x1_splitk8sr_s0_rh_sw1_tn_f16_f16"
+    src = render(sr16)
+    assert "using ElementAccumulator = cutlass::half_t;" in src
+    assert "using ElementD = cutlass::half_t;  // the GEMM's output: fp16 partials" in src
+    # the workspace holds half-size partials, read 8 to a 16-byte load, added in fp32 in chunk order
+    assert "size_t(M) * size_t(N) * sizeof(cutlass::half_t);" in src
+    assert "gemmrl_separate::splitk_reduce_half<cutlass::half_t, 8>" in src
+    assert "static_cast<const cutlass::half_t*>(partials)" in src
+    assert "int64_t(M) * (N / 8);" in src and "int64_t(M) * (N / 4);" not in src
+    assert "__half22float2" in src and "float acc[8];" in src and "atomicAdd" not in src
+    assert "splitk_reduce<" not in src
+    # the fp32 kernel keeps its reduction (and its text: the golden file)
+    src32 = render(SR)
+    assert "splitk_reduce_half" not in src32 and "sizeof(float);" in src32
+    # the model prices half the partial bytes
+    from gemmrl.space.cutlass_sm90 import estimate_us
+    p = Problem(1024, 1024, 16384)
+    deep = replace(SR, splits=32)
+    assert estimate_us(replace(deep, acc="fp16"), p) < estimate_us(deep, p)
+    # and the fp16 pool offers them as the fp32 one does
+    pool16 = {s.name.replace("_f16_f16", "") for s in enumerate_specs("TN", "fp16", "fp16") if cs.separate(s)}
+    pool32 = {s.name.replace("_f16_f32", "") for s in enumerate_specs("TN", "fp16", "fp32") if cs.separate(s)}
+    assert pool16 and pool16 <= pool32
 
 
 def test_separate_reduction_renders_a_batched_gemm_and_a_deterministic_reduction():
@@ -517,7 +550,9 @@ EPI = CutlassSpec(128, 192, 64, 2, 1, "pingpong", "persistent", epi_n=96)
 # the separate reduction (NN)
 WIDE = CutlassSpec(128, 128, 64, 2, 2, "cooperative", "splitk", 8, 0, "heuristic", 1, "NN", "fp16", "fp32",
                    "separate")
-COMPILED = [GOLDEN_SPECS[0], GOLDEN_SPECS[1], SR, replace(NOSMEM, pdl=True), LEAN_WS, LEAN_TMA, EPI, WIDE]
+# ... and the separate reduction of an fp16 accumulator (fp16 partials, NN ping-pong)
+COMPILED = [GOLDEN_SPECS[0], GOLDEN_SPECS[1], SR, replace(NOSMEM, pdl=True), LEAN_WS, LEAN_TMA, EPI, WIDE,
+            GOLDEN_SPECS[4]]
 THREADS = {"cooperative": 384, "pingpong": 384, "ws": 256, "tma": 128}
 
 
@@ -615,8 +650,11 @@ def test_abi_guards_refuse_before_touching_the_device(builds, spec):
     assert k.run(p, p, p, 64, 64, 60, 64, ldb, 64, 0, 0) == 3  # K not a multiple of 8
     assert k.run(p, p, p, 64, 60, 64, 64, ldb, 64, 0, 0) == 3  # N not a multiple of 8
     assert k.run(p, p, p, 64, 64, 64, 68, ldb, 64, 0, 0) == 3  # lda not a multiple of 8
-    assert k.run(0, p, p, 64, 64, 64, 64, ldb, 64, 0, 0) == 4  # null A
-    assert k.run(p + 2, p, p, 64, 64, 64, 64, ldb, 64, 0, 0) == 4  # misaligned A
+    # (a K the separate reduction's chunks divide: its K check comes before the pointers')
+    kk = max(64, 8 * spec.splits) if cs.separate(spec) else 64
+    ldb_kk = kk if spec.layout == "TN" else 64
+    assert k.run(0, p, p, 64, 64, kk, kk, ldb_kk, 64, 0, 0) == 4  # null A
+    assert k.run(p + 2, p, p, 64, 64, kk, kk, ldb_kk, 64, 0, 0) == 4  # misaligned A
     assert k.workspace_bytes(0, 64, 64) == 0
     if cs.separate(spec):
         K = 8 * 8 * spec.splits  # a K the chunks divide

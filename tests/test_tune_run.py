@@ -280,3 +280,65 @@ def test_transfer_from_refuses_this_gpu_and_unknown_ones(tmp_path):
         _check_transfer_source(store, "h200", "NVIDIA H200", "9.0")
     with pytest.raises(ValueError, match="nothing tuned on 'GPU X'"):
         add_store_prior(ModelFreePolicy(layouts=("TN",)), store, "GPU X", "H100")
+
+
+def test_transfer_from_the_other_accumulator_seeds_searched_shapes_with_twins(tmp_path):
+    """tune --acc fp16 --transfer-from GPU:fp32: the fp32 tuning's winner and runners-up, each as
+    its fp16-accumulator twin, lead the next batch of shapes this search has visited already
+    (once each), and the same GPU may be the source."""
+    from dataclasses import replace
+
+    from gemmrl.search.run import add_store_prior, store_prior
+
+    store = Store(tmp_path / "s.sqlite")
+    won32 = _tuned_elsewhere(store, "NVIDIA H200")  # fp32 tuning of P1, P2
+    h1, h2 = replace(P1, acc="fp16"), replace(P2, acc="fp16")
+    # an fp16 search that visited both shapes already
+    run_tune([h1, h2], store, "NVIDIA H200", fake_evaluate, candidates=2, batch=2, layouts=("TN",),
+             policy=ModelFreePolicy(layouts=("TN",), seed=5))
+    tried16 = {r["candidate"] for r in store.trials("NVIDIA H200", [h1, h2])}
+    prior = store_prior(store, "NVIDIA H200", [h1, h2], "fp32", "fp16")
+    assert set(prior) == {h1, h2}
+    for p, q in ((P1, h1), (P2, h2)):
+        first = prior[q][0][1]
+        assert first.acc == "fp16" and first.name == won32[p].replace("_f32", "_f16").replace("_fp32_", "_fp16_")
+        assert all(s.acc == "fp16" for _f, s in prior[q])
+    # only the fp32 tuning is taken, and only the shapes asked for
+    assert set(store_prior(store, "NVIDIA H200", [h2], "fp32", "fp16")) == {h2}
+    seen = []
+
+    def record(problem, candidates):
+        seen.append((problem, list(candidates)))
+        return fake_evaluate(problem, candidates)
+
+    run_tune([h1, h2], store, "NVIDIA H200", record, more=3, batch=3, layouts=("TN",),
+             policy=ModelFreePolicy(layouts=("TN",), seed=6), transfer_from="NVIDIA H200", transfer_acc="fp32")
+    for q in (h1, h2):
+        first = next(c for p, c in seen if p == q)
+        fresh = [s.name for _f, s in prior[q][:3] if s.name not in tried16]
+        assert fresh, "the fp32 winners' twins were all tried already: the test shows nothing"
+        assert [c.name for c in first if c.origin == "prior"] == fresh
+    # the same GPU and accumulator is still refused
+    import pytest
+    with pytest.raises(ValueError, match="is this GPU"):
+        add_store_prior(ModelFreePolicy(layouts=("TN",)), store, "NVIDIA H200", "NVIDIA H200")
+    assert add_store_prior(ModelFreePolicy(layouts=("TN",)), store, "NVIDIA H200", "NVIDIA H200",
+                           source_acc="fp32", target_acc="fp16") == 2
+
+
+def test_transfer_source_names_an_accumulator_after_a_colon(tmp_path):
+    import click
+    import pytest
+
+    from gemmrl.cli import _check_transfer_source, split_transfer_source
+
+    assert split_transfer_source("h200:fp32") == ("h200", "fp32")
+    assert split_transfer_source("NVIDIA H200") == ("NVIDIA H200", None)
+    assert split_transfer_source("NVIDIA H200: FP16") == ("NVIDIA H200", "fp16")
+    with pytest.raises(click.BadParameter, match="name the GPU"):
+        split_transfer_source(":fp32")
+    store = Store(tmp_path / "s.sqlite")
+    _tuned_elsewhere(store)
+    assert _check_transfer_source(store, "h200", "NVIDIA H200", "9.0", cross_acc=True) == "NVIDIA H200"
+    with pytest.raises(click.BadParameter, match="is this GPU"):
+        _check_transfer_source(store, "h200", "NVIDIA H200", "9.0", cross_acc=False)

@@ -167,6 +167,14 @@ def plan_tuned(choices, families=None, variant_fields=()) -> tuple[list[BuildJob
     return unique(out), skipped
 
 
+def plan_transfer(prior: dict, top: int, families=None) -> list[BuildJob]:
+    """The builds of what `tune --transfer-from` proposes first on each shape: the first `top`
+    suggestions of search.run.store_prior (problem -> [(family, spec)], best first), limited to
+    `families` (names) if given; each source once."""
+    return unique(job_for(spec, problem) for problem, suggestions in prior.items()
+                  for family, spec in [x for x in suggestions if families is None or x[0] in families][:top])
+
+
 def plan_race(store, choices, k: int, families=None, former: int = 0) -> list[BuildJob]:
     """The builds a race of `k` (search.race.Race, `bench --impl race:K[:formerN]`) compiles on
     each chosen shape (Store.tuned_choices rows): the shape's fastest stored trials within the

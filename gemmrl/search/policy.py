@@ -503,9 +503,11 @@ class ModelFreePolicy(_Tracking):
         self.prior_top = transfer_top + 1  # what a first batch takes of the prior: the winner, its runners-up
 
     def add_prior(self, problem: Problem, suggestions: Iterable[tuple]) -> None:
-        """What tuning `problem` on another GPU of the same architecture found: (family, spec)
-        suggestions, best first; the first `prior_top` lead the problem's first batch (through
-        the nearest such problems, on shapes the other GPU never tuned too). Nothing of it counts
+        """What tuning `problem` on another GPU of the same architecture found (or this GPU with
+        the other accumulator: search.run.store_prior): (family, spec) suggestions, best first;
+        the first `prior_top` lead the problem's first batch (through the nearest such problems,
+        on shapes the other GPU never tuned too; on a shape searched here already, the first
+        `prior_top` not tried yet lead the next batch). Nothing of it counts
         as tried or timed here, and its times do not train the cost model: on the simulated pair
         of GPUs (tests/test_search.py) a model fitted to the other GPU's times was confidently
         wrong and searched worse than a cold one."""
@@ -560,11 +562,15 @@ class ModelFreePolicy(_Tracking):
             if checked or registry.get(family).valid(spec, problem) is None:
                 opts[key] = [family, spec, origin]
 
-        if not tried:  # the prior's best lead a problem's first batch; then this GPU's own trials lead
-            for family, spec in self._prior(problem):
-                if sum(o[2] == "prior" for o in opts.values()) >= self.prior_top:
-                    break
-                add(family, spec, "prior")
+        # the prior's best lead a problem's first batch; then this GPU's own trials lead. On a shape
+        # already searched here, the first `prior_top` of its own prior (not its neighbours') are
+        # offered once each, those not tried yet: a seed from the other accumulator's tuning, or
+        # from another GPU, on shapes this search has visited
+        prior = self._prior(problem) if not tried else self.prior.get(problem, [])[:self.prior_top]
+        for family, spec in prior:
+            if sum(o[2] == "prior" for o in opts.values()) >= self.prior_top:
+                break
+            add(family, spec, "prior")
         for family, spec in self._transfer(problem):
             add(family, spec, "transfer")
         best = sorted(self.ok.get(problem, ()), key=lambda t: t.time_us)[:self.mutate_top]

@@ -88,41 +88,91 @@ def stored_history(store, device: str, problems) -> list[Trial]:
     return out
 
 
-def add_store_prior(policy, store, source: str, device: str, problems=None) -> int:
-    """Give the policy what tuning found on `source`, another GPU of this one's architecture
-    (`tune --transfer-from`): per shape, the stored winner first, then the other candidates that
-    passed there, highest reward first. `problems`: only these shapes' suggestions.
-    Returns the number of shapes with suggestions. Raises ValueError when the store has nothing
-    tuned on `source`, or `source` is this device."""
-    if source == device:
-        raise ValueError(f"{source!r} is this GPU: its trials are the search's own history already")
+def accumulator_twin(family: str, spec, acc: str):
+    """`spec` with its accumulator set to `acc` (the same kernel otherwise), or None where the
+    family's spec has no accumulator field."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(spec) or "acc" not in {f.name for f in dataclasses.fields(spec)}:
+        return None
+    return spec if spec.acc == acc else dataclasses.replace(spec, acc=acc)
+
+
+def store_prior(store, source: str, problems=None, source_acc: str | None = None,
+                target_acc: str | None = None) -> dict:
+    """What tuning found on `source` (a GPU model in the store), per shape, best first: the stored
+    winner, then the other candidates that passed there, highest reward first, as (family, spec).
+    With `source_acc` and `target_acc` (differing): the source's tuning with the `source_acc`
+    accumulator, each shape and kernel turned into its `target_acc` twin (the same tiles and
+    schedule; kernels whose family has no accumulator field, or whose twin is not valid, are left
+    out), so the fp32 tuning can seed the fp16 search of the same shapes. `problems`: only these
+    shapes' suggestions (target-accumulator problems)."""
+    from dataclasses import replace
+
+    cross = source_acc is not None and target_acc is not None and source_acc != target_acc
     trials = stored_history(store, source, None)
     winners = {c[1]: (c[2], c[3]) for c in store.tuned_choices(TUNED, source)}
-    if not trials and not winners:
-        known = sorted(set(store.devices()) - {device})
-        raise ValueError(f"the store holds nothing tuned on {source!r}"
-                         + (f"; it knows {', '.join(map(repr, known))}" if known else ""))
+
+    def mapped(problem):
+        if not cross:
+            return problem
+        return replace(problem, acc=target_acc) if problem.acc == source_acc else None
+
+    def twin(family, spec, problem):
+        if not cross:
+            return spec
+        t = accumulator_twin(family, spec, target_acc)
+        return t if t is not None and registry.get(family).valid(t, problem) is None else None
+
     wanted = None if problems is None else set(problems)
     by_problem: dict = {}
     for t in trials:
-        if t.status == "ok" and t.time_us is not None and (wanted is None or t.problem in wanted):
-            by_problem.setdefault(t.problem, []).append(t)
-    shapes = 0
-    for problem in sorted(set(by_problem) | {p for p in winners if wanted is None or p in wanted},
-                          key=lambda p: p.key()):
-        first = []
-        if problem in winners:
-            family, fields = winners[problem]
-            try:
-                first = [(family, registry.get(family).spec_type()(**fields))]
-            except (TypeError, ValueError):
-                first = []  # a choice from an older spec layout
+        q = mapped(t.problem)
+        if (q is not None and t.status == "ok" and t.time_us is not None
+                and (wanted is None or q in wanted)):
+            by_problem.setdefault(q, []).append(t)
+    firsts: dict = {}
+    for problem, (family, fields) in winners.items():
+        q = mapped(problem)
+        if q is None or (wanted is not None and q not in wanted):
+            continue
+        try:
+            firsts[q] = (family, registry.get(family).spec_type()(**fields))
+        except (TypeError, ValueError):
+            pass  # a choice from an older spec layout
+    out: dict = {}
+    for problem in sorted(set(by_problem) | set(firsts), key=lambda p: p.key()):
         ranked = sorted(by_problem.get(problem, ()), key=lambda t: (-t.reward, t.time_us, t.candidate.name))
-        suggestions = first + [(t.candidate.family, t.candidate.spec) for t in ranked]
+        suggestions, seen = [], set()
+        for family, spec in ([firsts[problem]] if problem in firsts else []) + [
+                (t.candidate.family, t.candidate.spec) for t in ranked]:
+            spec = twin(family, spec, problem)
+            if spec is not None and (family, spec.name) not in seen:
+                seen.add((family, spec.name))
+                suggestions.append((family, spec))
         if suggestions:
-            policy.add_prior(problem, suggestions)
-            shapes += 1
-    return shapes
+            out[problem] = suggestions
+    return out
+
+
+def add_store_prior(policy, store, source: str, device: str, problems=None, source_acc: str | None = None,
+                    target_acc: str | None = None) -> int:
+    """Give the policy what tuning found on `source` (`tune --transfer-from`): another GPU of this
+    one's architecture, or, with `source_acc` and `target_acc`, this or another GPU's tuning with
+    the other accumulator, as twins (store_prior). Returns the number of shapes with suggestions.
+    Raises ValueError when the store has nothing tuned on `source`, or `source` is this device
+    with the same accumulator."""
+    cross = source_acc is not None and target_acc is not None and source_acc != target_acc
+    if source == device and not cross:
+        raise ValueError(f"{source!r} is this GPU: its trials are the search's own history already")
+    prior = store_prior(store, source, problems, source_acc, target_acc)
+    if not prior and not any(True for _ in store.tuned_choices(TUNED, source)) and not store.trials(source):
+        known = sorted(set(store.devices()) - {device})
+        raise ValueError(f"the store holds nothing tuned on {source!r}"
+                         + (f"; it knows {', '.join(map(repr, known))}" if known else ""))
+    for problem, suggestions in prior.items():
+        policy.add_prior(problem, suggestions)
+    return len(prior)
 
 
 def built_generic_only():
@@ -204,14 +254,15 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
              policy=None, on_trial=None, deadline: float | None = None,
              generic_built_only: bool = False, families: tuple | None = None,
              match: str | None = None, more: int | None = None,
-             transfer_from: str | None = None) -> TuneResult:
+             transfer_from: str | None = None, transfer_acc: str | None = None) -> TuneResult:
     """Tune, resuming from the trials already in the store; store every trial and the winners.
     The policy also learns from the store's trials of other shapes on this device (its cost
     model, and transfer from the nearest tuned shapes), so a new shape set starts informed.
     `match`: a regular expression; only kernels whose name it finds are proposed. `more`: that
     many candidates per shape beyond those already stored, instead of `candidates` in all.
     `transfer_from`: another GPU model in the store (same architecture) whose tuning seeds this
-    one's search (add_store_prior)."""
+    one's search (add_store_prior); `transfer_acc`: the accumulator of its tuning to take, when it
+    is not the problems' own (each kernel's twin with theirs)."""
     problems = list(problems)
     wanted = {p.key() for p in problems}
     stored = stored_history(store, device, None)
@@ -223,7 +274,12 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
     if others:
         policy.observe(others)
     if transfer_from is not None:
-        add_store_prior(policy, store, transfer_from, device)
+        accs = {p.acc for p in problems}
+        if transfer_acc is not None and len(accs) > 1:
+            raise ValueError(f"transfer from the {transfer_acc} tuning: the problems mix accumulators "
+                             f"({', '.join(sorted(accs))})")
+        add_store_prior(policy, store, transfer_from, device, source_acc=transfer_acc,
+                        target_acc=next(iter(accs)) if transfer_acc is not None and accs else None)
 
     def keep(t: Trial) -> None:
         choice = json.dumps({"family": t.candidate.family, "spec": t.to_dict()["spec"]}, sort_keys=True).encode()

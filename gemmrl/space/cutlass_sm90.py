@@ -226,9 +226,16 @@ def epilogue_tile(spec: CutlassSpec) -> tuple[int, int]:
 
 
 def separate(spec: CutlassSpec) -> bool:
-    """Split-K with the separate reduction kernel: the GEMM writes fp32 partials (a batch over K
+    """Split-K with the separate reduction kernel: the GEMM writes partials (a batch over K
     chunks, persistent scheduler) and a second kernel sums them."""
     return spec.scheduler == "splitk" and spec.reduction == "separate"
+
+
+def partial_bytes(spec: CutlassSpec) -> int:
+    """Bytes of one element of the separate reduction's partials: the accumulator's own type
+    (fp32, or fp16 for an fp16 accumulator: each K chunk's sum stored as it was accumulated,
+    nothing rounded away); the reduction adds them in fp32 either way."""
+    return 4 if spec.acc == "fp32" else 2
 
 
 def epilogue_smem_bytes(spec: CutlassSpec) -> int:
@@ -241,7 +248,7 @@ def epilogue_smem_bytes(spec: CutlassSpec) -> int:
     em, en = epilogue_tile(spec)
     epi_tiles = (spec.tile_m // em) * (spec.tile_n // en)
     stages_d, stages_c = min(epi_tiles, 2), min(epi_tiles, 4)
-    d_bytes = 4 if separate(spec) else ELEMENT_BYTES
+    d_bytes = partial_bytes(spec) if separate(spec) else ELEMENT_BYTES
     return _round_up(stages_d * em * en * d_bytes + stages_c * 16, 1024)
 
 
@@ -333,8 +340,6 @@ def valid(spec: CutlassSpec, problem=None) -> str | None:
         return f"a reduction mode needs split-K or stream-K (the {s.scheduler} scheduler has no partial tiles)"
     if s.reduction == "separate" and s.scheduler != "splitk":
         return "the separate reduction is a split-K mode (scheduler 'splitk'), not stream-K"
-    if separate(s) and s.acc != "fp32":
-        return "the separate reduction sums fp32 partials of an fp32 accumulator; acc must be fp32"
     if s.epilogue == "nosmem" and s.scheduler not in ("persistent", "tile"):
         return ("the register-to-global epilogue (nosmem) is offered with the persistent scheduler only "
                 f"(the small outputs it is for; not tried with partial tiles), not {s.scheduler!r}")
@@ -414,8 +419,8 @@ def enumerate_specs(layout: str = "TN", dtype: str = "fp16", acc: str = "fp32") 
     it is for (256x256x16384: 8 tiles of 128x64) fill the GPU only that way, while a bigger tile
     would reduce 16 partials of 128 KiB+ each (issue #3). The same split-K tiles come again with
     the nondeterministic reduction (no turnstile: CTAs add their partials in any order), and
-    split-K 4-64 with the separate reduction kernel for a few tiles of both schedules (fp32
-    accumulators only). Narrow tiles (64x16, 64x32, 128x32) and 64-row ping-pong tiles of the
+    split-K 4-64 with the separate reduction kernel for a few tiles of both schedules (its
+    partials in the accumulator's type). Narrow tiles (64x16, 64x32, 128x32) and 64-row ping-pong tiles of the
     widths between (48 .. 176), persistent only, for small outputs; every persistent 64-row
     ping-pong tile up to 128 wide again with the register-to-global epilogue (nosmem); and the
     lean one-tile-per-CTA 'ws' kernel (TMA epilogue) over _LEAN_TILES. Its other forms (the
@@ -674,9 +679,9 @@ def estimate_us(spec: CutlassSpec, problem, tflops_per_sm: float = 5.5, gbs: flo
         # skinny shapes (H200, run 35) it predicts 11% high on average (log error +0.11, spread
         # 0.24; persistent kernels there +0.20, split-K with CUTLASS's reductions -0.23) and
         # ranks a shape's candidates with a rank correlation of 0.55; left as it is
-        partial_bytes = 2 * 4 * splits * problem.M * problem.N
-        rate = l2_gbs if partial_bytes / 2 <= L2_BYTES * 0.6 else gbs
-        return (max(compute, memory) + SEPARATE_LAUNCH_US + partial_bytes / (rate * 1e3) + 3.0
+        round_trip = 2 * partial_bytes(spec) * splits * problem.M * problem.N
+        rate = l2_gbs if round_trip / 2 <= L2_BYTES * 0.6 else gbs
+        return (max(compute, memory) + SEPARATE_LAUNCH_US + round_trip / (rate * 1e3) + 3.0
                 + subtile_us(spec, waves))
     if spec.scheduler == "tile":
         # the lean one-tile-per-CTA kernels (run 158, H100): about 0.5 us less fixed cost than a
@@ -687,8 +692,8 @@ def estimate_us(spec: CutlassSpec, problem, tflops_per_sm: float = 5.5, gbs: flo
     if spec.scheduler == "streamk" and splits == 1 and tiles % usable:
         reduce = 2.0 + 8 * usable * spec.tile_m * spec.tile_n / (gbs * 1e3)  # the split last wave
     if splits > 1:
-        partial_bytes = 2 * 4 * units * spec.tile_m * spec.tile_n  # fp32 partials out and back in
-        reduce = 2.0 + partial_bytes / (gbs * 1e3)
+        tile_partials = 2 * 4 * units * spec.tile_m * spec.tile_n  # fp32 partials out and back in
+        reduce = 2.0 + tile_partials / (gbs * 1e3)
         if spec.reduction == "nondeterministic":
             # a prior, not yet fitted: the turnstile the fitted term includes is gone, each of
             # the splits - 1 waits passing one fp32 partial tile at TURNSTILE_GBS per SM
@@ -999,9 +1004,10 @@ extern "C" __attribute__((visibility("default"))) int gemmrl_run(
 }
 """)
 
-# ... and for the separate reduction: the GEMM is a batch of K chunks writing fp32 partials into
-# the workspace (after CUTLASS's own, if any), then gemmrl_separate::splitk_reduce writes C.
-_ENTRY_POINTS_SEPARATE = Template(r"""// The workspace: CUTLASS's own bytes (if any), then the fp32 partials [kSplits][M][N] from a
+# ... and for the separate reduction: the GEMM is a batch of K chunks writing partials (fp32, or
+# fp16 for an fp16 accumulator) into the workspace (after CUTLASS's own, if any), then
+# gemmrl_separate::splitk_reduce (splitk_reduce_half) writes C.
+_ENTRY_POINTS_SEPARATE = Template(r"""// The workspace: CUTLASS's own bytes (if any), then the ${part_doc} partials [kSplits][M][N] from a
 // 256-byte boundary.
 static size_t partials_offset(size_t cutlass_bytes) { return (cutlass_bytes + 255) / 256 * 256; }
 
@@ -1013,10 +1019,10 @@ extern "C" __attribute__((visibility("default"))) size_t gemmrl_workspace_bytes(
   if (sms <= 0) return 0;
   size_t own = Gemm::get_workspace_size(make_arguments(nullptr, nullptr, nullptr, M, N, K, K, ${ldb_packed}, N,
                                                        device, sms));
-  return partials_offset(own) + size_t(kSplits) * size_t(M) * size_t(N) * sizeof(float);
+  return partials_offset(own) + size_t(kSplits) * size_t(M) * size_t(N) * sizeof(${part_cpp});
 }
 
-// Two launches on `stream`: the GEMM, then the reduction gemmrl_separate::splitk_reduce (programmatic dependent launch: it may be
+// Two launches on `stream`: the GEMM, then the reduction gemmrl_separate::${reduce_fn} (programmatic dependent launch: it may be
 // scheduled early and waits in griddepcontrol.wait until the GEMM's writes are visible). A
 // return of kLaunchFailed after the GEMM launched means the reduction did not: C is not written.
 extern "C" __attribute__((visibility("default"))) int gemmrl_run(
@@ -1037,7 +1043,7 @@ extern "C" __attribute__((visibility("default"))) int gemmrl_run(
   if (sms <= 0) return kNoDevice;
   typename Gemm::Arguments args = make_arguments(A, B, nullptr, M, N, K, lda, ldb, ldc, device, sms);
   size_t own = Gemm::get_workspace_size(args);
-  float* partials = reinterpret_cast<float*>(static_cast<char*>(workspace) + partials_offset(own));
+  ${part_cpp}* partials = reinterpret_cast<${part_cpp}*>(static_cast<char*>(workspace) + partials_offset(own));
   args.epilogue.ptr_D = partials;
   if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return kCannotImplement;
   if (!kernel_ready(device)) return kInitFailed;
@@ -1045,7 +1051,7 @@ extern "C" __attribute__((visibility("default"))) int gemmrl_run(
     return kInitFailed;
   typename GemmKernel::Params params = GemmKernel::to_underlying_arguments(args, own > 0 ? workspace : nullptr);
   if (!launch_gemm(params, stream)) return kLaunchFailed;
-  const int64_t quads = int64_t(M) * (N / 4);
+  const int64_t quads = int64_t(M) * (N / ${vec});
   cudaLaunchConfig_t config = {};
   constexpr int threads = gemmrl_separate::kReduceThreads;
   config.gridDim = dim3(unsigned(std::min<int64_t>((quads + threads - 1) / threads, int64_t(sms) * 16)));
@@ -1058,12 +1064,19 @@ extern "C" __attribute__((visibility("default"))) int gemmrl_run(
   config.attrs = attribute;
   config.numAttrs = 1;
   // the element type spelled out: nvcc's host stub cannot name an alias from an anonymous namespace
-  if (cudaLaunchKernelEx(&config, gemmrl_separate::splitk_reduce<${out_cpp}, ${splits}>,
-                         static_cast<const float*>(partials), static_cast<${out_cpp}*>(C), M, N, ldc) != cudaSuccess)
+  if (cudaLaunchKernelEx(&config, gemmrl_separate::${reduce_fn}<${out_cpp}, ${splits}>,
+                         static_cast<const ${part_cpp}*>(partials), static_cast<${out_cpp}*>(C), M, N, ldc) != cudaSuccess)
     return kLaunchFailed;
   return kOk;
 }
 """)
+
+# the separate reduction's partials per accumulator: their C++ type, the reduction kernel, the
+# elements one thread sums (one 16-byte load of each partial)
+_SEPARATE_PARTIALS = {
+    "fp32": {"part_cpp": "float", "part_doc": "fp32", "reduce_fn": "splitk_reduce", "vec": 4},
+    "fp16": {"part_cpp": "cutlass::half_t", "part_doc": "fp16", "reduce_fn": "splitk_reduce_half", "vec": 8},
+}
 
 _REDUCE_KERNEL = r"""
 }  // namespace
@@ -1107,6 +1120,61 @@ splitk_reduce(const float* __restrict__ partials, Out* __restrict__ C, int M, in
 namespace {
 """
 
+_REDUCE_KERNEL_HALF = r"""
+}  // namespace
+
+// (a kernel in a named namespace: nvcc's host stubs cannot name one in an anonymous namespace)
+namespace gemmrl_separate {
+
+// The separate reduction of an fp16 accumulator: C[m][n] = the sum over K chunks s = 0..Splits-1,
+// in that order, of the fp16 partials P[s][m][n] (each chunk's accumulator as it was: storing it
+// loses nothing), added in fp32 and rounded once to C's type. Deterministic: no atomics, one
+// order. Eight consecutive n per thread (N % 8 == 0): 16-byte loads, one 16-byte store.
+constexpr int kReduceThreads = 128;
+
+template <typename Out, int Splits>
+__global__ void __launch_bounds__(kReduceThreads)
+splitk_reduce_half(const cutlass::half_t* __restrict__ partials, Out* __restrict__ C, int M, int N, int ldc) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the GEMM has finished and its writes are visible
+#endif
+  const int64_t octs_per_row = N / 8, octs = int64_t(M) * octs_per_row;
+  const int64_t slice = octs;  // 16-byte vectors per [M,N] partial
+  const uint4* p16 = reinterpret_cast<const uint4*>(partials);
+  for (int64_t i = int64_t(blockIdx.x) * kReduceThreads + threadIdx.x; i < octs;
+       i += int64_t(gridDim.x) * kReduceThreads) {
+    const int64_t m = i / octs_per_row, n = (i - m * octs_per_row) * 8;
+    float acc[8];
+    uint4 v = __ldcs(p16 + i);
+    const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __half22float2(h[j]);
+      acc[2 * j] = f.x;
+      acc[2 * j + 1] = f.y;
+    }
+#pragma unroll 8
+    for (int s = 1; s < Splits; ++s) {
+      v = __ldcs(p16 + i + s * slice);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = __half22float2(h[j]);
+        acc[2 * j] += f.x;
+        acc[2 * j + 1] += f.y;
+      }
+    }
+    alignas(16) Out out[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] = Out(acc[j]);
+    *reinterpret_cast<uint4*>(C + m * ldc + n) = *reinterpret_cast<const uint4*>(out);
+  }
+}
+
+}  // namespace gemmrl_separate
+
+namespace {
+"""
+
 def render(spec: CutlassSpec, problem=None) -> str:
     """The complete .cu source of `spec`: pure and deterministic. The kernel is generic over the
     problem size, so `problem` only has to be one the spec serves (it changes nothing)."""
@@ -1137,7 +1205,8 @@ def render(spec: CutlassSpec, problem=None) -> str:
     stride_b = ("cute::make_stride(cute::Int<1>{}, int64_t(ldb), int64_t(ldb) * K)" if nn
                 else "cute::make_stride(int64_t(ldb), cute::Int<1>{}, int64_t(ldb) * N)")
     if sr:
-        element_d_line = (f"using ElementD = float;  // the GEMM's output: fp32 partials, an [M,N] slice per K chunk\n"
+        part = "float" if s.acc == "fp32" else _CPP_ELEMENT[s.acc]
+        element_d_line = (f"using ElementD = {part};  // the GEMM's output: {s.acc} partials, an [M,N] slice per K chunk\n"
                           f"using ElementOut = {_CPP_ELEMENT[s.dtype]};  // the ABI's C, written by the reduction\n"
                           f"constexpr int kSplits = {s.splits};  // K chunks: the GEMM's batch, summed by splitk_reduce")
         kc = "int64_t(K / kSplits)"
@@ -1152,7 +1221,7 @@ def render(spec: CutlassSpec, problem=None) -> str:
         entry = _ENTRY_POINTS_SEPARATE
         prefix = ("// split-K with a separate reduction kernel: the GEMM signals its dependent launch early\n"
                   "#define CUTLASS_ENABLE_GDC_FOR_SM90 1\n#include <algorithm>\n")
-        reduce_kernel = _REDUCE_KERNEL
+        reduce_kernel = _REDUCE_KERNEL if s.acc == "fp32" else _REDUCE_KERNEL_HALF
     elif s.swap_ab:  # C^T = B^T A^T: the kernel's A is B, its B is A, its D is C column-major
         element_d_line = f"using ElementD = {_CPP_ELEMENT[s.dtype]};  // the ABI's C"
         strides = ("  // swapped: the kernel's (M, N) are the problem's (N, M)\n"
@@ -1186,7 +1255,8 @@ def render(spec: CutlassSpec, problem=None) -> str:
         reduce_kernel=reduce_kernel,
         ldb_min="N" if nn else "K",
         entry_points=entry.substitute(ldb_min="N" if nn else "K", ldb_packed="N" if nn else "K",
-                                      out_cpp=_CPP_ELEMENT[s.dtype], splits=s.splits),
+                                      out_cpp=_CPP_ELEMENT[s.dtype], splits=s.splits,
+                                      **_SEPARATE_PARTIALS[s.acc]),
         spec_json=json.dumps(s.to_dict(), sort_keys=True, separators=(",", ":")),
         b_expr="B" if nn else "B^T",
         element_in=_CPP_ELEMENT[s.dtype], element_acc=_CPP_ELEMENT[s.acc],
