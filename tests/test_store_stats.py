@@ -458,3 +458,42 @@ def test_best_baseline_is_the_fastest_latest_ok_baseline(tmp_path):
     s.record_session(run, "s6", "H100", Problem(P.M, P.N, P.K + 64), "kernel", "kernel:v1", {"cuBLAS-tn": _st(1.0)})
     assert s.best_baseline("H100", P) == ("torch.matmul", 10.0)
     assert s.best_baseline("H100", P, mode="offline") == ("cuBLAS-tn", 1.0)
+
+
+def test_storing_the_same_choice_again_keeps_when_it_was_made(monkeypatch):
+    """A final timing stores the winner again with its new time: the choice's `created` stays, so
+    the kernel-mode sessions since the choice (runtime.pack's median rule) still count; a new
+    choice restarts it."""
+    import time as _time
+
+    from gemmrl.runtime.pack import _session_speedups
+
+    s = Store(":memory:")
+    clock = [1000.0]
+    monkeypatch.setattr(_time, "time", lambda: clock[0])
+    s.put_tuning("H100", Q, "gemmrl-tuned", b'{"spec": 1}', "first", 5.0)
+
+    def created():
+        return s.db.execute("SELECT created FROM tuning WHERE impl='gemmrl-tuned'").fetchone()[0]
+
+    clock[0] = 2000.0
+    s.put_tuning("H100", Q, "gemmrl-tuned", b'{"spec": 1}', "timed again", 4.5)
+    assert created() == 1000.0
+    assert s.get_tuning("H100", Q, "gemmrl-tuned") == {"choice": b'{"spec": 1}', "info": "timed again", "time_us": 4.5}
+    # two sessions timed the choice, one before the re-store: both count
+    run = s.start_run("bench", "H100", {}, {})
+    for sess, at in (("a", 1500.0), ("b", 2500.0)):
+        clock[0] = at
+        s.record_session(run, sess, "H100", Q, "kernel", "kernel:v3",
+                         {"gemmrl-tuned": {"status": "ok", "n": 10, "median_us": 4.0},
+                          "torch.matmul": {"status": "ok", "n": 10, "median_us": 5.0}})
+    assert len(_session_speedups(s, "H100", Q.dtype, Q.acc)[(*Q.key()[:3], "gemmrl-tuned")]) == 2
+    clock[0] = 3000.0
+    s.put_tuning("H100", Q, "gemmrl-tuned", b'{"spec": 2}', "a new winner", 3.0)
+    assert created() == 3000.0
+    assert (*Q.key()[:3], "gemmrl-tuned") not in _session_speedups(s, "H100", Q.dtype, Q.acc)
+    # baselines' rows (cuBLASLt algorithms) too: same algorithm, same time of choice
+    s.put_tuning("H100", Q, "cuBLASLt-auto-tuning-nn", b"\x01", "algo=1", 2.5)
+    clock[0] = 4000.0
+    s.put_tuning("H100", Q, "cuBLASLt-auto-tuning-nn", b"\x01", "algo=1", 2.4)
+    assert s.db.execute("SELECT created FROM tuning WHERE impl='cuBLASLt-auto-tuning-nn'").fetchone()[0] == 3000.0

@@ -590,9 +590,17 @@ class Store:
     # tuning choices -------------------------------------------------------------------------
     def put_tuning(self, device: str, problem: Problem, impl: str, choice: bytes, info: str,
                    time_us: float) -> None:
+        """Store `impl`'s choice for the shape. `created` is when the choice was made: storing the
+        same choice again (a final timing's new time) keeps it, so the sessions that timed the
+        choice since then still count (runtime.pack's median over the sessions since the choice;
+        before, every re-store restarted that count)."""
         with self.tx():
-            self.db.execute("INSERT OR REPLACE INTO tuning VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                            (device, *problem.key(), impl, choice, info, measured(time_us), time.time()))
+            self.db.execute(
+                "INSERT INTO tuning VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (device, M, N, K, dtype, acc, impl) DO UPDATE SET "
+                "created = CASE WHEN tuning.choice = excluded.choice THEN tuning.created ELSE excluded.created END, "
+                "choice = excluded.choice, info = excluded.info, time_us = excluded.time_us",
+                (device, *problem.key(), impl, choice, info, measured(time_us), time.time()))
 
     def tuning_effort(self, device: str, dtype: str, acc: str, impl: str) -> dict:
         """What tuning this precision on this device has cost so far: the runs that stored trials
