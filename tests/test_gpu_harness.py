@@ -275,6 +275,41 @@ def test_a_call_that_fails_inside_its_capture_leaves_the_others_timed_right():
     assert k["mm"]["median_us"] > floor and abs(k["mm"]["median_us"] / alone - 1) < 0.25, (k["mm"], alone)
 
 
+def test_a_graph_that_captured_only_the_copies_is_not_timed():
+    """CUDA-L2's padded calls: torch copies the inputs into padded buffers and the result out on
+    the caller's stream, and their GEMM launches on the legacy default stream, so a capture holds
+    the copies alone. Its replays wrote C (a stale result), so the old check passed: the H200
+    timed 4096x2048x16384 at 1.7x under the physical floor and two other shapes' outputs wrong.
+    The capture check now makes the replay follow new inputs: this call is timed eagerly, with
+    the GEMM, and its output is right."""
+    import torch
+
+    from gemmrl.bench import timing
+    from gemmrl.bench.stats import roofline_floor_us
+    from gemmrl.core.problem import Problem
+
+    p = Problem(1024, 1024, 4096)
+    buf = torch.empty(p.M, p.N, dtype=torch.float16, device="cuda")
+
+    def copies_only_when_captured(a, b_nn, b_tn, c):
+        if not torch.cuda.is_current_stream_capturing():  # stands in for work outside the capture
+            torch.matmul(a, b_nn, out=buf)
+        c.copy_(buf)
+
+    def mm(a, b_nn, b_tn, c):
+        torch.matmul(a, b_nn, out=c)
+
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    k = timing.time_kernel(p, {"padded": copies_only_when_captured, "mm": mm}, l2_bytes=l2)
+    assert k["mm"]["status"] == "ok" and k["mm"]["details"]["graph"] is True
+    got = k["padded"]
+    assert got["status"] == "ok", got
+    assert got["details"]["graph"] is False
+    assert "does not compute it from the inputs" in got["details"]["capture_error"]
+    floor = roofline_floor_us(p.flops, p.min_bytes, 1000.0, 4000.0)
+    assert got["median_us"] > floor and got["median_us"] > 0.8 * k["mm"]["median_us"], (got, k["mm"])
+
+
 @pytest.mark.skipif(not os.environ.get("GEMMRL_CUDA_L2_DIR"), reason="set GEMMRL_CUDA_L2_DIR to CUDA-L2's kernels/h100_F32F16F16F32")
 def test_cuda_l2_kernel_loads_verifies_and_times():
     import torch

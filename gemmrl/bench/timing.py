@@ -283,34 +283,44 @@ def _fail(status: str, reason: str) -> dict:
     return {"status": status, "n": 0, "details": {"reason": reason}}
 
 
-def _capture_writing(fn, sets, n_calls: int):
+def _capture_writing(fn, sets, n_calls: int, check: bool = True):
     """`n_calls` calls of `fn` over the input sets in turn, captured in a CUDA graph and replayed
     once. Raises if the capture fails, or if the replay leaves C unwritten: a graph that captured
     nothing (work launched on the legacy default stream instead of the caller's, as CUDA-L2's
-    kernels do) runs but writes nothing."""
+    kernels do) runs but writes nothing. With `check` (a GEMM), the replay must also compute C
+    from the inputs as they are now: the first set's A is negated before it, so a graph that
+    captured only part of the work (CUDA-L2's padded calls: torch's copies into and out of the
+    padded buffers on the caller's stream, their GEMM on the legacy stream, run once during the
+    capture and never again) and copies out a stale result is caught too (H200, 2026-11-27: such
+    graphs timed the copies alone, 1.7x under the physical floor, and returned stale outputs)."""
     n_sets = len(sets)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for i in range(n_calls):
             fn(*sets[i % n_sets])
-    c_first = sets[0][3]
+    a_first, b_first, _, c_first = sets[0]
+    if check:
+        a_first.neg_()  # new inputs for the first set: only work the graph replays can follow them
     c_first.fill_(float("nan"))
     g.replay()
     torch.cuda.synchronize()
     if torch.isnan(c_first).any():
         raise RuntimeError("the captured graph does not write C: the implementation "
                            "launches outside the caller's stream")
+    if check and not rel_error(c_first, _ref_half(a_first, b_first)) <= RECHECK_TOL:
+        raise RuntimeError("the captured graph writes C but does not compute it from the inputs: part of "
+                           "the implementation's work runs outside the caller's stream")
     return g
 
 
-def _graph_burst_us(fn, sets, burst: int, stream) -> float | None:
+def _graph_burst_us(fn, sets, burst: int, stream, check: bool = True) -> float | None:
     """Per-call time of `burst` calls captured in one probe graph and replayed (the second replay:
     the first one warms), or None where the calls cannot be captured or the captured graph does
     not write C (work launched outside the caller's stream). Eager bursts of small GEMMs are bound
     by the host's launch rate (on an H100, 32 eager torch.matmul calls of 128x64x8192 took 20 us
     a call against 7.9 us replayed), so graphs sized from them held a third of the target's calls."""
     try:
-        g = _capture_writing(fn, sets, burst)
+        g = _capture_writing(fn, sets, burst, check)
         t0 = torch.cuda.Event(enable_timing=True)
         t1 = torch.cuda.Event(enable_timing=True)
         t0.record(stream)
@@ -353,7 +363,7 @@ def time_kernel(problem: Problem, calls: dict, *, l2_bytes: int, settings: Kerne
             est_us = max(t0.elapsed_time(t1) * 1e3, 1.0)
             burst = estimate_burst(est_us)
             if burst > 1:  # the estimate from a burst of calls: see estimate_burst
-                probe = _graph_burst_us(fn, sets, burst, stream)
+                probe = _graph_burst_us(fn, sets, burst, stream, name not in unchecked)
                 if probe is None:  # not capturable: an eager burst (an upper bound: the launch rate)
                     t0.record()
                     for i in range(burst):
@@ -374,7 +384,7 @@ def time_kernel(problem: Problem, calls: dict, *, l2_bytes: int, settings: Kerne
         fn = calls[name]
         try:
             try:
-                graphs[name] = (_capture_writing(fn, sets, n_calls), n_calls, True)
+                graphs[name] = (_capture_writing(fn, sets, n_calls, name not in unchecked), n_calls, True)
             except Exception as e:  # not capturable: time eager launches instead, and say so
                 # torch.cuda.graph's exit leaves its capture stream current when capture_end raises
                 # (a call that failed inside the capture): put the timing stream back, or every
