@@ -1012,7 +1012,12 @@ def pack(db, device, dtype, acc, min_speedup, out_dir, against, changed_file):
 @click.option("--since-run", "since_run", default=None, type=click.IntRange(0, None), metavar="N",
               help="with --merge: only OTHER's runs after run N (and the winners and quarantines written since): "
                    "merged into a new DB, the work of one device call, small enough to send back")
-def store_cmd(db, compress, small, merge_from, since_run):
+@click.option("--release-quarantine", "release", default=None, metavar="NAME",
+              help="remove the quarantine entries of this implementation or kernel (every device and precision, "
+                   "or --shapes'), each printed with the reason it was quarantined: for a call that changed "
+                   "since it crashed (CUDA-L2's unpadded calls before their tiles were read)")
+@click.option("--shapes", "release_shapes", default=None, help="with --release-quarantine: only these shapes")
+def store_cmd(db, compress, small, merge_from, since_run, release, release_shapes):
     """What the store holds (runs, measurements, trials, tuned shapes per device); --compress packs it."""
     from gemmrl.store.db import Store, StoreError, decompress, pack, unpack_if_missing
 
@@ -1020,7 +1025,22 @@ def store_cmd(db, compress, small, merge_from, since_run):
         raise click.UsageError("--small goes with --compress")
     if since_run is not None and merge_from is None:
         raise click.UsageError("--since-run goes with --merge")
+    if release_shapes is not None and release is None:
+        raise click.UsageError("--shapes goes with --release-quarantine")
     unpack_if_missing(db)
+    if release is not None:
+        if not Path(db).exists():
+            raise click.ClickException(f"no store at {db}")
+        shapes = None if release_shapes is None else [(p.M, p.N, p.K) for p in _problems(release_shapes, "fp16", "fp32")]
+        st = Store(db)
+        gone = st.release_quarantine(release, shapes)
+        st.close()
+        for r in gone:
+            click.echo(f"released {r['device']} {r['M']}x{r['N']}x{r['K']} ({r['dtype']}, {r['acc']}): {r['reason']}")
+        if not gone:
+            raise click.ClickException(f"{db} has no quarantine entry for {release!r}"
+                                       + (" on those shapes" if shapes is not None else ""))
+        click.echo(f"released {len(gone)} quarantine entr{'y' if len(gone) == 1 else 'ies'} of {release}")
     if merge_from is not None:
         import tempfile
 

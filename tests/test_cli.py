@@ -726,3 +726,27 @@ def test_a_bench_run_ends_with_its_own_noise_per_mode():
     # server mode: the paired ratio the reports compare (0.5%), not the 20% apart times
     assert "on 1 of 1 shapes (median 0.50%" in srv and "time cap" not in srv
     assert run_noise_lines([m(64, "torch.matmul", "kernel", 3.0)]) == []  # no repeat: nothing to say
+
+
+def test_store_releases_a_quarantine_and_says_what_it_was(tmp_path):
+    db = tmp_path / "s.sqlite"
+    s = Store(db)
+    for shape in ((8192, 512, 8192), (4096, 8192, 12288)):
+        s.quarantine("NVIDIA H200", Problem(*shape, "fp16", "fp16"), "cuda-l2", f"crashed on {shape}")
+    s.quarantine("NVIDIA H200", Problem(64, 64, 64), "sm90_kernel_x", "hung")
+    s.close()
+    r = CliRunner().invoke(main, ["store", "--db", str(db), "--release-quarantine", "cuda-l2", "--shapes", "8192x512x8192"])
+    assert r.exit_code == 0, r.output
+    assert "released NVIDIA H200 8192x512x8192 (fp16, fp16): crashed on (8192, 512, 8192)" in r.output
+    assert "released 1 quarantine entry of cuda-l2" in r.output
+    s = Store(db, readonly=True)
+    assert s.quarantined("NVIDIA H200", Problem(8192, 512, 8192, "fp16", "fp16")) == {}
+    assert "cuda-l2" in s.quarantined("NVIDIA H200", Problem(4096, 8192, 12288, "fp16", "fp16"))
+    assert "sm90_kernel_x" in s.quarantined("NVIDIA H200", Problem(64, 64, 64))
+    s.close()
+    r = CliRunner().invoke(main, ["store", "--db", str(db), "--release-quarantine", "cuda-l2"])
+    assert r.exit_code == 0 and "released 1 quarantine entry" in r.output and "4096x8192x12288" in r.output
+    r = CliRunner().invoke(main, ["store", "--db", str(db), "--release-quarantine", "cuda-l2"])
+    assert r.exit_code == 1 and "no quarantine entry for 'cuda-l2'" in r.output
+    r = CliRunner().invoke(main, ["store", "--db", str(db), "--shapes", "64x64x64"])
+    assert r.exit_code == 2 and "--shapes goes with --release-quarantine" in r.output

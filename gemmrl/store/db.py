@@ -587,6 +587,21 @@ class Store:
                                "K=? AND dtype=? AND acc=?", (device, *problem.key()))
         return {r[0]: r[1] for r in rows}
 
+    def release_quarantine(self, name: str, shapes=None) -> list[dict]:
+        """Remove `name`'s quarantine entries (an implementation or a kernel), on every device and
+        precision, or only on `shapes` ((M, N, K) triples) if given: for a call that changed since
+        it crashed. Returns the entries removed."""
+        rows = [dict(r) for r in self.db.execute("SELECT * FROM quarantine WHERE name=? ORDER BY device, M, N, K",
+                                                 (name,))]
+        if shapes is not None:
+            wanted = {tuple(x) for x in shapes}
+            rows = [r for r in rows if (r["M"], r["N"], r["K"]) in wanted]
+        with self.tx():
+            for r in rows:
+                self.db.execute("DELETE FROM quarantine WHERE device=? AND M=? AND N=? AND K=? AND dtype=? AND acc=? "
+                                "AND name=?", (r["device"], r["M"], r["N"], r["K"], r["dtype"], r["acc"], name))
+        return rows
+
     # tuning choices -------------------------------------------------------------------------
     def put_tuning(self, device: str, problem: Problem, impl: str, choice: bytes, info: str,
                    time_us: float) -> None:
