@@ -2,6 +2,8 @@
 # A device call made of several gemmrl commands run in turn on one store, for a session's last
 # minutes where tunes and benches of different shape sets must share one call:
 #   GEMMRL_COMMIT=<hash> STEPS="tune --shapes A ...; bench --shapes B ..." scripts/device-steps.sh OUT
+# A step's words split as a shell would split them, quotes grouping words (pytest -k 'a or b'), with
+# no expansion; steps split on ';' first, so a step holds none, quoted or not.
 # A step may also be "pytest ARGS" (python3 -m pytest ARGS) or "scripts/NAME.py ARGS" (python3
 # scripts/NAME.py ARGS); those get no --db or --out, and find OUT in their environment; so does
 # "build ARGS" (gemmrl build, e.g. --tuned-in results/gemmrl.sqlite --variants epi: kernels the next
@@ -58,12 +60,28 @@ if [ -n "${BG:-}" ]; then
   bgpid=$!
   echo "background: $BG" | tee -a "$out/logs/steps.txt"
 fi
+# a step's words into argv as a shell would split them (quotes kept together: pytest -k 'a or b'),
+# with no expansion of any kind; a step may not hold a ';' even in quotes (steps split on it first)
+split_words() {
+  local f
+  f=$(mktemp)
+  if python3 -c 'import shlex, sys; sys.stdout.write("\0".join(shlex.split(sys.argv[1])))' "$1" > "$f" 2>/dev/null; then
+    mapfile -d '' -t argv < "$f"
+    rm -f "$f"
+    return 0
+  fi
+  rm -f "$f"
+  return 1
+}
 # lane g: its steps in turn on GPU g (STEPS is lane 0, STEPS_1 lane 1, ...); the lanes at once
 lane() {
   local g=$1 spec=$2 tag=${3:-} i args argv cap verb extra budget log vis
   IFS=';' read -ra steps <<< "$spec"
   for i in "${!steps[@]}"; do
-    read -ra argv <<< "${steps[$i]}"
+    if ! split_words "${steps[$i]}"; then
+      echo "step $i: its words do not split (an unbalanced quote?), skipped: ${steps[$i]}" | tee -a "$out/logs/steps.txt"
+      continue
+    fi
     [ "${#argv[@]}" -gt 0 ] || continue
     cap=""
     if [[ ${argv[0]} =~ ^@([0-9]+)$ ]]; then cap=${BASH_REMATCH[1]}; argv=("${argv[@]:1}"); fi

@@ -280,6 +280,37 @@ def test_device_steps_runs_each_step_in_turn_with_its_cap_and_returns_the_store(
         assert set(t.getnames()) == {"builds/k1", "builds/k1/lib.so"}
 
 
+def test_device_steps_splits_a_steps_words_as_a_shell_would(tmp_path):
+    """Quotes group a step's words (pytest -k 'a or b' was split at its spaces and pytest stopped
+    with a usage error, 2026-11-27); nothing is expanded; a step whose quotes do not balance is
+    skipped, saying so, and the next one runs."""
+    import json
+    import shutil
+
+    from gemmrl.store.db import Store
+
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "results").mkdir()
+    for name in ("device-steps.sh", "device-common.sh", "pack-build-cache.sh"):
+        shutil.copy(ROOT / "scripts" / name, repo / "scripts")
+    Store(repo / "results" / "gemmrl.sqlite").close()
+    (repo / "scripts" / "argv.py").write_text(
+        "import json, os, sys\nopen(os.environ['OUT'] + '/argv-' + sys.argv[1] + '.json', 'w')"
+        ".write(json.dumps(sys.argv[2:]))\n")
+    out = tmp_path / "out"
+    env = {**ENV, "STEPS": "scripts/argv.py one -k 'x or y' \"a b\" $HOME * ; scripts/argv.py two 'open ; "
+                           "scripts/argv.py three plain",
+           "TOTAL_S": "300", "GEMMRL_CACHE": str(tmp_path / "cache"), "PATH": os.environ["PATH"]}
+    r = subprocess.run(["bash", str(repo / "scripts" / "device-steps.sh"), str(out)], capture_output=True,
+                       text=True, env=env, cwd=repo, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads((out / "argv-one.json").read_text()) == ["-k", "x or y", "a b", "$HOME", "*"]
+    assert not (out / "argv-two.json").exists()
+    assert "its words do not split (an unbalanced quote?), skipped: " in r.stdout
+    assert json.loads((out / "argv-three.json").read_text()) == ["plain"]
+
+
 def test_trial_final_gap_reads_the_store(tmp_path):
     """scripts/trial-final-gap.py: each winner's latest kernel-mode time over its stored search
     time, per shape and per FLOPs bucket, from a store alone."""
