@@ -591,14 +591,15 @@ def targets(results_dir, device, subject, acc, product, json_out):
                    "keep the fastest: the search's quick timing misranks the largest shapes. The winner that "
                    "last passed the final verification always races too (so with 1, a new winner races only "
                    "the old one); with --built-only, CUTLASS contenders only if already built")
-@click.option("--transfer-from", "transfer_from", default=None, metavar="GPU[:ACC]",
+@click.option("--transfer-from", "transfer_from", multiple=True, metavar="GPU[:ACC]",
               help="seed the search with what tuning found on another GPU model in the store, of the same "
                    "architecture ('NVIDIA H200' or 'h200', for an H100): per shape its winner and runners-up lead "
                    "the first batch (for untuned shapes, the nearest tuned ones'; on shapes searched already, the "
                    "first three not yet tried); `gemmrl build --tuned-in DB --device GPU --race K` compiles them "
                    "ahead. GPU:ACC ('h200:fp32', this GPU too) takes that GPU's tuning with the ACC accumulator, "
                    "each kernel rebuilt with this run's --acc: `gemmrl build --tuned-in DB --transfer-from "
-                   "GPU:ACC --shapes S --acc A` compiles what it proposes first")
+                   "GPU:ACC --shapes S --acc A` compiles what it proposes first. Repeatable: the sources' "
+                   "suggestions interleaved by rank (each one's winner first)")
 def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, built_only, family_opts, match, layouts,
          db, out, ray_address, gpus, no_report, reuse_baselines, race, transfer_from):
     """Search kernels per shape with speed over the best baseline as the reward; keep the winners.
@@ -651,11 +652,11 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
     store = Store(db)
     device = torch.cuda.get_device_name()
     prov = env.provenance(_cublas_version())  # packs read it: their lt_algos need it
-    transfer_acc = None
-    if transfer_from is not None:
-        transfer_from, transfer_acc = split_transfer_source(transfer_from)
-        transfer_from = _check_transfer_source(store, transfer_from, device, prov.get("capability"),
-                                               cross_acc=transfer_acc not in (None, acc))
+    sources = []
+    for text in transfer_from:
+        gpu, source_acc = split_transfer_source(text)
+        sources.append((_check_transfer_source(store, gpu, device, prov.get("capability"),
+                                               cross_acc=source_acc not in (None, acc)), source_acc))
     run_id = store.start_run(" ".join(["gemmrl"] + sys.argv[1:]), device, prov,
                              {"candidates": candidates, "more": more, "batch": batch, "budget_s": budget_s,
                               "layouts": lays})
@@ -713,7 +714,7 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
                                budget_s=budget_s or float("inf"), layouts=lays, run_id=run_id, on_trial=on_trial,
                                deadline=time.monotonic() + wall_s if wall_s else None,
                                generic_built_only=built_only, families=fams, match=match, more=more,
-                               transfer_from=transfer_from, transfer_acc=transfer_acc)
+                               transfer_from=sources or None)
                 search_wall = time.monotonic() - t_search
             finally:
                 close()
@@ -1123,10 +1124,11 @@ def store_cmd(db, compress, small, merge_from, since_run, release, release_shape
               help="each family's candidates are its search pool's kernels whose names match this regular "
                    "expression (re.search), the cost model's fastest --top of them: what `gemmrl tune --match "
                    "REGEX --built-only` will find built (e.g. '_128x160x' for cuBLASLt's big-output tile)")
-@click.option("--transfer-from", "transfer_text", default=None, metavar="GPU[:ACC]",
+@click.option("--transfer-from", "transfer_text", multiple=True, metavar="GPU[:ACC]",
               help="with --tuned-in: compile what `gemmrl tune --transfer-from GPU[:ACC]` proposes first on "
                    "--shapes with --acc: per shape the first --top of that GPU's winner and runners-up (with "
-                   ":ACC, its tuning with that accumulator, each kernel's --acc twin). tune takes 3")
+                   ":ACC, its tuning with that accumulator, each kernel's --acc twin; repeated, the sources "
+                   "interleaved by rank, as tune does). tune takes 3")
 @click.option("--pack", "pack_dir", default=None, metavar="DIR",
               help="compile every kernel of this pack instead (what gemmrl.warmup() builds on the GPU "
                    "machine): a deployment's cache made ahead of time; only --jobs, --dry-run and --entries apply")
@@ -1172,7 +1174,7 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
         fams = [registry.get(f) for f in family_opts or (() if tuned_db else ("cutlass_sm90",))]
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--family") from None
-    if transfer_text is not None:
+    if transfer_text:
         if tuned_db is None:
             raise click.UsageError("--transfer-from goes with --tuned-in DB, the store holding that tuning")
         return _build_transfer(tuned_db, transfer_text, shape_spec, dtype, acc, top, fams, tuned_device,
@@ -1245,11 +1247,11 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
     _compile_jobs(ahead.plan(problems, fams, lays, top), f"{len(problems)} shapes", jobs, dry_run, entries_file)
 
 
-def _build_transfer(tuned_db, transfer_text, shape_spec, dtype, acc, top, fams, tuned_device, variant_opt, acc_only,
-                    race_k, pending_db, max_shapes, jobs, dry_run, entries_file):
-    """build --tuned-in DB --transfer-from GPU[:ACC]: the kernels tune's prior puts first."""
+def _build_transfer(tuned_db, transfer_texts, shape_spec, dtype, acc, top, fams, tuned_device, variant_opt,
+                    acc_only, race_k, pending_db, max_shapes, jobs, dry_run, entries_file):
+    """build --tuned-in DB --transfer-from GPU[:ACC] ...: the kernels tune's prior puts first."""
     from gemmrl.build import ahead
-    from gemmrl.search.run import TUNED, store_prior
+    from gemmrl.search.run import TUNED, merged_priors, store_prior
     from gemmrl.store.db import Store, device_by_part, unpack_if_missing
 
     given = [opt for opt, v in (("--device", tuned_device), ("--variants", variant_opt), ("--acc-only", acc_only),
@@ -1258,31 +1260,36 @@ def _build_transfer(tuned_db, transfer_text, shape_spec, dtype, acc, top, fams, 
     if given:
         raise click.UsageError(f"--transfer-from builds the prior's kernels: {', '.join(given)} "
                                f"{'does' if len(given) == 1 else 'do'} not apply")
-    source, source_acc = split_transfer_source(transfer_text)
     unpack_if_missing(tuned_db)
     if not Path(tuned_db).exists():
         raise click.ClickException(f"no store at {tuned_db}")
     problems = _problems(shape_spec, dtype, acc)
     store = Store(tuned_db, readonly=True)
+    names, priors = [], []
     try:
         devices = store.tuned_devices(TUNED)
-        try:
-            source = device_by_part(source, devices, "GPUs")
-        except ValueError as e:
-            raise click.ClickException(str(e)) from None
-        if source not in devices:
-            raise click.ClickException(f"{tuned_db} holds no {TUNED} winners on {source!r}"
-                                       + (f"; it has {', '.join(map(repr, sorted(devices)))}" if devices else ""))
-        prior = store_prior(store, source, problems, source_acc, acc)
+        for text in transfer_texts:
+            source, source_acc = split_transfer_source(text)
+            try:
+                source = device_by_part(source, devices, "GPUs")
+            except ValueError as e:
+                raise click.ClickException(str(e)) from None
+            if source not in devices:
+                raise click.ClickException(f"{tuned_db} holds no {TUNED} winners on {source!r}"
+                                           + (f"; it has {', '.join(map(repr, sorted(devices)))}" if devices else ""))
+            cross = source_acc not in (None, acc)
+            priors.append(store_prior(store, source, problems, source_acc if cross else None, acc if cross else None))
+            names.append(f"{source}'s" + (f" {source_acc}" if source_acc else ""))
     finally:
         store.close()
+    prior = merged_priors(priors)
+    what = " and ".join(names)
     if not prior:
-        raise click.ClickException(f"the tuning on {source}" + (f" ({source_acc})" if source_acc else "")
-                                   + f" suggests nothing for these {len(problems)} shapes")
+        raise click.ClickException(f"the tuning ({what}) suggests nothing for these {len(problems)} shapes")
+    twins = any(a not in (None, acc) for _s, a in map(split_transfer_source, transfer_texts))
     return _compile_jobs(ahead.plan_transfer(prior, top, {f.name for f in fams} if fams else None),
-                         f"the first {top} of {source}'s" + (f" {source_acc}" if source_acc else "")
-                         + f" suggestions on {len(prior)} of {len(problems)} shapes"
-                         + (f" as {acc}-accumulator twins" if source_acc not in (None, acc) else ""),
+                         f"the first {top} of {what} suggestions on {len(prior)} of {len(problems)} shapes"
+                         + (f" as {acc}-accumulator twins" if twins else ""),
                          jobs, dry_run, entries_file)
 
 

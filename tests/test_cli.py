@@ -474,6 +474,17 @@ def test_build_transfer_from_compiles_the_fp16_twins_of_the_fp32_winners(tmp_pat
     assert r.exit_code == 2 and "goes with --tuned-in" in r.output
     r = CliRunner().invoke(main, base + ["--transfer-from", "h200:fp32", "--race", "2"])
     assert r.exit_code == 2 and "--race does not apply" in r.output
+    # two sources: the H100's fp16 winner of 128x128x16384 beside the H200 fp32 winners' twins
+    other = replace(sr, splits=32, acc="fp16")
+    store = Store(db)
+    store.put_tuning("NVIDIA H100 80GB HBM3", Problem(128, 128, 16384, "fp16", "fp16"), "gemmrl-tuned",
+                     json.dumps({"family": "cutlass_sm90", "spec": dict(other.__dict__)}).encode(), other.name, 1.0)
+    store.close()
+    r = CliRunner().invoke(main, base + ["--transfer-from", "h200:fp32", "--transfer-from", "h100", "--top", "2"])
+    assert r.exit_code == 0, r.output
+    assert ("4 distinct kernels for the first 2 of NVIDIA H200's fp32 and NVIDIA H100 80GB HBM3's suggestions on 3 "
+            "of 4 shapes as fp16-accumulator twins") in r.output
+    assert other.name in r.output and replace(sr, acc="fp16").name in r.output
 
 
 def test_build_tuned_in_compiles_the_stored_winners_once_each(tmp_path, monkeypatch):

@@ -342,3 +342,46 @@ def test_transfer_source_names_an_accumulator_after_a_colon(tmp_path):
     assert _check_transfer_source(store, "h200", "NVIDIA H200", "9.0", cross_acc=True) == "NVIDIA H200"
     with pytest.raises(click.BadParameter, match="is this GPU"):
         _check_transfer_source(store, "h200", "NVIDIA H200", "9.0", cross_acc=False)
+
+
+def test_several_transfer_sources_interleave_by_rank():
+    """tune --transfer-from A --transfer-from B: each source's winner leads, then each one's second,
+    ...; a kernel both suggest comes once, where it first appears."""
+    from gemmrl.search.run import merged_priors
+    from gemmrl.space import cutlass_sm90
+
+    specs = [s for s in cutlass_sm90.enumerate_specs("TN") if s.scheduler == "persistent"][:5]
+    a, b, c, d, e = (("cutlass_sm90", s) for s in specs)
+    other = Problem(64, 64, 64)
+    got = merged_priors([{P1: [a, b, c], other: [e]}, {P1: [d, a, e, b]}])
+    assert [s.name for _f, s in got[P1]] == [s.name for _f, s in (a, d, b, c, e)]
+    assert [s.name for _f, s in got[other]] == [e[1].name]
+    assert merged_priors([]) == {} and merged_priors([{}, {P2: [b]}]) == {P2: [b]}
+
+
+def test_transfer_from_two_sources_leads_with_both_winners(tmp_path):
+    from dataclasses import replace
+
+    store = Store(tmp_path / "s.sqlite")
+    won32 = _tuned_elsewhere(store, "NVIDIA H200")  # fp32 there
+    h1 = replace(P1, acc="fp16")
+    def big_tiles_win(problem, candidates):  # another GPU, another taste: the biggest tile wins
+        return [Trial(problem, c, "ok", 10.0, getattr(c.spec, "tile_m", getattr(c.spec, "block_m", 64)) / 64,
+                      {"device_s": 0.01}) for c in candidates]
+
+    run_tune([h1], store, "NVIDIA H100 80GB HBM3", big_tiles_win, candidates=6, batch=6, layouts=("TN",),
+             policy=ModelFreePolicy(layouts=("TN",), seed=4))  # an fp16 search elsewhere, to transfer too
+    won16 = store.get_tuning("NVIDIA H100 80GB HBM3", h1, TUNED)["info"].split()[0]
+    seen = []
+
+    def record(problem, candidates):
+        seen.append(list(candidates))
+        return fake_evaluate(problem, candidates)
+
+    run_tune([h1], store, "NVIDIA H200", record, candidates=3, batch=3, layouts=("TN",),
+             policy=ModelFreePolicy(layouts=("TN",), seed=6),
+             transfer_from=[("NVIDIA H200", "fp32"), ("NVIDIA H100 80GB HBM3", None)])
+    first = [c.name for c in seen[0] if c.origin == "prior"]
+    twin = won32[P1].replace("_f32", "_f16").replace("_fp32_", "_fp16_")
+    assert won16 != twin, "the two sources agree: the test shows nothing"
+    assert first[0] == twin and first[1] == won16, (first, twin, won16)

@@ -155,6 +155,45 @@ def store_prior(store, source: str, problems=None, source_acc: str | None = None
     return out
 
 
+def merged_priors(priors: list) -> dict:
+    """Several store_prior results as one, each shape's suggestions interleaved by rank (every
+    source's best, then every source's second, ...), each kernel once: with tune's first three,
+    two sources' winners lead a shape's batch side by side."""
+    out: dict = {}
+    for problem in sorted({p for prior in priors for p in prior}, key=lambda p: p.key()):
+        lists = [prior.get(problem, []) for prior in priors]
+        seen, merged = set(), []
+        for rank in range(max(map(len, lists))):
+            for suggestions in lists:
+                if rank < len(suggestions):
+                    family, spec = suggestions[rank]
+                    if (family, spec.name) not in seen:
+                        seen.add((family, spec.name))
+                        merged.append((family, spec))
+        out[problem] = merged
+    return out
+
+
+def add_store_priors(policy, store, sources, device: str, problems=None, target_acc: str | None = None) -> int:
+    """add_store_prior for several sources ((GPU, accumulator or None) pairs), their suggestions
+    interleaved by rank (merged_priors). Returns the number of shapes with suggestions."""
+    priors = []
+    for source, source_acc in sources:
+        cross = source_acc is not None and target_acc is not None and source_acc != target_acc
+        if source == device and not cross:
+            raise ValueError(f"{source!r} is this GPU: its trials are the search's own history already")
+        prior = store_prior(store, source, problems, source_acc if cross else None, target_acc if cross else None)
+        if not prior and not any(True for _ in store.tuned_choices(TUNED, source)) and not store.trials(source):
+            known = sorted(set(store.devices()) - {device})
+            raise ValueError(f"the store holds nothing tuned on {source!r}"
+                             + (f"; it knows {', '.join(map(repr, known))}" if known else ""))
+        priors.append(prior)
+    merged = merged_priors(priors)
+    for problem, suggestions in merged.items():
+        policy.add_prior(problem, suggestions)
+    return len(merged)
+
+
 def add_store_prior(policy, store, source: str, device: str, problems=None, source_acc: str | None = None,
                     target_acc: str | None = None) -> int:
     """Give the policy what tuning found on `source` (`tune --transfer-from`): another GPU of this
@@ -162,17 +201,7 @@ def add_store_prior(policy, store, source: str, device: str, problems=None, sour
     the other accumulator, as twins (store_prior). Returns the number of shapes with suggestions.
     Raises ValueError when the store has nothing tuned on `source`, or `source` is this device
     with the same accumulator."""
-    cross = source_acc is not None and target_acc is not None and source_acc != target_acc
-    if source == device and not cross:
-        raise ValueError(f"{source!r} is this GPU: its trials are the search's own history already")
-    prior = store_prior(store, source, problems, source_acc, target_acc)
-    if not prior and not any(True for _ in store.tuned_choices(TUNED, source)) and not store.trials(source):
-        known = sorted(set(store.devices()) - {device})
-        raise ValueError(f"the store holds nothing tuned on {source!r}"
-                         + (f"; it knows {', '.join(map(repr, known))}" if known else ""))
-    for problem, suggestions in prior.items():
-        policy.add_prior(problem, suggestions)
-    return len(prior)
+    return add_store_priors(policy, store, [(source, source_acc)], device, problems, target_acc)
 
 
 def built_generic_only():
@@ -254,7 +283,7 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
              policy=None, on_trial=None, deadline: float | None = None,
              generic_built_only: bool = False, families: tuple | None = None,
              match: str | None = None, more: int | None = None,
-             transfer_from: str | None = None, transfer_acc: str | None = None) -> TuneResult:
+             transfer_from=None, transfer_acc: str | None = None) -> TuneResult:
     """Tune, resuming from the trials already in the store; store every trial and the winners.
     The policy also learns from the store's trials of other shapes on this device (its cost
     model, and transfer from the nearest tuned shapes), so a new shape set starts informed.
@@ -262,7 +291,8 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
     many candidates per shape beyond those already stored, instead of `candidates` in all.
     `transfer_from`: another GPU model in the store (same architecture) whose tuning seeds this
     one's search (add_store_prior); `transfer_acc`: the accumulator of its tuning to take, when it
-    is not the problems' own (each kernel's twin with theirs)."""
+    is not the problems' own (each kernel's twin with theirs). Or a list of (GPU, accumulator or
+    None) sources, their suggestions interleaved by rank (add_store_priors)."""
     problems = list(problems)
     wanted = {p.key() for p in problems}
     stored = stored_history(store, device, None)
@@ -273,13 +303,15 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
                                        allow=policy_filter(generic_built_only, match))
     if others:
         policy.observe(others)
-    if transfer_from is not None:
+    if transfer_from:
+        sources = [(transfer_from, transfer_acc)] if isinstance(transfer_from, str) else list(transfer_from)
         accs = {p.acc for p in problems}
-        if transfer_acc is not None and len(accs) > 1:
-            raise ValueError(f"transfer from the {transfer_acc} tuning: the problems mix accumulators "
+        named = [a for _g, a in sources if a is not None]
+        if named and len(accs) > 1:
+            raise ValueError(f"transfer from the {named[0]} tuning: the problems mix accumulators "
                              f"({', '.join(sorted(accs))})")
-        add_store_prior(policy, store, transfer_from, device, source_acc=transfer_acc,
-                        target_acc=next(iter(accs)) if transfer_acc is not None and accs else None)
+        add_store_priors(policy, store, sources, device,
+                         target_acc=next(iter(accs)) if named and accs else None)
 
     def keep(t: Trial) -> None:
         choice = json.dumps({"family": t.candidate.family, "spec": t.to_dict()["spec"]}, sort_keys=True).encode()
