@@ -829,7 +829,7 @@ def test_stale_shapes_lists_what_a_retime_should_take(tmp_path):
     st.record_session(run, "s512", dev, unverified, "offline", "offline:v3", {"gemmrl-tuned": {"median_us": 5.0, "n": 5}})
     st.finish_run(run)
     _time.sleep(0.01)
-    st.put_tuning(dev, unverified, "gemmrl-tuned", b"{}", "k_512b (best of 2/2)", 1.0)  # a new winner since
+    st.put_tuning(dev, unverified, "gemmrl-tuned", b'{"k": "512b"}', "k_512b (best of 2/2)", 1.0)  # a new winner since
     st.close()
     c = sqlite3.connect(db)  # the run took 8 s over its 4 shapes: 2 s a shape
     c.execute("UPDATE runs SET finished = started + 8 WHERE id=?", (run,))
