@@ -1265,7 +1265,7 @@ def _build_transfer(tuned_db, transfer_texts, shape_spec, dtype, acc, top, fams,
         raise click.ClickException(f"no store at {tuned_db}")
     problems = _problems(shape_spec, dtype, acc)
     store = Store(tuned_db, readonly=True)
-    names, priors = [], []
+    names, priors, twins = [], [], False
     try:
         devices = store.tuned_devices(TUNED)
         for text in transfer_texts:
@@ -1278,6 +1278,7 @@ def _build_transfer(tuned_db, transfer_texts, shape_spec, dtype, acc, top, fams,
                 raise click.ClickException(f"{tuned_db} holds no {TUNED} winners on {source!r}"
                                            + (f"; it has {', '.join(map(repr, sorted(devices)))}" if devices else ""))
             cross = source_acc not in (None, acc)
+            twins = twins or cross
             priors.append(store_prior(store, source, problems, source_acc if cross else None, acc if cross else None))
             names.append(f"{source}'s" + (f" {source_acc}" if source_acc else ""))
     finally:
@@ -1286,7 +1287,6 @@ def _build_transfer(tuned_db, transfer_texts, shape_spec, dtype, acc, top, fams,
     what = " and ".join(names)
     if not prior:
         raise click.ClickException(f"the tuning ({what}) suggests nothing for these {len(problems)} shapes")
-    twins = any(a not in (None, acc) for _s, a in map(split_transfer_source, transfer_texts))
     return _compile_jobs(ahead.plan_transfer(prior, top, {f.name for f in fams} if fams else None),
                          f"the first {top} of {what} suggestions on {len(prior)} of {len(problems)} shapes"
                          + (f" as {acc}-accumulator twins" if twins else ""),

@@ -1071,11 +1071,11 @@ extern "C" __attribute__((visibility("default"))) int gemmrl_run(
 }
 """)
 
-# the separate reduction's partials per accumulator: their C++ type, the reduction kernel, the
-# elements one thread sums (one 16-byte load of each partial)
+# the separate reduction's partials per accumulator (their C++ type is the accumulator's,
+# _CPP_ELEMENT): the reduction kernel, the elements one thread sums (one 16-byte load of each)
 _SEPARATE_PARTIALS = {
-    "fp32": {"part_cpp": "float", "part_doc": "fp32", "reduce_fn": "splitk_reduce", "vec": 4},
-    "fp16": {"part_cpp": "cutlass::half_t", "part_doc": "fp16", "reduce_fn": "splitk_reduce_half", "vec": 8},
+    "fp32": {"part_doc": "fp32", "reduce_fn": "splitk_reduce", "vec": 4},
+    "fp16": {"part_doc": "fp16", "reduce_fn": "splitk_reduce_half", "vec": 8},
 }
 
 _REDUCE_KERNEL = r"""
@@ -1205,8 +1205,7 @@ def render(spec: CutlassSpec, problem=None) -> str:
     stride_b = ("cute::make_stride(cute::Int<1>{}, int64_t(ldb), int64_t(ldb) * K)" if nn
                 else "cute::make_stride(int64_t(ldb), cute::Int<1>{}, int64_t(ldb) * N)")
     if sr:
-        part = "float" if s.acc == "fp32" else _CPP_ELEMENT[s.acc]
-        element_d_line = (f"using ElementD = {part};  // the GEMM's output: {s.acc} partials, an [M,N] slice per K chunk\n"
+        element_d_line = (f"using ElementD = {_CPP_ELEMENT[s.acc]};  // the GEMM's output: {s.acc} partials, an [M,N] slice per K chunk\n"
                           f"using ElementOut = {_CPP_ELEMENT[s.dtype]};  // the ABI's C, written by the reduction\n"
                           f"constexpr int kSplits = {s.splits};  // K chunks: the GEMM's batch, summed by splitk_reduce")
         kc = "int64_t(K / kSplits)"
@@ -1256,7 +1255,7 @@ def render(spec: CutlassSpec, problem=None) -> str:
         ldb_min="N" if nn else "K",
         entry_points=entry.substitute(ldb_min="N" if nn else "K", ldb_packed="N" if nn else "K",
                                       out_cpp=_CPP_ELEMENT[s.dtype], splits=s.splits,
-                                      **_SEPARATE_PARTIALS[s.acc]),
+                                      part_cpp=_CPP_ELEMENT[s.acc], **_SEPARATE_PARTIALS[s.acc]),
         spec_json=json.dumps(s.to_dict(), sort_keys=True, separators=(",", ":")),
         b_expr="B" if nn else "B^T",
         element_in=_CPP_ELEMENT[s.dtype], element_acc=_CPP_ELEMENT[s.acc],
