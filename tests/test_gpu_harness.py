@@ -310,6 +310,38 @@ def test_a_graph_that_captured_only_the_copies_is_not_timed():
     assert got["median_us"] > floor and got["median_us"] > 0.8 * k["mm"]["median_us"], (got, k["mm"])
 
 
+def test_a_copies_only_graph_captured_after_another_capture_is_caught_too():
+    """Every capture of a session changes the one shared first input set before its check. When
+    that change was a negation, two captures put A back as it was, and a stale result computed
+    before them passed the check of the call captured second (H200, run 481: four padded CUDA-L2
+    calls timed as graphs and then failed the re-check after timing with error 2)."""
+    import torch
+
+    from gemmrl.bench import timing
+    from gemmrl.core.problem import Problem
+
+    p = Problem(512, 512, 2048)
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(0)
+    sets = timing.make_sets(p, 1, gen)
+    buf = torch.empty(p.M, p.N, dtype=torch.float16, device="cuda")
+
+    def copies_only_when_captured(a, b_nn, b_tn, c):
+        if not torch.cuda.is_current_stream_capturing():
+            torch.matmul(a, b_nn, out=buf)
+        c.copy_(buf)
+
+    def mm(a, b_nn, b_tn, c):
+        torch.matmul(a, b_nn, out=c)
+
+    copies_only_when_captured(*sets[0])  # its stale result, from A as it is now
+    timing._capture_writing(mm, sets, 1)  # another call captured and checked first: A negated
+    # twice (that check, then this one) was A as the stale result saw it
+    with pytest.raises(RuntimeError, match="does not compute it from the inputs"):
+        timing._capture_writing(copies_only_when_captured, sets, 1)
+    torch.cuda.synchronize()
+
+
 @pytest.mark.skipif(not os.environ.get("GEMMRL_CUDA_L2_DIR"), reason="set GEMMRL_CUDA_L2_DIR to CUDA-L2's kernels/h100_F32F16F16F32")
 def test_cuda_l2_kernel_loads_verifies_and_times():
     import torch

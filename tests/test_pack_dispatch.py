@@ -989,3 +989,27 @@ def test_a_lone_session_whose_baselines_ran_slow_does_not_ship_a_winner(store, t
     assert (512, 8192, 4096) in rows  # its session's baselines 1.5% over the usual: it decides
     assert (1024, 8192, 4096) in rows  # the exhaustive 16 us elsewhere does not count against it
     assert (256, 4096, 4096) in rows  # the fixture's winners have no other session: unchanged
+
+
+def test_a_stored_choice_that_predates_a_spec_field_is_the_kernel_its_verification_names():
+    """A winner stored before a spec field existed lacks it; its verification, written later,
+    names the field at its default. They are one kernel: not "awaiting its final verification"
+    (H200, 2026-11-27: bench timed "the verified kernel instead" on 6 of 7 shapes, and the pack
+    export dropped their tuned times). A kernel that differs in any field still differs."""
+    from dataclasses import asdict, replace
+
+    from gemmrl.runtime.pack import verified_differs
+
+    spec = cutlass_sm90.heuristic_specs(Problem(4096, 8192, 12288, "fp16", "fp16"), "NN")[0]
+    full = asdict(spec)
+    old = {k: v for k, v in full.items() if k not in ("swap_ab", "epi_n", "pdl", "epilogue")}
+    assert old != full
+    verified = {"family": "cutlass_sm90", "name": spec.name, "spec": full}
+    assert not verified_differs({"family": "cutlass_sm90", "spec": old}, verified)
+    assert not verified_differs({"family": "cutlass_sm90", "spec": full}, verified)
+    other = asdict(replace(spec, swizzle=spec.swizzle * 2))
+    assert verified_differs({"family": "cutlass_sm90", "spec": other}, verified)
+    assert verified_differs({"family": "raw", "spec": old}, verified)
+    # a spec its family cannot read compares as the dict it is
+    assert verified_differs({"family": "cutlass_sm90", "spec": {"nonsense": 1}}, verified)
+    assert not verified_differs({"family": "cutlass_sm90", "spec": old}, {"spec": full})  # names no family

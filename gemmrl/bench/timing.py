@@ -288,19 +288,23 @@ def _capture_writing(fn, sets, n_calls: int, check: bool = True):
     once. Raises if the capture fails, or if the replay leaves C unwritten: a graph that captured
     nothing (work launched on the legacy default stream instead of the caller's, as CUDA-L2's
     kernels do) runs but writes nothing. With `check` (a GEMM), the replay must also compute C
-    from the inputs as they are now: the first set's A is negated before it, so a graph that
+    from the inputs as they are now: the first set's A is drawn afresh before it, so a graph that
     captured only part of the work (CUDA-L2's padded calls: torch's copies into and out of the
     padded buffers on the caller's stream, their GEMM on the legacy stream, run once during the
     capture and never again) and copies out a stale result is caught too (H200, 2026-11-27: such
-    graphs timed the copies alone, 1.7x under the physical floor, and returned stale outputs)."""
+    graphs timed the copies alone, 1.7x under the physical floor, and returned stale outputs).
+    Drawn, not negated: every capture of a session changes the one shared A, and after an even
+    number of negations a result computed before them was right again, so a call captured
+    second passed (H200, run 481: four padded CUDA-L2 calls passed here and failed the re-check
+    after timing with error 2)."""
     n_sets = len(sets)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for i in range(n_calls):
             fn(*sets[i % n_sets])
     a_first, b_first, _, c_first = sets[0]
-    if check:
-        a_first.neg_()  # new inputs for the first set: only work the graph replays can follow them
+    if check:  # new inputs for the first set: only work the graph replays can follow them
+        a_first.copy_(torch.randn(a_first.shape, device=a_first.device, dtype=torch.float32))
     c_first.fill_(float("nan"))
     g.replay()
     torch.cuda.synchronize()
