@@ -6,8 +6,11 @@ again, until an export changes nothing or the rounds or the deadline run out.
 Each export reads the sessions the last round added: a kernel or a cuBLASLt algorithm that
 gemmrl.matmul ran slower than torch.matmul beyond the noise leaves the pack, and the shapes it
 served must then be timed again under the new serving (the thirty-third session, 2026-11-27, took
-three device calls for it: 142, then 24, then 3 shapes). Run on the device, beside the store the
-call sends back:
+three device calls for it: 142, then 24, then 3 shapes). An export that changes nothing settles the
+pack only where nothing it serves is disputed: a kernel or algorithm whose newest product session
+ran slower than torch.matmul beyond the noise, kept by the median of its sessions, is timed again
+in that mode until it has --min-sessions (3) there (gemmrl.runtime.pack.disputed). Run on the
+device, beside the store the call sends back:
 
     python3 scripts/product-settle.py --device H200 --acc fp16 --pack packs/h200-fp16-F16F16F16F16 \\
         --gpus 4 --deadline-s 480 --json $OUT/settle.json [--shapes FILE]
@@ -71,13 +74,18 @@ def read_shapes(path: str) -> list[str]:
 
 def settle(run, *, device: str, acc: str, pack: str, db: str, work: str, shapes: str | None = None,
            rounds: int = 3, modes=MODES, gpus: int = 1, quick_host: bool = True, deadline_s: float | None = None,
-           bench_s: float = 120.0, clock=time.monotonic, log=print) -> dict:
+           bench_s: float = 120.0, clock=time.monotonic, log=print, disputes=None) -> dict:
     """The settling loop. `run(argv, label)` runs one gemmrl command (argv after `gemmrl`) and
     returns its exit status; `work` is a directory for the changed-shapes files. Each round:
     export (`pack --changed-shapes`; round 1 skips it where `shapes` is given), stop if nothing
     changed, else `build --pack` and one bench a mode on the changed shapes. A step is not started
     past `deadline_s`; each bench gets at most `bench_s` seconds of budget, and no more than what
-    is left. Returns {'settled', 'stopped', 'rounds': [{'shapes', 'file', 'benches': {mode: rc}}]}."""
+    is left. `disputes()`, where given, is asked when an export changed nothing: the (M, N, K,
+    layout, mode) the pack serves whose newest product session ran slower than torch.matmul beyond
+    the noise though the export kept them (gemmrl.runtime.pack.disputed); those shapes are timed
+    again in those modes as a round of their own (its entry says 'disputed'), so that a third
+    session decides, before the pack counts as settled. Returns {'settled', 'stopped', 'rounds':
+    [{'shapes', 'file', 'benches': {mode: rc}}]}."""
     t0 = clock()
 
     def left() -> float:
@@ -85,6 +93,7 @@ def settle(run, *, device: str, acc: str, pack: str, db: str, work: str, shapes:
 
     out: dict = {"settled": False, "stopped": None, "rounds": []}
     for i in range(rounds + 1):  # the last pass only exports, to learn whether the pack settled
+        round_modes, disputed = list(modes), False
         if i == 0 and shapes:
             todo_file, todo = shapes, read_shapes(shapes)
         else:
@@ -98,22 +107,32 @@ def settle(run, *, device: str, acc: str, pack: str, db: str, work: str, shapes:
                 out["stopped"] = f"export {i} failed (exit {rc})"
                 break
             todo = read_shapes(todo_file)
-            if not todo:
+            if todo:
+                log(f"export {i}: {len(todo)} shapes changed")
+            elif disputes is not None and (got := disputes()):
+                disputed = True
+                todo = [f"{M}x{N}x{K}" for M, N, K in sorted({k[:3] for k in got}, key=lambda s: (s[0] * s[1] * s[2], s))]
+                todo_file = str(Path(work) / f"disputed-{i}.txt")
+                Path(todo_file).write_text("".join(f"{t}\n" for t in todo))
+                round_modes = [m for m in modes if any(k[4] == m for k in got)]
+                log(f"export {i}: nothing changed, but {len(got)} served (shape, layout, mode) ran slower than "
+                    f"torch.matmul in their newest session: {len(todo)} shapes timed again ({', '.join(round_modes)})")
+            else:
                 out["settled"] = True
                 log(f"export {i}: nothing changed; the pack is settled")
                 break
-            log(f"export {i}: {len(todo)} shapes changed")
         if i == rounds:
-            out["stopped"] = f"{rounds} rounds timed; the last export changed {len(todo)} shapes"
-            out["rounds"].append({"shapes": todo, "file": todo_file, "benches": {}})
+            what = "left disputed" if disputed else "changed"
+            out["stopped"] = f"{rounds} rounds timed; the last export {what} {len(todo)} shapes"
+            out["rounds"].append({"shapes": todo, "file": todo_file, "benches": {}, **({"disputed": True} if disputed else {})})
             break
-        entry = {"shapes": todo, "file": todo_file, "benches": {}}
+        entry = {"shapes": todo, "file": todo_file, "benches": {}, **({"disputed": True} if disputed else {})}
         out["rounds"].append(entry)
         rc = run(["build", "--pack", pack], f"build {i}")
         if rc != 0:
             out["stopped"] = f"build {i} failed (exit {rc})"
             break
-        for mode in modes:
+        for mode in round_modes:
             if left() <= 10:
                 out["stopped"] = f"deadline in round {i}, before {mode} mode"
                 break
@@ -126,6 +145,22 @@ def settle(run, *, device: str, acc: str, pack: str, db: str, work: str, shapes:
             out["stopped"] = f"a bench of round {i} failed: {entry['benches']}"
             break
     return out
+
+
+def pack_disputes(db: str, pack: str, device: str, min_sessions: int) -> list[tuple]:
+    """gemmrl.runtime.pack.disputed for the pack at `pack` as last exported, from the store at
+    `db`; `device` as the store names it or a unique part of it."""
+    from gemmrl.runtime.pack import disputed
+    from gemmrl.store.db import Store
+
+    store = Store(db)
+    try:
+        names = sorted({r["device"] for r in store.runs()})
+        match = [n for n in names if device.lower() in n.lower()]
+        name = device if device in names else match[0] if len(match) == 1 else device
+        return disputed(store, json.loads((Path(pack) / "manifest.json").read_text()), name, min_sessions)
+    finally:
+        store.close()
 
 
 def runs_by_mode(db: str, after: int, acc: str) -> dict:
@@ -183,6 +218,10 @@ def main(argv=None) -> int:
     ap.add_argument("--bench-s", type=float, default=120.0, help="budget of one bench (default 120)")
     ap.add_argument("--logs", default="settle-logs", help="directory for the steps' logs and shape files")
     ap.add_argument("--json", help="write the rounds, their shapes and the store's runs per mode here")
+    ap.add_argument("--min-sessions", type=int, default=3,
+                    help="when an export changes nothing, time again what the pack serves whose newest product "
+                         "session ran slower than torch.matmul beyond the noise, until it has this many sessions "
+                         "in that mode (default 3; 0: never)")
     a = ap.parse_args(argv)
     modes = [m for m in a.modes.split(",") if m]
     if bad := [m for m in modes if m not in MODES]:
@@ -202,7 +241,8 @@ def main(argv=None) -> int:
     runner = Runner(Path(a.logs))
     got = settle(runner, device=a.device, acc=a.acc, pack=a.pack, db=a.db, work=a.logs, shapes=a.shapes,
                  rounds=a.rounds, modes=modes, gpus=a.gpus, quick_host=not a.full_host, deadline_s=a.deadline_s,
-                 bench_s=a.bench_s)
+                 bench_s=a.bench_s, disputes=(lambda: pack_disputes(a.db, a.pack, a.device, a.min_sessions))
+                 if a.min_sessions > 0 else None)
     if runner.stopped:
         got["stopped"] = "SIGTERM" + (f" ({got['stopped']})" if got["stopped"] else "")
     got["runs"] = runs_by_mode(a.db, after, a.acc)

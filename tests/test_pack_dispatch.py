@@ -304,6 +304,59 @@ def test_a_kernel_the_product_runs_slower_than_torch_in_kernel_time_leaves_the_p
                and "slower beyond the noise" in s for s in skipped), skipped
 
 
+def test_a_kept_kernel_whose_newest_product_session_was_slower_is_disputed_until_it_has_three(store, tmp_path):
+    """gemmrl.runtime.pack.disputed: a kernel the export keeps (the median of its product
+    sessions is within the noise) but whose newest session ran slower than torch.matmul beyond
+    it is disputed, in that mode, until it has three sessions there (H200, 2026-11-27:
+    512x512x4096 TN at 1.043 and then 0.959; the settle called the pack settled and the grid
+    report, which reads the newest session, failed it)."""
+    from gemmrl.runtime.pack import disputed, sha256_text
+
+    p = Problem(512, 512, 4096)
+    spec = cutlass_sm90.heuristic_specs(p, "TN")[0]
+    sha = sha256_text(cutlass_sm90.render(spec, p))
+    store.put_tuning(DEV, p, "gemmrl-tuned", _choice(spec, "cutlass_sm90"), spec.name, 9.0)
+    run = store.start_run("gemmrl bench", DEV, PROV, {})
+    store.record_verification(run, DEV, p, "gemmrl-tuned", True, "ok", {})
+    for i in range(2):
+        store.record_session(run, f"t{i}", DEV, p, "kernel", "kp1", {
+            "gemmrl-tuned": {"median_us": 9.0, "n": 50}, "cuBLAS-tn": {"median_us": 10.0, "n": 50}})
+
+    def product(i, ours, torch_us, served=sha, mode="kernel"):
+        prun = store.start_run("gemmrl bench --impl pack:DIR --mode " + mode, DEV, PROV, {})
+        store.record_verification(prun, DEV, p, "gemmrl.matmul-tn", True, "ok",
+                                  {"impl": {"served": {"source_sha256": served, "shape": p.shape}}})
+        t = "mean_us" if mode == "server" else "median_us"
+        store.record_session(prun, f"{mode}{i}", DEV, p, mode, f"{mode}:v2", {
+            "gemmrl.matmul-tn": {t: ours, "median_us": ours, "n": 50},
+            "torch.matmul-tn": {t: torch_us, "median_us": torch_us, "n": 50},
+            "torch.matmul": {t: 10.0, "median_us": 10.0, "n": 50},
+            "torch.matmul@repeat": {t: 10.0, "median_us": 10.0, "n": 50}})
+
+    def export(name):
+        m = _manifest(export_pack(store, DEV, tmp_path / name, "fp16", "fp32"))
+        return m, {(r["M"], r["N"], r["K"]): r for r in m["entries"]}.get((512, 512, 4096))
+
+    product(0, 9.86, 10.29)  # 1.044
+    m, e = export("a")
+    assert e is not None and disputed(store, m, DEV) == []
+    product(1, 9.49, 9.10)  # 0.959: the median of the two 1.001, kept
+    m, e = export("b")
+    assert e is not None and e["product_sessions"] == 2
+    assert disputed(store, m, DEV) == [(512, 512, 4096, "TN", "kernel")]
+    assert disputed(store, m, DEV, min_sessions=2) == []
+    assert disputed(store, m, "NVIDIA H200") == []  # another GPU's sessions say nothing
+    product(2, 10.0, 5.0, served="another kernel")  # not the kernel the pack serves: no session of it
+    assert disputed(store, m, DEV) == [(512, 512, 4096, "TN", "kernel")]
+    product(3, 9.40, 9.90)  # the third session, 1.053: the median decides, no longer disputed
+    m, e = export("c")
+    assert e is not None and e["product_sessions"] == 3 and disputed(store, m, DEV) == []
+    product(4, 9.60, 9.10, mode="server")  # one server session at 0.948: slower by the export's median too
+    assert disputed(store, m, DEV) == [(512, 512, 4096, "TN", "server")]  # against the pack that served it
+    m, e = export("d")
+    assert e is None and disputed(store, m, DEV) == []  # it left the pack: nothing served to dispute
+
+
 def test_a_winner_is_judged_by_its_own_sessions_baselines_after_they_are_timed_again(store, tmp_path):
     """A later run that times some baselines again (the autotuned one picked again, with its
     heuristic beside it) makes theirs the latest records. A winner timed in one session is still

@@ -1279,6 +1279,36 @@ def test_product_settle_starts_from_given_shapes_and_stops_at_rounds_deadline_or
     assert got["stopped"].startswith("a bench of round 0 failed") and not got["settled"]
 
 
+def test_product_settle_times_disputed_shapes_again_before_it_calls_the_pack_settled(tmp_path):
+    """When an export changes nothing but the pack still serves a kernel whose newest product
+    session ran slower than torch.matmul beyond the noise, that shape is timed again, in the
+    disputed mode only, before the pack counts as settled (H200, 2026-11-27: 512x512x4096 TN)."""
+    mod = _settle_mod()
+    asked = []
+    answers = [[(512, 512, 4096, "TN", "kernel"), (64, 64, 64, "NN", "kernel")], []]
+
+    def disputes():
+        asked.append(1)
+        return answers.pop(0)
+
+    fake = _FakeGemmrl([["128x64x4096"], [], []])
+    got = mod.settle(fake, device="H200", acc="fp16", pack="p", db="s", work=str(tmp_path), log=lambda *_: None,
+                     disputes=disputes)
+    assert got["settled"] and len(asked) == 2
+    assert [label for label, _ in fake.calls] == [
+        "export 0", "build 0", "bench 0 kernel", "bench 0 offline", "bench 0 server",
+        "export 1", "build 1", "bench 1 kernel", "export 2"]
+    assert got["rounds"][1] == {"shapes": ["64x64x64", "512x512x4096"], "file": str(tmp_path / "disputed-1.txt"),
+                                "benches": {"kernel": 0}, "disputed": True}
+    assert (tmp_path / "disputed-1.txt").read_text() == "64x64x64\n512x512x4096\n"
+    # disputes that outlast the rounds: not settled, and said so
+    fake = _FakeGemmrl([[], []])
+    got = mod.settle(fake, device="H200", acc="fp16", pack="p", db="s", work=str(tmp_path), rounds=1,
+                     log=lambda *_: None, disputes=lambda: [(512, 512, 4096, "TN", "server")])
+    assert not got["settled"] and got["stopped"] == "1 rounds timed; the last export left disputed 1 shapes"
+    assert [label for label, _ in fake.calls] == ["export 0", "build 0", "bench 0 server", "export 1"]
+
+
 def test_product_settle_names_the_runs_of_each_mode_and_refuses_bad_arguments(tmp_path):
     from gemmrl.core.problem import Problem
     from gemmrl.store.db import Store
