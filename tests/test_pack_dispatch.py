@@ -74,6 +74,21 @@ def pack_dir(store, tmp_path):
     return export_pack(store, DEV, tmp_path / "packs" / "h100-fp16", "fp16", "fp32")
 
 
+def _tuned_tn(store, p, ours, best, sessions):
+    """A verified TN winner for `p` (the first heuristic spec) timed in `sessions` kernel sessions
+    at `ours` us beside cuBLAS-tn at `best`; returns its source's sha256, what the pack serves."""
+    from gemmrl.runtime.pack import sha256_text
+
+    spec = cutlass_sm90.heuristic_specs(p, "TN")[0]
+    store.put_tuning(DEV, p, "gemmrl-tuned", _choice(spec, "cutlass_sm90"), spec.name, ours)
+    run = store.start_run("gemmrl bench", DEV, PROV, {})
+    store.record_verification(run, DEV, p, "gemmrl-tuned", True, "ok", {})
+    for i in range(sessions):
+        store.record_session(run, f"t{i}", DEV, p, "kernel", "kp1", {
+            "gemmrl-tuned": {"median_us": ours, "n": 50}, "cuBLAS-tn": {"median_us": best, "n": 50}})
+    return sha256_text(cutlass_sm90.render(spec, p))
+
+
 def _manifest(pack_dir):
     return json.loads((pack_dir / "manifest.json").read_text())
 
@@ -270,17 +285,8 @@ def test_a_kernel_the_product_runs_slower_than_torch_in_kernel_time_leaves_the_p
     twice torch.matmul's disagreement with its repeat), the kernel leaves, though its speedup over
     the best baseline, these sessions counted, is still 1.0 or more (H200, run 355: 12288x256x64 TN
     at 0.953). Within 1% it stays; kernel sessions are not counted as host sessions."""
-    from gemmrl.runtime.pack import sha256_text
-
     p = Problem(12288, 256, 64)
-    spec = cutlass_sm90.heuristic_specs(p, "TN")[0]
-    sha = sha256_text(cutlass_sm90.render(spec, p))
-    store.put_tuning(DEV, p, "gemmrl-tuned", _choice(spec, "cutlass_sm90"), spec.name, 5.0)
-    run = store.start_run("gemmrl bench", DEV, PROV, {})
-    store.record_verification(run, DEV, p, "gemmrl-tuned", True, "ok", {})
-    for i in range(3):  # well ahead of the best baseline in its own sessions
-        store.record_session(run, f"t{i}", DEV, p, "kernel", "kp1", {
-            "gemmrl-tuned": {"median_us": 5.0, "n": 50}, "cuBLAS-tn": {"median_us": 6.0, "n": 50}})
+    sha = _tuned_tn(store, p, 5.0, 6.0, 3)  # well ahead of the best baseline in its own sessions
 
     def product(i, ours, torch_us):
         prun = store.start_run("gemmrl bench --impl pack:DIR --mode kernel", DEV, PROV, {})
@@ -310,17 +316,10 @@ def test_a_kept_kernel_whose_newest_product_session_was_slower_is_disputed_until
     it is disputed, in that mode, until it has three sessions there (H200, 2026-11-27:
     512x512x4096 TN at 1.043 and then 0.959; the settle called the pack settled and the grid
     report, which reads the newest session, failed it)."""
-    from gemmrl.runtime.pack import disputed, sha256_text
+    from gemmrl.runtime.pack import disputed
 
     p = Problem(512, 512, 4096)
-    spec = cutlass_sm90.heuristic_specs(p, "TN")[0]
-    sha = sha256_text(cutlass_sm90.render(spec, p))
-    store.put_tuning(DEV, p, "gemmrl-tuned", _choice(spec, "cutlass_sm90"), spec.name, 9.0)
-    run = store.start_run("gemmrl bench", DEV, PROV, {})
-    store.record_verification(run, DEV, p, "gemmrl-tuned", True, "ok", {})
-    for i in range(2):
-        store.record_session(run, f"t{i}", DEV, p, "kernel", "kp1", {
-            "gemmrl-tuned": {"median_us": 9.0, "n": 50}, "cuBLAS-tn": {"median_us": 10.0, "n": 50}})
+    sha = _tuned_tn(store, p, 9.0, 10.0, 2)
 
     def product(i, ours, torch_us, served=sha, mode="kernel"):
         prun = store.start_run("gemmrl bench --impl pack:DIR --mode " + mode, DEV, PROV, {})
