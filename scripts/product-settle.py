@@ -151,13 +151,11 @@ def pack_disputes(db: str, pack: str, device: str, min_sessions: int) -> list[tu
     """gemmrl.runtime.pack.disputed for the pack at `pack` as last exported, from the store at
     `db`; `device` as the store names it or a unique part of it."""
     from gemmrl.runtime.pack import disputed
-    from gemmrl.store.db import Store
+    from gemmrl.store.db import Store, device_by_part
 
-    store = Store(db)
+    store = Store(db, readonly=True)
     try:
-        names = sorted({r["device"] for r in store.runs()})
-        match = [n for n in names if device.lower() in n.lower()]
-        name = device if device in names else match[0] if len(match) == 1 else device
+        name = device_by_part(device, store.devices())
         return disputed(store, json.loads((Path(pack) / "manifest.json").read_text()), name, min_sessions)
     finally:
         store.close()

@@ -1332,6 +1332,12 @@ def test_product_settle_names_the_runs_of_each_mode_and_refuses_bad_arguments(tm
     st.close()
     assert mod.runs_by_mode(str(db), ids[0], "fp16") == {"server": [ids[1]], "kernel": [ids[2]]}
     assert mod.runs_by_mode(str(db), 0, "fp32") == {}
+    # the disputes a settle asks for: none here (no session says which kernel served), by a part of the name
+    manifest = tmp_path / "m"
+    manifest.mkdir()
+    (manifest / "manifest.json").write_text(json.dumps({"dtype": "fp16", "acc": "fp16", "entries": [
+        {"M": 64, "N": 64, "K": 64, "layout": "NN", "source_sha256": "x"}], "lt_algos": []}))
+    assert mod.pack_disputes(str(db), str(manifest), "h200", 3) == []
     pack = tmp_path / "pack"
     pack.mkdir()
     script = str(ROOT / "scripts" / "product-settle.py")
