@@ -343,7 +343,7 @@ def _on_gpus(verb: str, problems, gpus: int, subject: str | None, searched=None)
                 for i, s in enumerate(shards)]
         codes = local.run_children(cmds, ids, lambda m: click.echo(m, err=True))
     failed = [f"GPU {g} (exit {c})" for g, c in zip(ids, codes) if c != 0]
-    if not params["no_report"] and Path(params["db"]).exists():
+    if not params["no_report"] and not params.get("search_only") and Path(params["db"]).exists():
         store = Store(params["db"])
         try:
             paths = write_report(store, device, params["out"], subject, params["dtype"], params["acc"])
@@ -600,8 +600,18 @@ def targets(results_dir, device, subject, acc, product, json_out):
                    "each kernel rebuilt with this run's --acc: `gemmrl build --tuned-in DB --transfer-from "
                    "GPU:ACC --shapes S --acc A` compiles what it proposes first. Repeatable: the sources' "
                    "suggestions interleaved by rank (each one's winner first)")
+@click.option("--policy", "policy_name", default="model-free", show_default=True,
+              type=click.Choice(["model-free", "random", "exhaustive"]),
+              help="the search: the model-free policy that tunes; the pool in a seeded random order; or every "
+                   "spec of the pool (--candidates 10000), the sweep a sample-efficiency study compares with "
+                   "(scripts/sample-efficiency.py; use a store of the study's own, --db)")
+@click.option("--seed", default=0, show_default=True, type=int, help="the policy's random seed")
+@click.option("--search-only", is_flag=True,
+              help="stop after the search: no race, no final verification and timing, no report (a study's "
+                   "trials; the stored choices await their final verification, which a later run without "
+                   "this flag does)")
 def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, built_only, family_opts, match, layouts,
-         db, out, ray_address, gpus, no_report, reuse_baselines, race, transfer_from):
+         db, out, ray_address, gpus, no_report, reuse_baselines, race, transfer_from, policy_name, seed, search_only):
     """Search kernels per shape with speed over the best baseline as the reward; keep the winners.
 
     Baselines are measured first (kernel mode) where the store lacks them; then the model-free
@@ -612,6 +622,9 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
     problems = _problems(shape_spec, dtype, acc)
     lays = _layouts(layouts)
     _check_match(match)
+    if transfer_from and policy_name != "model-free":
+        raise click.UsageError(f"--transfer-from seeds the model-free policy; the {policy_name} policy takes none")
+    no_report = no_report or search_only
     from gemmrl.space import registry
 
     try:
@@ -659,7 +672,7 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
                                                cross_acc=source_acc not in (None, acc)), source_acc))
     run_id = store.start_run(" ".join(["gemmrl"] + sys.argv[1:]), device, prov,
                              {"candidates": candidates, "more": more, "batch": batch, "budget_s": budget_s,
-                              "layouts": lays})
+                              "layouts": lays, "policy": policy_name, "seed": seed, "search_only": search_only})
     kernel_only = runner.RunConfig(modes=("kernel",))  # the baselines the search's reward is taken over
     # the final timing (the race and the winners beside the baselines): bench's kernel protocol (v3,
     # paired ratios), so a tune's numbers and a bench retime's are of one yardstick (before the
@@ -714,7 +727,7 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
                                budget_s=budget_s or float("inf"), layouts=lays, run_id=run_id, on_trial=on_trial,
                                deadline=time.monotonic() + wall_s if wall_s else None,
                                generic_built_only=built_only, families=fams, match=match, more=more,
-                               transfer_from=sources or None)
+                               transfer_from=sources or None, policy_name=policy_name, seed=seed)
                 search_wall = time.monotonic() - t_search
             finally:
                 close()
@@ -723,16 +736,19 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
                        f"of wall time ({res.device_s:.0f} device s); faster than the best baseline on {won}"
                        + (f"; stopped: {res.stopped}" if res.stopped else ""), err=True)
             if not no_report:
-                write_curves({"model-free": res.per_shape_curve()}, Path(out) / env.gpu_slug(device) / "tune_curve")
-            final = shapes_to_time(problems, res.trials, store, device,
-                                   (kernel_only.protocol("kernel"), judge.protocol("kernel")))
+                write_curves({policy_name: res.per_shape_curve()}, Path(out) / env.gpu_slug(device) / "tune_curve")
+            final = [] if search_only else shapes_to_time(problems, res.trials, store, device,
+                                                          (kernel_only.protocol("kernel"), judge.protocol("kernel")))
             # the winner as stored, or chosen again by a race of the search's best (search/race.py)
             # with --race 1 too: a new winner must beat the one it replaces in one session (the
             # search's trial times and those of an earlier run do not compare); no incumbent, no race
             winner = f"race:{race}" + (":built" if built_only else "")
             raced = (f" (raced against up to {race - 1} more" if race > 1 else " (raced") + " and the incumbent)"
             counts: dict = {}
-            if not final:
+            if search_only:
+                click.echo("search only: no race and no final timing (a run without --search-only does them)",
+                           err=True)
+            elif not final:
                 click.echo("no new winners to time", err=True)
             elif reuse_baselines:
                 counts = measure(("baselines", winner), f"the winners of {len(final)} shapes{raced}, verified in "

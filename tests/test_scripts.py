@@ -341,12 +341,19 @@ def test_trial_final_gap_reads_the_store(tmp_path):
     assert r.returncode == 1 and "no tuned fp32 shape" in r.stderr
 
 
-def test_launch_gap_splits_a_trace_into_durations_and_gaps():
+def _script(filename: str):
+    """A script of scripts/ loaded as a module, for its pure functions."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("launch_gap", ROOT / "scripts" / "launch-gap.py")
+    spec = importlib.util.spec_from_file_location(filename.removesuffix(".py").replace("-", "_"),
+                                                  ROOT / "scripts" / filename)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_launch_gap_splits_a_trace_into_durations_and_gaps():
+    mod = _script("launch-gap.py")
     # four calls of 5 us, 1 us apart (end to start), given out of order
     ev = [("k", 12.0, 5.0), ("k", 0.0, 5.0), ("k", 6.0, 5.0), ("k", 18.0, 5.0)]
     r = mod.split_trace(ev)
@@ -368,11 +375,7 @@ def test_launch_gap_refuses_unknown_variant_fields_and_kernel_names_before_any_g
 
 
 def test_lt_host_cost_picks_the_clustered_entries_or_the_named_ones(tmp_path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("lt_host_cost", ROOT / "scripts" / "lt-host-cost.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script("lt-host-cost.py")
 
     def ent(m, layout, cluster):
         return {"M": m, "N": 64, "K": 64, "layout": layout, "algo": "00",
@@ -399,11 +402,7 @@ def test_lt_host_cost_picks_the_clustered_entries_or_the_named_ones(tmp_path):
 
 
 def test_nearest_loo_summarizes_by_distance_bucket():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("nearest_loo", ROOT / "scripts" / "nearest-loo.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script("nearest-loo.py")
     rows = [{"distance": 0.2, "x": 1.10}, {"distance": 0.5, "x": 0.94}, {"distance": 0.7, "x": 0.98},
             {"distance": 1.0, "x": 1.02}, {"distance": 1.0, "x": None}, {"distance": 2.5, "x": 0.5}]
     got = mod.summarize(rows, [0, 0.5, 1.0], "x")
@@ -910,14 +909,10 @@ def test_stale_shapes_top_kernels_keeps_the_shapes_one_build_wave_serves(tmp_pat
 def test_lt_tiles_turns_cublaslt_choices_into_our_orientation_and_checks_the_pool(tmp_path):
     """scripts/lt-tiles.py: cuBLAS's m x n tile lies n along our M and m along our N; its twin is
     our swapped kernel of tile m x n. Groups the losing shapes' choices by that output tile."""
-    import importlib.util
-
     from gemmrl.core.problem import Problem
     from gemmrl.store.db import Store
 
-    spec = importlib.util.spec_from_file_location("lt_tiles", ROOT / "scripts" / "lt-tiles.py")
-    lt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lt)
+    lt = _script("lt-tiles.py")
     c = lt.parse_info("algo=66 tile=29 stages=35 splitk=1 reduction=0 swizzle=0 custom=1 inner=0 cluster=3 (best of 8/8)")
     assert c == {"tile": (128, 160), "tile_id": 29, "splitk": 1, "cluster": (2, 1)}
     pool = lt.pool_tiles("NN")
@@ -974,17 +969,8 @@ def test_lt_tiles_turns_cublaslt_choices_into_our_orientation_and_checks_the_poo
     assert bad.returncode == 2 and "no such file" in bad.stderr
 
 
-def _protocol_gap():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("protocol_gap", ROOT / "scripts" / "protocol-gap.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_protocol_gap_names_kernels_companies_and_neighbours():
-    mod = _protocol_gap()
+    mod = _script("protocol-gap.py")
     name = "sm90_pp_128x144x64_c2x1_persist_s0_rh_sw1_tn_f16_f32"
     spec = mod.kernel_spec(name)
     assert spec.name == name and spec.layout == "TN"
@@ -1008,7 +994,7 @@ def test_protocol_gap_samples_the_clock_while_a_timing_runs():
     (pynvml missing) left out; a reader that raises gives no sample and stops nothing."""
     import time as _time
 
-    mod = _protocol_gap()
+    mod = _script("protocol-gap.py")
     assert mod.clock_summary([(1980, 690000), (1500, 700000), (1700, "n/a")]) == {
         "samples": 3, "sm_mhz_median": 1700, "sm_mhz_min": 1500, "sm_mhz_max": 1980, "power_w_median": 695.0}
     assert mod.clock_summary([]) == {"samples": 0}
@@ -1042,7 +1028,7 @@ def test_protocol_gap_refuses_bad_arguments_before_any_gpu_work():
 
 
 def test_protocol_gap_report_reads_the_traces(tmp_path):
-    mod = _protocol_gap()
+    mod = _script("protocol-gap.py")
 
     def rec(impl, times, company="alone"):
         return {"shape": "64x64x64", "acc": "fp32", "repeat": 0, "protocol": "v3", "company": company,
@@ -1172,7 +1158,7 @@ def test_protocol_gap_clock_report_compares_speeds_per_protocol(tmp_path):
     """--report --clocks: per shape and protocol the SM clock and power while timed, and each
     implementation's speed relative to the reference, the median over the repeats of ratios taken
     within each repeat (server mode by the means)."""
-    mod = _protocol_gap()
+    mod = _script("protocol-gap.py")
 
     def rec(impl, protocol, repeat, median, mean=None, mhz=1410, watts=650.0):
         return {"shape": "8192x8192x8192", "acc": "fp32", "repeat": repeat, "protocol": protocol,
@@ -1200,15 +1186,6 @@ def test_protocol_gap_clock_report_compares_speeds_per_protocol(tmp_path):
     assert "| 8192x8192x8192:fp32 | server | with-all | 1900 | 650 | 0.980 |" in r.stdout
 
 
-def _settle_mod():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("product_settle", ROOT / "scripts" / "product-settle.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 class _FakeGemmrl:
     """Stands in for `python3 -m gemmrl.cli`: each `pack --changed-shapes F` writes the next of
     the scripted change lists to F; every command is recorded."""
@@ -1229,7 +1206,7 @@ def test_product_settle_times_the_changed_shapes_until_an_export_changes_nothing
     """scripts/product-settle.py: export, time the changed shapes through gemmrl.matmul in every
     mode (--quick in the host modes, --gpus when asked), export again; settled when an export
     changes nothing."""
-    mod = _settle_mod()
+    mod = _script("product-settle.py")
     fake = _FakeGemmrl([["64x64x64", "128x64x4096"], ["128x64x4096"], []])
     got = mod.settle(fake, device="H200", acc="fp16", pack="packs/p", db="s.sqlite", work=str(tmp_path), gpus=4,
                      log=lambda *_: None)
@@ -1249,7 +1226,7 @@ def test_product_settle_times_the_changed_shapes_until_an_export_changes_nothing
 
 
 def test_product_settle_starts_from_given_shapes_and_stops_at_rounds_deadline_or_failure(tmp_path):
-    mod = _settle_mod()
+    mod = _script("product-settle.py")
     given = tmp_path / "given.txt"
     given.write_text("# from an export elsewhere\n256x256x256\n")
     fake = _FakeGemmrl([["64x64x64"], ["64x64x64"]])
@@ -1283,7 +1260,7 @@ def test_product_settle_times_disputed_shapes_again_before_it_calls_the_pack_set
     """When an export changes nothing but the pack still serves a kernel whose newest product
     session ran slower than torch.matmul beyond the noise, that shape is timed again, in the
     disputed mode only, before the pack counts as settled (H200, 2026-11-27: 512x512x4096 TN)."""
-    mod = _settle_mod()
+    mod = _script("product-settle.py")
     asked = []
     answers = [[(512, 512, 4096, "TN", "kernel"), (64, 64, 64, "NN", "kernel")], []]
 
@@ -1313,7 +1290,7 @@ def test_product_settle_names_the_runs_of_each_mode_and_refuses_bad_arguments(tm
     from gemmrl.core.problem import Problem
     from gemmrl.store.db import Store
 
-    mod = _settle_mod()
+    mod = _script("product-settle.py")
     db = tmp_path / "s.sqlite"
     st = Store(db)
     dev = "NVIDIA H200"
@@ -1347,3 +1324,71 @@ def test_product_settle_names_the_runs_of_each_mode_and_refuses_bad_arguments(tm
         r = subprocess.run([sys.executable, script, "--device", "H200", "--db", str(db), *extra],
                            capture_output=True, text=True, env=ENV, timeout=300)
         assert r.returncode == 2, (extra, r.stderr)
+
+
+def test_sample_efficiency_curves_and_the_exact_random_expectation():
+    import itertools
+
+    mod = _script("sample-efficiency.py")
+    assert mod.best_so_far([0.5, 0.9, 0.7], 5) == [0.5, 0.9, 0.9, 0.9, 0.9]
+    assert mod.to_reach([0.5, 0.9, 0.95], 0.95) == 3 and mod.to_reach([0.5], 0.95) is None
+    vals = [0.2, 0.0, 1.1, 0.7, 0.9]
+    for n in range(1, 6):  # the exact expectation against every order of the pool
+        brute = statistics.fmean(max(p[:n]) for p in itertools.permutations(vals))
+        assert mod.random_expected_best(vals, 5)[n - 1] == pytest.approx(brute)
+    assert mod.random_expected_best(vals, 7)[-1] == pytest.approx(1.1)  # past the pool: its best
+    a, b, c = (64, 64, 64, "fp16", "fp32"), (128, 128, 128, "fp16", "fp32"), (256, 256, 256, "fp16", "fp32")
+    sweep = {a: [0.5, 1.0, 0.8, 0.0], b: [0.9, 1.2], c: [0.0, 0.0]}  # c: nothing passed, left out
+    mf = {a: [1.0, 0.5], b: [0.6, 1.32], c: [0.1]}
+    got = mod.study(sweep, {"model-free": mf})
+    assert got["shapes"] == 2 and got["n_max"] == 2
+    rows = {(r["policy"], r["candidates"]): r for r in got["rows"]}
+    assert rows[("model-free", 1)]["mean_fraction"] == pytest.approx((1.0 + 0.5) / 2)
+    assert rows[("model-free", 2)]["mean_fraction"] == pytest.approx((1.0 + 1.1) / 2)  # b beyond the sweep
+    assert rows[("model-free", 2)]["within_1pct"] == 1.0 and rows[("model-free", 1)]["within_5pct"] == 0.5
+    assert rows[("random (expected)", 1)]["mean_fraction"] == pytest.approx(
+        (statistics.fmean(sweep[a]) / 1.0 + statistics.fmean(sweep[b]) / 1.2) / 2)
+    assert got["reach"]["model-free"]["to_95pct"] == {"median": 1.5, "shapes_reached": 2, "shapes": 2}
+    assert got["policies"]["model-free"] == {"candidates_total": 4, "beyond_sweep": 1}
+    assert got["sweep"]["candidates_mean"] == 3.0
+    with pytest.raises(ValueError, match="no shape"):
+        mod.study({c: [0.0]}, {"model-free": mf})
+
+
+def test_sample_efficiency_reads_the_study_stores_and_writes_its_files(tmp_path):
+    from gemmrl.core.problem import Problem
+    from gemmrl.store.db import Store
+
+    dev = "NVIDIA H200"
+    p = Problem(256, 256, 1024)
+
+    def store(path, rewards):
+        st = Store(path)
+        run = st.start_run("gemmrl tune", dev, {}, {})
+        st.record_session(run, "b", dev, p, "kernel", "kernel:v3", {"torch.matmul": {"median_us": 5.0, "n": 5}})
+        for i, r in enumerate(rewards):
+            st.record_trial(run, dev, p, f"k{i}", "ok" if r is not None else "wrong", r or 0.0,
+                            5.0 / r if r else None, {})
+        st.finish_run(run)
+        st.close()
+
+    store(tmp_path / "sweep.sqlite", [0.8, None, 1.25, 1.0])
+    store(tmp_path / "mf.sqlite", [1.0, 1.25])
+    out = tmp_path / "o"
+    out.mkdir()
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "sample-efficiency.py"), "--sweep",
+                        str(tmp_path / "sweep.sqlite"), "--policy", f"model-free={tmp_path / 'mf.sqlite'}",
+                        "--device", "h200", "--csv", str(out / "e.csv"), "--json", str(out / "e.json"),
+                        "--png", str(out / "e.png")], capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "model-free: 95% of the sweep's best after 2 candidates" in r.stdout
+    lines = (out / "e.csv").read_text().splitlines()
+    assert lines[0] == "policy,candidates,mean_fraction,within_1pct,within_5pct"
+    assert "model-free,1,0.8,0.0,0.0" in lines and "model-free,2,1.0,1.0,1.0" in lines
+    doc = json.loads((out / "e.json").read_text())
+    assert doc["device"] == dev and doc["shapes"] == 1 and doc["sweep"]["candidates_total"] == 4
+    assert (out / "e.png").stat().st_size > 1000
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "sample-efficiency.py"), "--sweep",
+                        str(tmp_path / "sweep.sqlite"), "--policy", "model-free", "--device", "h200"],
+                       capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 2 and "NAME=DB" in r.stderr

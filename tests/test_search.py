@@ -641,3 +641,62 @@ def test_gpu_evaluate_builds_verifies_and_times(tmp_path):
     result = tune([p], ModelFreePolicy(families=("raw",), layouts=("TN",)), evaluate, per_shape_candidates=4,
                   batch=4, history=trials)
     assert result.counts[p] == 4 and len(result.trials) == 2
+
+
+def test_every_policy_takes_the_same_filter_and_make_policy_names_them():
+    """tune --policy: the random order and the exhaustive sweep propose only what --built-only or
+    --match allow, as the model-free policy does, so a sample-efficiency study compares searches
+    over one candidate set (scripts/sample-efficiency.py)."""
+    from gemmrl.search.run import POLICIES, make_policy
+
+    p = Problem(1024, 1024, 4096)
+    allow = lambda family, spec, problem: family == "raw" and spec.layout == "TN"  # noqa: E731
+    for name in POLICIES:
+        pol = make_policy(name, layouts=LAYOUTS, allow=allow, seed=1)
+        got = pol.propose(p, 1000)
+        assert got and all(c.family == "raw" and c.spec.layout == "TN" for c in got), name
+    every = make_policy("exhaustive", layouts=LAYOUTS).propose(p, 10**6)
+    assert {(c.family, c.spec.name) for c in every} == {(f, s.name) for f, s in candidate_pool(p, LAYOUTS)}
+    assert isinstance(make_policy("random", layouts=LAYOUTS, seed=3), RandomPolicy)
+    with pytest.raises(ValueError, match="unknown policy 'greedy'"):
+        make_policy("greedy")
+
+
+def test_tune_refuses_a_transfer_for_a_policy_that_takes_none():
+    from click.testing import CliRunner
+
+    from gemmrl.cli import main
+
+    r = CliRunner().invoke(main, ["tune", "--shapes", "64x64x64", "--policy", "exhaustive", "--transfer-from", "h200"])
+    assert r.exit_code == 2 and "the exhaustive policy takes none" in r.output
+
+
+@pytest.mark.gpu
+def test_tune_search_only_sweeps_the_raw_pool_and_times_no_winner(tmp_path):
+    """gemmrl tune --policy exhaustive --search-only on a store of its own: the baselines (the
+    reward's yardstick), every spec of the (matched) pool timed once as a trial, and no race,
+    final timing or report: the trials a sample-efficiency study reads."""
+    import os
+    import subprocess
+    import sys
+
+    from gemmrl.search.policy import candidate_pool
+    from gemmrl.store.db import Store
+
+    p = Problem(256, 512, 1024)
+    db = tmp_path / "sweep.sqlite"
+    r = subprocess.run([sys.executable, "-m", "gemmrl.cli", "tune", "--shapes", p.shape, "--family", "raw",
+                        "--layouts", "TN", "--match", "_64x64x64_w2x2_s4_k1", "--policy", "exhaustive",
+                        "--candidates", "1000", "--search-only",
+                        "--db", str(db), "--out", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=900, env={**os.environ, "GEMMRL_CACHE": str(tmp_path / "c")})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "search only: no race and no final timing" in r.stderr
+    store = Store(db)
+    dev = store.devices()[0]
+    names = [t["candidate"] for t in store.trials(dev)]
+    assert len(names) == 4 and sorted(names) == sorted(
+        s.name for f, s in candidate_pool(p, ("TN",), ("raw",)) if "_64x64x64_w2x2_s4_k1" in s.name)
+    timed = {r[0] for r in store.db.execute("SELECT DISTINCT impl FROM measurements")}
+    assert "torch.matmul" in timed and not any(i.startswith("gemmrl") for i in timed), timed
+    assert not (tmp_path / "out").exists()  # no report

@@ -385,3 +385,27 @@ def test_transfer_from_two_sources_leads_with_both_winners(tmp_path):
     twin = won32[P1].replace("_f32", "_f16").replace("_fp32_", "_fp16_")
     assert won16 != twin, "the two sources agree: the test shows nothing"
     assert first[0] == twin and first[1] == won16, (first, twin, won16)
+
+
+def test_run_tune_sweeps_the_pool_with_the_exhaustive_policy_and_refuses_it_a_transfer(tmp_path):
+    """run_tune(policy_name=...): the exhaustive sweep times every spec of the pool once (its
+    trials, in a store of their own, are what scripts/sample-efficiency.py compares the model-free
+    policy's with); a rerun finds nothing left; a transfer seeds only the model-free policy."""
+    import pytest
+
+    from gemmrl.search.policy import candidate_pool
+
+    store = Store(tmp_path / "sweep.sqlite")
+    pool = {s.name for _f, s in candidate_pool(P1, ("TN",))}
+    res = run_tune([P1], store, "H100", fake_evaluate, candidates=10**4, batch=16, layouts=("TN",),
+                   policy_name="exhaustive")
+    assert sorted(t.candidate.name for t in res.trials) == sorted(pool)
+    again = run_tune([P1], store, "H100", fake_evaluate, candidates=10**4, batch=16, layouts=("TN",),
+                     policy_name="exhaustive")
+    assert again.trials == []
+    rand = run_tune([P1], Store(tmp_path / "r.sqlite"), "H100", fake_evaluate, candidates=5, batch=5,
+                    layouts=("TN",), policy_name="random", seed=2)
+    assert len(rand.trials) == 5 and {t.candidate.name for t in rand.trials} <= pool
+    with pytest.raises(ValueError, match="the random policy takes no transfer"):
+        run_tune([P1], store, "H100", fake_evaluate, candidates=5, layouts=("TN",), policy_name="random",
+                 transfer_from="NVIDIA H200")

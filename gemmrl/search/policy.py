@@ -408,11 +408,13 @@ class _Tracking:
     """What every policy remembers: the specs tried per problem, crashes, timed results."""
 
     def __init__(self, families: tuple, layouts: tuple,
-                 quarantined: Callable[[Problem], Iterable[str]] | None):
+                 quarantined: Callable[[Problem], Iterable[str]] | None,
+                 allow: Callable[[str, object, Problem], bool] | None = None):
         for name in families:
             registry.get(name)  # unknown names fail here, with the known ones listed
         self.families, self.layouts = tuple(families), tuple(layouts)
         self._quarantined = quarantined
+        self.allow = allow  # allow(family, spec, problem): a filter on every option (e.g. built only)
         self.tried: dict[Problem, set] = {}
         self.crashed: dict[Problem, set] = {}  # spec names that killed a worker on the problem
         self.ok: dict[Problem, list[Trial]] = {}
@@ -437,15 +439,17 @@ class _Tracking:
 
     def _open(self, problem: Problem) -> list:
         tried, quarantined = self.blocked(problem)
-        return [(f, s) for f, s in self.pool(problem) if (f, s.name) not in tried and s.name not in quarantined]
+        return [(f, s) for f, s in self.pool(problem) if (f, s.name) not in tried and s.name not in quarantined
+                and (self.allow is None or self.allow(f, s, problem))]
 
 
 class ExhaustivePolicy(_Tracking):
     """Every valid spec of the fixed pool, in the pool's fixed order: the sweep to compare with."""
 
     def __init__(self, families: tuple = DEFAULT_FAMILIES, layouts: tuple = ("NN", "TN"),
-                 quarantined: Callable[[Problem], Iterable[str]] | None = None):
-        super().__init__(families, layouts, quarantined)
+                 quarantined: Callable[[Problem], Iterable[str]] | None = None,
+                 allow: Callable[[str, object, Problem], bool] | None = None):
+        super().__init__(families, layouts, quarantined, allow)
 
     def propose(self, problem: Problem, k: int) -> list[Candidate]:
         return [Candidate(f, s, origin="pool") for f, s in self._open(problem)[:max(0, k)]]
@@ -455,8 +459,9 @@ class RandomPolicy(_Tracking):
     """The pool in a seeded random order per problem: what a policy must beat."""
 
     def __init__(self, families: tuple = DEFAULT_FAMILIES, layouts: tuple = ("NN", "TN"),
-                 quarantined: Callable[[Problem], Iterable[str]] | None = None, seed: int = 0):
-        super().__init__(families, layouts, quarantined)
+                 quarantined: Callable[[Problem], Iterable[str]] | None = None, seed: int = 0,
+                 allow: Callable[[str, object, Problem], bool] | None = None):
+        super().__init__(families, layouts, quarantined, allow)
         self.seed = seed
 
     def propose(self, problem: Problem, k: int) -> list[Candidate]:
@@ -491,8 +496,7 @@ class ModelFreePolicy(_Tracking):
                  neighbours: int = 3, transfer_top: int = 2, mutate_top: int = 3,
                  beta: float = 0.5, epsilon: float = 0.1, seed: int = 0,
                  allow: Callable[[str, object, Problem], bool] | None = None):
-        super().__init__(families, layouts, quarantined)
-        self.allow = allow  # allow(family, spec, problem): a filter on every option (e.g. built only)
+        super().__init__(families, layouts, quarantined, allow)
         self.model = cost_model or CostModel()
         self.neighbours, self.transfer_top, self.mutate_top = neighbours, transfer_top, mutate_top
         self.beta, self.epsilon = beta, epsilon

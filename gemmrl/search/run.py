@@ -10,7 +10,7 @@ import tempfile
 
 from gemmrl.bench.worker import HEARTBEAT_ENV, Worker, last_beat
 from gemmrl.core.problem import Problem
-from gemmrl.search.policy import Candidate, ModelFreePolicy, Trial
+from gemmrl.search.policy import Candidate, ExhaustivePolicy, ModelFreePolicy, RandomPolicy, Trial
 from gemmrl.search.tune import TuneResult, _better, best_trials, gpu_evaluate, tune
 from gemmrl.space import registry
 
@@ -278,12 +278,32 @@ def promote_runner_up(store, device: str, problem: Problem, reason: str, run_id:
     return best
 
 
+POLICIES = ("model-free", "random", "exhaustive")
+
+
+def make_policy(name: str = "model-free", *, families: tuple | None = None, layouts=("NN", "TN"),
+                allow=None, seed: int = 0):
+    """The search policy `name` (POLICIES): the model-free policy that tunes; the pool in a seeded
+    random order; or every spec of the pool in its fixed order, the exhaustive sweep a sample-
+    efficiency study compares the others with (scripts/sample-efficiency.py). `allow` filters
+    every option alike (built only, --match)."""
+    kw = {**({"families": tuple(families)} if families else {}), "layouts": tuple(layouts), "allow": allow}
+    if name == "model-free":
+        return ModelFreePolicy(**kw, seed=seed)
+    if name == "random":
+        return RandomPolicy(**kw, seed=seed)
+    if name == "exhaustive":
+        return ExhaustivePolicy(**kw)
+    raise ValueError(f"unknown policy {name!r}: one of {', '.join(POLICIES)}")
+
+
 def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, batch: int = 8,
              budget_s: float = float("inf"), layouts=("NN", "TN"), run_id: int | None = None,
              policy=None, on_trial=None, deadline: float | None = None,
              generic_built_only: bool = False, families: tuple | None = None,
              match: str | None = None, more: int | None = None,
-             transfer_from=None, transfer_acc: str | None = None) -> TuneResult:
+             transfer_from=None, transfer_acc: str | None = None, policy_name: str = "model-free",
+             seed: int = 0) -> TuneResult:
     """Tune, resuming from the trials already in the store; store every trial and the winners.
     The policy also learns from the store's trials of other shapes on this device (its cost
     model, and transfer from the nearest tuned shapes), so a new shape set starts informed.
@@ -292,15 +312,17 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
     `transfer_from`: another GPU model in the store (same architecture) whose tuning seeds this
     one's search (add_store_prior); `transfer_acc`: the accumulator of its tuning to take, when it
     is not the problems' own (each kernel's twin with theirs). Or a list of (GPU, accumulator or
-    None) sources, their suggestions interleaved by rank (add_store_priors)."""
+    None) sources, their suggestions interleaved by rank (add_store_priors). `policy_name`: which
+    search (make_policy) where no `policy` is given; only the model-free one takes a transfer."""
     problems = list(problems)
     wanted = {p.key() for p in problems}
     stored = stored_history(store, device, None)
     history = [t for t in stored if t.problem.key() in wanted]
     others = [t for t in stored if t.problem.key() not in wanted]
-    policy = policy or ModelFreePolicy(**({"families": tuple(families)} if families else {}),
-                                       layouts=tuple(layouts),
-                                       allow=policy_filter(generic_built_only, match))
+    if transfer_from and policy_name != "model-free" and policy is None:
+        raise ValueError(f"the {policy_name} policy takes no transfer: only the model-free one is seeded")
+    policy = policy or make_policy(policy_name, families=families, layouts=layouts,
+                                   allow=policy_filter(generic_built_only, match), seed=seed)
     if others:
         policy.observe(others)
     if transfer_from:
