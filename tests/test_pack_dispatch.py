@@ -354,6 +354,17 @@ def test_a_kept_kernel_whose_newest_product_session_was_slower_is_disputed_until
     assert disputed(store, m, DEV) == [(512, 512, 4096, "TN", "server")]  # against the pack that served it
     m, e = export("d")
     assert e is None and disputed(store, m, DEV) == []  # it left the pack: nothing served to dispute
+    # a cuBLASLt algorithm the fallback serves is judged by the export's floor for algorithms (1%),
+    # not the kernels' 2% in the host modes: 0.985 offline is disputed for it
+    q = Problem(4096, 256, 16384)
+    lt = {"dtype": "fp16", "acc": "fp32", "entries": [], "lt_algos": [
+        {"M": q.M, "N": q.N, "K": q.K, "layout": "NN", "algo": "abcd"}]}
+    prun = store.start_run("gemmrl bench --impl pack:DIR --mode offline", DEV, PROV, {})
+    store.record_verification(prun, DEV, q, "gemmrl.matmul-nn", True, "ok", {"impl": {"served_lt": "abcd"}})
+    store.record_session(prun, "lt0", DEV, q, "offline", "offline:v2", {
+        "gemmrl.matmul-nn": {"median_us": 100.0, "n": 50}, "torch.matmul": {"median_us": 98.5, "n": 50}})
+    assert disputed(store, lt, DEV) == [(4096, 256, 16384, "NN", "offline")]
+    assert disputed(store, {**lt, "lt_algos": [{**lt["lt_algos"][0], "algo": "ef01"}]}, DEV) == []
 
 
 def test_a_winner_is_judged_by_its_own_sessions_baselines_after_they_are_timed_again(store, tmp_path):

@@ -433,7 +433,8 @@ def host_verdict(sessions, floor: float | None = None) -> tuple[str, float, floa
 def disputed(store, manifest: dict, device: str, min_sessions: int = 3) -> list[tuple]:
     """(M, N, K, layout, mode) where the pack `manifest` serves a kernel (its source) or a cuBLASLt
     algorithm whose newest product session in that mode ran slower than torch.matmul beyond that
-    session's noise, while the export kept it (its sessions' median is not slower), with fewer
+    session's noise (an algorithm: beyond the export's own floor for algorithms, LT_HOST_SLOWER),
+    while the export kept it (its sessions' median is not slower), with fewer
     than `min_sessions` sessions of it in that mode: one more session decides, for the export's
     median and for the grid report, which reads the newest session (H200, 2026-11-27: 512x512x4096
     TN at 1.043 and then 0.959 of torch.matmul, torch.matmul-tn itself 10.29 and 9.10 us; the
@@ -444,7 +445,7 @@ def disputed(store, manifest: dict, device: str, min_sessions: int = 3) -> list[
     serving = {(e["M"], e["N"], e["K"], e["layout"]): e["source_sha256"] for e in manifest.get("entries", [])}
     algos = {(a["M"], a["N"], a["K"], a["layout"]): a["algo"] for a in manifest.get("lt_algos", [])}
     out = set()
-    for table, read in ((serving, _served_sha), (algos, served_lt)):
+    for table, read, floor in ((serving, _served_sha, None), (algos, served_lt, LT_HOST_SLOWER)):
         if not table:
             continue
         for key, got in _product_host_ratios(store, device, dtype, acc, read, modes=PRODUCT_MODES).items():
@@ -457,7 +458,7 @@ def disputed(store, manifest: dict, device: str, min_sessions: int = 3) -> list[
             for mode, rows in per_mode.items():
                 rows.sort()
                 _, ratio, noise = rows[-1]
-                if len(rows) < min_sessions and slower_beyond_noise(ratio, noise, mode):
+                if len(rows) < min_sessions and slower_beyond_noise(ratio, noise, mode, floor):
                     out.add((*key, mode))
     return sorted(out, key=lambda k: (k[0] * k[1] * k[2], k))
 
