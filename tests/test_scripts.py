@@ -21,7 +21,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTH
     ("server-noise.py", "--rounds"), ("fallback-gap.py", "pack"), ("product-gap.py", "pack"),
     ("protocol-gap.py", "--repeats"), ("launch-gap.py", "--calls"), ("cuda-l2-prebuild.py", "--shapes"),
     ("autotune-check.py", "--layouts"), ("kernel-noise.py", "--rounds"), ("lt-host-cost.py", "--bursts"),
-    ("nearest-loo.py", "--no-library"), ("product-settle.py", "--rounds")])
+    ("nearest-loo.py", "--no-library"), ("product-settle.py", "--min-sessions")])
 def test_gpu_scripts_load_and_show_their_arguments(script, words):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--help"], capture_output=True,
                        text=True, env=ENV, timeout=300)
