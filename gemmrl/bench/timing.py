@@ -303,8 +303,8 @@ def _capture_writing(fn, sets, n_calls: int, check: bool = True):
         for i in range(n_calls):
             fn(*sets[i % n_sets])
     a_first, b_first, _, c_first = sets[0]
-    if check:  # new inputs for the first set: only work the graph replays can follow them
-        a_first.copy_(torch.randn(a_first.shape, device=a_first.device, dtype=torch.float32))
+    if check:  # new inputs for the first set, drawn in place: only work the graph replays can follow them
+        a_first.normal_()
     c_first.fill_(float("nan"))
     g.replay()
     torch.cuda.synchronize()
