@@ -38,15 +38,53 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def rewards_by_shape(store, device: str) -> dict[tuple, list[float]]:
-    """(M, N, K, dtype, acc) -> the rewards of the store's trials on `device`, in the order they
-    were timed (a failed check counts as 0: it cost a candidate and found nothing)."""
-    out: dict[tuple, list[float]] = {}
+PROVENANCE = ("driver", "cuda", "torch", "cublas", "commit", "date")  # of each store's runs, into the JSON
+
+
+def trials_by_shape(store, device: str) -> dict[tuple, list[tuple[str, float]]]:
+    """(M, N, K, dtype, acc) -> (kernel, reward) of the store's trials on `device`, in the order
+    they were timed (a failed check counts as 0: it cost a candidate and found nothing)."""
+    out: dict[tuple, list[tuple[str, float]]] = {}
     for row in store.trials(device):
         key = (row["M"], row["N"], row["K"], row["dtype"], row["acc"])
         ok = row["status"] == "ok" and row["reward"] is not None and math.isfinite(row["reward"])
-        out.setdefault(key, []).append(max(0.0, float(row["reward"])) if ok else 0.0)
+        out.setdefault(key, []).append((row["candidate"], max(0.0, float(row["reward"])) if ok else 0.0))
     return out
+
+
+def rewards_by_shape(store, device: str) -> dict[tuple, list[float]]:
+    """(M, N, K, dtype, acc) -> the rewards of the store's trials on `device`, in timing order."""
+    return {k: [r for _, r in v] for k, v in trials_by_shape(store, device).items()}
+
+
+def within_sweep(sweep: dict[tuple, list[tuple[str, float]]], policy: dict[tuple, list[tuple[str, float]]]
+                 ) -> tuple[dict[tuple, list[float]], int]:
+    """A policy's rewards on the kernels the sweep timed on the same shape only, in the policy's
+    order, and how many of its trials were of other kernels: where the machine that ran the policy
+    had more kernels built than the sweep's (a --built-only search reads the build cache), those
+    trials stretch the policy past the sweep's set, and its fraction past 1 says little about order.
+    Pure."""
+    kept, outside = {}, 0
+    for key, rows in policy.items():
+        names = {n for n, _ in sweep.get(key, [])}
+        kept[key] = [r for n, r in rows if n in names]
+        outside += sum(n not in names for n, _ in rows)
+    return kept, outside
+
+
+def session_noise(sweep: dict[tuple, list[tuple[str, float]]], policy: dict[tuple, list[tuple[str, float]]]
+                  ) -> dict | None:
+    """The policy's reward over the sweep's for the same kernel on the same shape (both above 0):
+    how far the two sessions' quick timings differ, the noise under every fraction. Pure."""
+    ratios = []
+    for key, rows in policy.items():
+        swept = {n: r for n, r in sweep.get(key, []) if r > 0}
+        ratios += [r / swept[n] for n, r in rows if r > 0 and n in swept]
+    if not ratios:
+        return None
+    q = statistics.quantiles(ratios, n=10) if len(ratios) > 1 else [ratios[0]] * 9
+    return {"pairs": len(ratios), "median": round(statistics.median(ratios), 4),
+            "p10": round(q[0], 4), "p90": round(q[-1], 4)}
 
 
 def best_so_far(rewards: list[float], n_max: int) -> list[float]:
@@ -141,7 +179,7 @@ def _plot(result: dict, path: str) -> None:
                 linestyle="--" if name.startswith("random") else "-")
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xlabel("candidates timed per shape")
-    ax.set_ylabel("best reward so far / exhaustive sweep's best (mean over shapes)")
+    ax.set_ylabel("best so far / the sweep's best (mean of shapes)")
     ax.set_title(f"sample efficiency over {result['shapes']} shapes")
     ax.legend()
     fig.tight_layout()
@@ -177,20 +215,41 @@ def main(argv=None) -> int:
     def read(db: str):
         store = Store(db, readonly=True)
         try:
-            device = device_by_part(a.device, store.devices() or [r["device"] for r in store.runs()])
-            return device, rewards_by_shape(store, device)
+            runs = store.runs()
+            device = device_by_part(a.device, store.devices() or [r["device"] for r in runs])
+            prov = [{k: r["provenance"].get(k) for k in PROVENANCE} | {"run": r["id"], "device": r["device"]}
+                    for r in runs if r["device"] == device]
+            return device, trials_by_shape(store, device), prov
         finally:
             store.close()
 
-    device, sweep = read(a.sweep)
-    policies = {name: read(db)[1] for name, db in named.items()}
+    device, sweep_trials, sweep_prov = read(a.sweep)
+    sweep = {k: [r for _, r in v] for k, v in sweep_trials.items()}
+    policies, extra, provenance = {}, {}, {"sweep": sweep_prov}
+    for name, db in named.items():
+        _, got, provenance[name] = read(db)
+        policies[name] = {k: [r for _, r in v] for k, v in got.items()}
+        kept, outside = within_sweep(sweep_trials, got)
+        extra[name] = {"outside_sweep_trials": outside, "same_kernel_vs_sweep": session_noise(sweep_trials, got)}
+        if outside:  # its order over the sweep's own kernels, beside its curve over the wider set
+            policies[f"{name} (sweep's kernels only)"] = kept
     try:
         result = study(sweep, policies, a.n_max)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    for name, more in extra.items():
+        result["policies"][name].update(more)
+        if more["outside_sweep_trials"]:
+            print(f"{name}: {more['outside_sweep_trials']} of {result['policies'][name]['candidates_total']} "
+                  f"trials timed kernels the sweep did not (more were built where it ran); its curve over the "
+                  f"sweep's kernels only is reported beside it")
+        if more["same_kernel_vs_sweep"]:
+            n = more["same_kernel_vs_sweep"]
+            print(f"{name}: the same kernel on the same shape, its reward over the sweep's: median {n['median']} "
+                  f"(p10 {n['p10']}, p90 {n['p90']}; {n['pairs']} pairs): the noise between the two sessions")
     result = {"device": device, "sweep_store": a.sweep, "policy_stores": named,
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **result}
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "provenance": provenance, **result}
     for name, r in result["reach"].items():
         print(f"{name}: 95% of the sweep's best after {r['to_95pct']['median']} candidates (median; "
               f"{r['to_95pct']['shapes_reached']} of {r['to_95pct']['shapes']} shapes reached it), 99% after "
