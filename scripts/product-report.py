@@ -60,6 +60,71 @@ def run_served(db: sqlite3.Connection, runs: tuple) -> tuple[dict, set]:
     return neighbours, failed
 
 
+def run_serving(db: sqlite3.Connection, runs: tuple) -> dict:
+    """(run, M, N, K, layout) -> what served gemmrl.matmul in that run, from its verification
+    record: ('kernel', sha256) for the pack's own kernel of the shape, ('lt', hex) for the pack's
+    cuBLASLt algorithm, ('library', None) for the library's own choice; left out where the record
+    cannot say (it predates `served` or `served_lt`, a neighbour's kernel served, or the kernel
+    failed there)."""
+    from gemmrl.runtime.pack_impl import served_kernel, served_lt
+
+    out = {}
+    for run, M, N, K, impl, details in db.execute(
+            f"SELECT run_id, M, N, K, impl, details FROM verifications WHERE run_id IN ({_in(runs)}) "
+            "AND impl IN (?, ?)", (*runs, PAIRS[0][1], PAIRS[1][1])):
+        d = (json.loads(details or "{}") or {}).get("impl") or {}
+        if "served" not in d:
+            continue
+        key = (run, M, N, K, "TN" if impl == PAIRS[1][1] else "NN")
+        got = served_kernel(d)
+        if got is not None:
+            if got.get("exact") is not False:
+                out[key] = ("kernel", got["source_sha256"])
+        elif isinstance(d.get("served"), dict) and d["served"].get("source_sha256"):
+            continue  # its kernel failed in the run (run_served's `failed`)
+        elif "served_lt" in d:
+            lt = served_lt(d)
+            out[key] = ("lt", lt.lower()) if lt else ("library", None)
+    return out
+
+
+def pack_serving(manifest: dict) -> dict:
+    """(M, N, K, layout) -> what the pack serves there: ('kernel', sha256 or None where the entry
+    names none) or ('lt', hex); a shape absent from both is the library's ('library', None)."""
+    out = {(a["M"], a["N"], a["K"], a["layout"]): ("lt", str(a["algo"]).lower())
+           for a in manifest.get("lt_algos") or [] if a.get("algo")}
+    out.update({(e["M"], e["N"], e["K"], e["layout"]): ("kernel", e.get("source_sha256"))
+                for e in manifest.get("entries", [])})
+    return out
+
+
+def differs(timed: tuple, pack: tuple) -> bool:
+    """Whether a session that ran `timed` measured something other than what the pack serves
+    (`pack`): a kernel against no kernel, two kernels' sources (where both are known), or two
+    cuBLASLt choices. Pure."""
+    if (timed[0] == "kernel") != (pack[0] == "kernel"):
+        return True
+    if timed[0] == "kernel":
+        return timed[1] is not None and pack[1] is not None and timed[1] != pack[1]
+    return timed != pack
+
+
+def stale_pairs(times: dict, timed_by: dict, serving: dict) -> dict:
+    """(mode, M, N, K, layout) -> (what the session timed, what the pack serves) for each pair whose
+    session timed gemmrl.matmul serving otherwise than the pack does now (exported again after
+    it ran). `times` as sessions() gives it (each impl's run third); `timed_by` run_serving's."""
+    out = {}
+    for (mode, _, M, N, K), t in times.items():
+        for layout, ours, _torch in PAIRS:
+            if ours not in t or len(t[ours]) < 3:
+                continue
+            got = timed_by.get((t[ours][2], M, N, K, layout))
+            now = serving.get((M, N, K, layout), ("library", None))
+            if got is not None and differs(got, now):
+                out[(mode, M, N, K, layout)] = (got, now)
+    return out
+
+
 def sessions(db: sqlite3.Connection, runs: tuple, latest: bool = False, modes: tuple = MODES) -> dict:
     """(mode, session, M, N, K) -> {impl: (time, paired)}: medians, means in server mode, and the
     record's paired ratios {other: t_other / t_self} where it has them (the reports' rule).
@@ -80,7 +145,7 @@ def sessions(db: sqlite3.Connection, runs: tuple, latest: bool = False, modes: t
     if latest:
         out = {k: t for k, t in out.items()
                if max(v[2] for v in t.values()) >= last.get((k[0], *k[2:]), 0)}
-    return {k: {impl: v[:2] for impl, v in t.items()} for k, t in out.items()}
+    return dict(out)  # {impl: (time, paired, run)}
 
 
 def over(t: dict, a: str, b: str) -> float:
@@ -94,16 +159,25 @@ def kind_of(key: tuple, served: set, neighbours: set) -> str:
     return "neighbour" if key in neighbours else "served" if key in served else "fallback"
 
 
-def summarize(times: dict, served: set, neighbours: set = frozenset()) -> dict:
+def _what(served: tuple) -> str:
+    kind, ident = served
+    return {"kernel": f"kernel {str(ident)[:12]}", "lt": f"cuBLASLt algorithm {str(ident)[:16]}"}.get(kind, "the library")
+
+
+def summarize(times: dict, served: set, neighbours: set = frozenset(), stale: dict | None = None) -> dict:
     """{mode: {'<layout> served'|'<layout> neighbour'|'<layout> fallback': stats, 'noise': stats of
     torch.matmul / its repeat, 'beyond_noise': the (shape, layout) where gemmrl.matmul was slower
-    than torch.matmul beyond that session's noise (gemmrl.runtime.pack.slower_beyond_noise)}}."""
+    than torch.matmul beyond that session's noise (gemmrl.runtime.pack.slower_beyond_noise),
+    'stale': the pairs whose session timed another serving than the pack's (stale_pairs): their
+    ratios stay in the stats, as measured, but judge nothing of the pack, so they are listed
+    apart, not in beyond_noise}}."""
     from gemmrl.runtime.pack import slower_beyond_noise
 
+    stale = stale or {}
     res: dict = {}
     for mode in MODES:
         per: dict = {}
-        beyond = []
+        beyond, old = [], []
         for (md, _, M, N, K), t in sorted(times.items(), key=lambda kv: kv[0][2:]):
             if md != mode:
                 continue
@@ -112,7 +186,11 @@ def summarize(times: dict, served: set, neighbours: set = frozenset()) -> dict:
             for layout, ours, torch_impl in PAIRS:
                 if ours in t and torch_impl in t:
                     r = over(t, ours, torch_impl)
-                    if slower_beyond_noise(r, noise, mode):
+                    if (mode, M, N, K, layout) in stale:
+                        got, now = stale[(mode, M, N, K, layout)]
+                        old.append({"shape": f"{M}x{N}x{K}", "layout": layout, "ratio": round(r, 4),
+                                    "timed": _what(got), "pack": _what(now)})
+                    elif slower_beyond_noise(r, noise, mode):
                         beyond.append({"shape": f"{M}x{N}x{K}", "layout": layout,
                                        "call": kind_of((M, N, K, layout), served, neighbours),
                                        "ratio": round(r, 4), "noise": round(noise, 4)})
@@ -142,6 +220,7 @@ def summarize(times: dict, served: set, neighbours: set = frozenset()) -> dict:
                 per["noise"] = {"torch.matmul / its repeat, median |1 - r|": statistics.median(abs(1 - r) for r in rep),
                                 "max |1 - r|": max(abs(1 - r) for r in rep)}
             per["beyond_noise"] = beyond
+            per["stale"] = old
             res[mode] = per
     return res
 
@@ -188,6 +267,9 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", default=",".join(MODES),
                     help="only these modes, comma-separated (default: all three): a grid report of one mode, "
                          "whose runs also timed a few shapes in another")
+    ap.add_argument("--stale-shapes", metavar="FILE",
+                    help="also write the shapes of the stale pairs here, one a line (timed last with another serving "
+                         "than the pack's): what product-settle.py --shapes times again")
     a = ap.parse_args(argv)
     from gemmrl.bench.select import _pack_spec
     from gemmrl.runtime.pack import serving_digest
@@ -230,7 +312,8 @@ def main(argv=None) -> int:
     neighbours, failed = run_served(db, runs)
     timed = sessions(db, runs, a.latest, modes)
     manifest = json.loads(mf.read_text())
-    res = summarize(timed, served_keys(manifest) - failed, neighbours)
+    stale = stale_pairs(timed, run_serving(db, runs), pack_serving(manifest))
+    res = summarize(timed, served_keys(manifest) - failed, neighbours, stale)
     if not res:
         print(f"{label} timed no gemmrl.matmul beside torch.matmul", file=sys.stderr)
         return 1
@@ -242,7 +325,7 @@ def main(argv=None) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for mode, per in res.items():
         for k, s in per.items():
-            if k not in ("noise", "beyond_noise"):
+            if k not in ("noise", "beyond_noise", "stale"):
                 print(f"| {mode} | {k} | {s['versus']} | {s['shapes']} | {s['geomean']:.3f} | {s['min']:.3f} "
                       f"({s['min_shape']}) | {s['slower_than_0.99']} | {s['median_diff_us']:+.2f} |")
         if "noise" in per:
@@ -252,6 +335,16 @@ def main(argv=None) -> int:
         for b in per.get("beyond_noise", []):
             print(f"{mode}: {b['shape']} {b['layout']} ({b['call']}) at {b['ratio']:.4f} of torch.matmul, "
                   f"slower beyond the noise (torch.matmul within {b['noise']:.2%} of its repeat there)")
+    for mode, per in res.items():
+        for b in per.get("stale", []):
+            print(f"{mode}: {b['shape']} {b['layout']} timed with {b['timed']} (at {b['ratio']:.4f} of torch.matmul); "
+                  f"the pack now serves {b['pack']}: not timed as the pack serves it")
+    if a.stale_shapes:
+        shapes = sorted({(M, N, K) for (_, M, N, K, _) in stale})
+        Path(a.stale_shapes).write_text(
+            f"# {mf.parent}: shapes timed last ({label}) with another serving than the pack's\n"
+            + "".join(f"{M}x{N}x{K}\n" for M, N, K in shapes))
+        print(f"{len(shapes)} stale shapes in {a.stale_shapes}")
     nrows = neighbour_rows(timed, neighbours)
     if nrows:
         print("\n| mode | shape | call | neighbour (distance) | its kernel | gemmrl.matmul us | torch.matmul us | ratio |")

@@ -524,6 +524,50 @@ def test_product_report_splits_served_and_fallback_calls_per_session(tmp_path):
     assert bad.returncode == 2 and "run 99 is not in" in bad.stderr
 
 
+def test_product_report_lists_apart_pairs_timed_with_another_serving(tmp_path):
+    """A pack exported again after the run: a pair the run served with a kernel the pack no longer
+    serves (or with the library where the pack now has a cuBLASLt algorithm) is listed as stale,
+    not judged slower beyond the noise; pairs served as the pack serves them are judged."""
+    import json
+
+    from gemmrl.core.problem import Problem
+    from gemmrl.store.db import Store
+
+    st = Store(tmp_path / "s.sqlite")
+    run = st.start_run("gemmrl bench", "GPU X", {"driver": "1", "cuda": "13.0", "torch": "2", "commit": "abc"}, {})
+    old_kernel, lib_then, same, old_rec = Problem(64, 64, 64), Problem(128, 64, 64), Problem(256, 64, 64), Problem(512, 64, 64)
+    for p in (old_kernel, lib_then, same, old_rec):  # all 0.8 of torch.matmul, far beyond the 1% noise
+        st.record_session(run, f"{p.mnk}", "GPU X", p, "kernel", "v3", {
+            "gemmrl.matmul-tn": {"median_us": 12.5, "n": 5}, "torch.matmul-tn": {"median_us": 10.0, "n": 5},
+            "torch.matmul": {"median_us": 10.0, "n": 5}, "torch.matmul@repeat": {"median_us": 10.1, "n": 5}})
+    kern = {"served": {"shape": "64x64x64", "exact": True, "source_sha256": "aa"}, "served_lt": None}
+    st.record_verification(run, "GPU X", old_kernel, "gemmrl.matmul-tn", True, "ok", {"impl": kern})
+    st.record_verification(run, "GPU X", lib_then, "gemmrl.matmul-tn", True, "ok",
+                           {"impl": {"served": None, "served_lt": None}})
+    st.record_verification(run, "GPU X", same, "gemmrl.matmul-tn", True, "ok",
+                           {"impl": {"served": None, "served_lt": "42AB"}})
+    st.record_verification(run, "GPU X", old_rec, "gemmrl.matmul-tn", True, "ok",
+                           {"impl": {"served": None}})  # a record from before served_lt: it cannot say
+    st.close()
+    (tmp_path / "pack").mkdir()
+    (tmp_path / "pack" / "manifest.json").write_text(json.dumps({"entries": [], "lt_algos": [
+        {"M": m, "N": 64, "K": 64, "layout": "TN", "algo": "42ab"} for m in (64, 128, 256, 512)]}))
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "product-report.py"), "--run", str(run), "--pack",
+                        str(tmp_path / "pack"), "--db", str(tmp_path / "s.sqlite"), "--json", str(out),
+                        "--stale-shapes", str(tmp_path / "stale.txt")],
+                       capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr
+    from gemmrl.core.shapes import parse_shape_file
+    assert [p.shape for p in parse_shape_file(tmp_path / "stale.txt")] == ["64x64x64", "128x64x64"]
+    k = json.loads(out.read_text())["modes"]["kernel"]
+    assert [(b["shape"], b["timed"], b["pack"]) for b in k["stale"]] == [
+        ("64x64x64", "kernel aa", "cuBLASLt algorithm 42ab"), ("128x64x64", "the library", "cuBLASLt algorithm 42ab")]
+    assert {b["shape"] for b in k["beyond_noise"]} == {"256x64x64", "512x64x64"}
+    assert k["TN fallback"]["shapes"] == 4  # measured ratios all stay in the stats
+    assert "kernel: 64x64x64 TN timed with kernel aa (at 0.8000 of torch.matmul); the pack now serves" in r.stdout
+
+
 def test_product_report_takes_one_calls_lanes_together(tmp_path):
     """--run A,B: the runs of one call's lanes (a share of the shapes each) reported as one, with
     each lane's verification records; runs of two GPU models, or a bad list, refused."""
@@ -1355,6 +1399,22 @@ def test_sample_efficiency_curves_and_the_exact_random_expectation():
         mod.study({c: [0.0]}, {"model-free": mf})
 
 
+def test_sample_efficiency_keeps_apart_the_kernels_the_sweep_never_timed():
+    """A --built-only policy run where more kernels were built than the sweep's: its trials of
+    those are counted and left out of its sweep's-kernels-only curve; the same kernel timed by
+    both gives the two sessions' noise."""
+    mod = _script("sample-efficiency.py")
+    a, b = (64, 64, 64, "fp16", "fp32"), (128, 128, 128, "fp16", "fp32")
+    sweep = {a: [("k1", 0.5), ("k2", 1.0)], b: [("k1", 0.8), ("k3", 0.0)]}
+    mf = {a: [("k2", 1.1), ("x", 1.3), ("k1", 0.5)], b: [("k3", 0.9), ("k1", 0.8)]}
+    kept, outside = mod.within_sweep(sweep, mf)
+    assert outside == 1 and kept == {a: [1.1, 0.5], b: [0.9, 0.8]}
+    noise = mod.session_noise(sweep, mf)  # k3 failed in the sweep: no ratio from it
+    assert noise["pairs"] == 3 and noise["median"] == pytest.approx(1.0)
+    assert mod.session_noise(sweep, {a: [("x", 1.0)]}) is None
+    assert mod.within_sweep(sweep, {b: [("k1", 0.7)]}) == ({b: [0.7]}, 0)
+
+
 def test_sample_efficiency_reads_the_study_stores_and_writes_its_files(tmp_path):
     from gemmrl.core.problem import Problem
     from gemmrl.store.db import Store
@@ -1373,7 +1433,7 @@ def test_sample_efficiency_reads_the_study_stores_and_writes_its_files(tmp_path)
         st.close()
 
     store(tmp_path / "sweep.sqlite", [0.8, None, 1.25, 1.0])
-    store(tmp_path / "mf.sqlite", [1.0, 1.25])
+    store(tmp_path / "mf.sqlite", [1.0, 1.25, None, None, 1.5])  # k4: a kernel the sweep never timed
     out = tmp_path / "o"
     out.mkdir()
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "sample-efficiency.py"), "--sweep",
@@ -1382,11 +1442,20 @@ def test_sample_efficiency_reads_the_study_stores_and_writes_its_files(tmp_path)
                         "--png", str(out / "e.png")], capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "model-free: 95% of the sweep's best after 2 candidates" in r.stdout
+    assert "model-free: 1 of 5 trials timed kernels the sweep did not" in r.stdout
     lines = (out / "e.csv").read_text().splitlines()
     assert lines[0] == "policy,candidates,mean_fraction,within_1pct,within_5pct"
     assert "model-free,1,0.8,0.0,0.0" in lines and "model-free,2,1.0,1.0,1.0" in lines
+    assert "model-free,5,1.2,1.0,1.0" in lines  # k4, past the sweep's best
+    # over the sweep's kernels only (k0-k3): k0 0.8, k1 1.0, then two failures
+    assert "model-free (sweep's kernels only),4,1.0,1.0,1.0" in lines
     doc = json.loads((out / "e.json").read_text())
     assert doc["device"] == dev and doc["shapes"] == 1 and doc["sweep"]["candidates_total"] == 4
+    mf = doc["policies"]["model-free"]
+    assert mf["outside_sweep_trials"] == 1 and mf["beyond_sweep"] == 1
+    # k0 1.0 / 0.8; k1 failed in the sweep, k2 and k3 in the policy's store: one pair
+    assert mf["same_kernel_vs_sweep"] == {"pairs": 1, "median": 1.25, "p10": 1.25, "p90": 1.25}
+    assert doc["provenance"]["sweep"][0]["device"] == dev and "model-free" in doc["provenance"]
     assert (out / "e.png").stat().st_size > 1000
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "sample-efficiency.py"), "--sweep",
                         str(tmp_path / "sweep.sqlite"), "--policy", "model-free", "--device", "h200"],

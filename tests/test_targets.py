@@ -110,6 +110,21 @@ def test_product_never_slower_beyond_noise():
     assert t.met is True
 
 
+def test_pairs_timed_with_another_serving_than_the_packs_are_not_judged_met():
+    """A pair whose latest session timed another serving (the pack exported again since) says
+    nothing of the pack: not slower beyond the noise, but not met either until it is timed."""
+    rep = _product(0.95, 0.0, beyond=[])
+    rep["modes"]["kernel"]["stale"] = [{"shape": "512x512x4096", "layout": "TN", "ratio": 0.953,
+                                        "timed": "kernel 24319687ec79", "pack": "cuBLASLt algorithm 420000000c000000"}]
+    t = _by_key(grid_targets({}, rep, None, None))["product-vs-torch"]
+    assert t.met is False and "0 of 8 (shape, layout) pairs slower" in t.detail
+    assert "1 (shape, layout, mode) timed last with another serving" in t.detail
+    assert "512x512x4096 TN: timed kernel 24319687ec79, served cuBLASLt algorithm 420000000c000000" in t.detail
+    assert t.extra["modes"]["kernel"]["stale"][0]["ratio"] == 0.953
+    rep["modes"]["kernel"]["stale"] = []
+    assert _by_key(grid_targets({}, rep, None, None))["product-vs-torch"].met is True
+
+
 def test_newest_product_report_per_mode():
     from gemmrl.report.targets import _newest_per_mode
 

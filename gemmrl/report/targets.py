@@ -216,8 +216,10 @@ def grid_targets(speedups: Mapping[str, Mapping[str, Mapping[str, float]] | None
         out.append(Target(4, f"{mode}-mean", t, want, mean, mean >= want and len(vals) >= GRID_SHAPES,
                           f"{len(vals)} shapes; mean {mean:.3f}{extra}", {"shapes": len(vals)}))
     t = "gemmrl.matmul, fallback included, never slower than torch.matmul beyond the measured noise"
-    groups, beyond, judged = {}, {}, {}
+    groups, beyond, judged, stale = {}, {}, {}, {}
     for mode, per in ((product or {}).get("modes") or {}).items():
+        if per.get("stale"):  # timed serving otherwise than the pack does now: no verdict on it
+            stale[mode] = per["stale"]
         noise = (per.get("noise") or {}).get("max |1 - r|")
         for name, s in per.items():
             if isinstance(s, dict) and "min" in s:
@@ -248,9 +250,16 @@ def grid_targets(speedups: Mapping[str, Mapping[str, Mapping[str, float]] | None
             detail += (f"; the pack was exported again after the {', '.join(changed)} report"
                        f"{'s' * (len(changed) > 1)}: its changed pairs are not timed yet (pack --against "
                        f"the measured manifest --changed-shapes, then bench --impl pack:DIR)")
-        out.append(Target(4, "product-vs-torch", t, 1.0, lowest, n_beyond == 0 and not changed, detail,
-                          {"modes": {m: {"pairs": shapes[m], "beyond_noise": beyond[m]} for m in judged},
-                           "pack_changed": changed}))
+        n_stale = sum(len(v) for m, v in stale.items() if m in judged)
+        if n_stale:
+            first = next(b for m in judged for b in stale.get(m, []))
+            detail += (f"; {n_stale} (shape, layout, mode) timed last with another serving than the pack's, "
+                       f"not yet timed as it serves them (e.g. {first['shape']} {first['layout']}: timed "
+                       f"{first['timed']}, served {first['pack']})")
+        out.append(Target(4, "product-vs-torch", t, 1.0, lowest, n_beyond == 0 and not changed and not n_stale,
+                          detail, {"modes": {m: {"pairs": shapes[m], "beyond_noise": beyond[m],
+                                                 "stale": stale.get(m, [])} for m in judged},
+                                   "pack_changed": changed}))
     t = "CUDA-L2's published kernels beaten on most shapes in each mode where they build"
     shares = {m: (s.get("share_slower"), s.get("count", 0)) for m, s in (cuda_l2 or {}).items()
               if s.get("count")}
