@@ -568,6 +568,31 @@ def test_product_report_lists_apart_pairs_timed_with_another_serving(tmp_path):
     assert "kernel: 64x64x64 TN timed with kernel aa (at 0.8000 of torch.matmul); the pack now serves" in r.stdout
 
 
+def test_product_report_latest_prefers_the_last_session_that_served_as_the_pack_does():
+    """--latest: a pair timed in its present serving by run 1, then otherwise by run 2 (a pack
+    exported between the calls), is judged by run 1; a pair never timed as the pack serves it
+    keeps its last session and is stale; a record that cannot say counts as served."""
+    mod = _script("product-report.py")
+    lib = {"torch.matmul": (10.0, {}, 0), "torch.matmul-tn": (10.0, {}, 0)}
+
+    def t(run, nn, tn):
+        return lib | {"gemmrl.matmul-nn": (nn, {}, run), "gemmrl.matmul-tn": (tn, {}, run)}
+    times = {("kernel", "s1", 64, 64, 64): t(1, 8.0, 9.0), ("kernel", "s2", 64, 64, 64): t(2, 12.0, 9.5)}
+    timed_by = {(1, 64, 64, 64, "NN"): ("kernel", "aa"), (2, 64, 64, 64, "NN"): ("library", None),
+                (1, 64, 64, 64, "TN"): ("library", None), (2, 64, 64, 64, "TN"): ("library", None)}
+    serving = {(64, 64, 64, "NN"): ("kernel", "aa"), (64, 64, 64, "TN"): ("lt", "42ab")}
+    got, stale = mod.latest_as_served(times, timed_by, serving)
+    assert got[("kernel", "s1", 64, 64, 64)]["gemmrl.matmul-nn"][0] == 8.0  # run 1: the kernel the pack serves
+    assert "gemmrl.matmul-tn" not in got[("kernel", "s1", 64, 64, 64)]
+    assert got[("kernel", "s2", 64, 64, 64)]["gemmrl.matmul-tn"][0] == 9.5  # neither served 42ab: the last
+    assert "gemmrl.matmul-nn" not in got[("kernel", "s2", 64, 64, 64)]
+    assert stale == {("kernel", 64, 64, 64, "TN"): (("library", None), ("lt", "42ab"))}
+    got, stale = mod.latest_as_served(times, {}, serving)  # records that cannot say: the last run's
+    assert stale == {} and set(got) == {("kernel", "s2", 64, 64, 64)}
+    assert mod.differs(("kernel", "aa"), ("kernel", None)) is False and mod.differs(("kernel", "aa"), ("kernel", "bb"))
+    assert mod.differs(("lt", "42ab"), ("library", None)) and not mod.differs(("library", None), ("library", None))
+
+
 def test_product_report_takes_one_calls_lanes_together(tmp_path):
     """--run A,B: the runs of one call's lanes (a share of the shapes each) reported as one, with
     each lane's verification records; runs of two GPU models, or a bad list, refused."""
