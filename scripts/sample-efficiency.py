@@ -19,7 +19,11 @@ a fixed built set: the CUTLASS kernels compiled ahead (--built-only; the cost mo
 0.35 s a candidate; with the 58 of the top 1, about half that.)
 
 Each policy's store must hold its own trials only (a copy of the baseline store before its run),
-so every reward is taken over the same baselines. A random order is not run: its expected best
+so every reward is taken over the same baselines. --built-only reads the machine's build cache:
+run every policy where the sweep ran, with only the study's kernels built (a machine that holds
+more lets a policy time kernels the sweep never did; the script counts those trials and gives the
+policy's curve over the sweep's kernels beside its own, and the two sessions' noise from the
+kernels both timed). A random order is not run: its expected best
 after n candidates follows exactly from the sweep's rewards (drawn without replacement), so the
 report shows it beside the policies at no device cost. A policy may time kernels the sweep did not
 (the model-free policy's mutations), so its fraction can exceed 1."""
