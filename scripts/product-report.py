@@ -38,6 +38,14 @@ def _in(runs) -> str:
     return ", ".join("?" * len(runs))
 
 
+def _pack_records(db: sqlite3.Connection, runs: tuple):
+    """(run, (M, N, K, layout), gemmrl.matmul's `impl` details) of each verification in `runs`."""
+    for run, M, N, K, impl, details in db.execute(
+            f"SELECT run_id, M, N, K, impl, details FROM verifications WHERE run_id IN ({_in(runs)}) "
+            "AND impl IN (?, ?)", (*runs, PAIRS[0][1], PAIRS[1][1])):
+        yield run, (M, N, K, "TN" if impl == PAIRS[1][1] else "NN"), (json.loads(details or "{}") or {}).get("impl") or {}
+
+
 def run_served(db: sqlite3.Connection, runs: tuple) -> tuple[dict, set]:
     """(neighbours, failed): the (M, N, K, layout)s gemmrl.matmul served in `runs` with another
     shape's kernel (each mapped to what served it: {'shape', 'spec_name', ...}), and those whose
@@ -46,11 +54,7 @@ def run_served(db: sqlite3.Connection, runs: tuple) -> tuple[dict, set]:
     from gemmrl.runtime.pack_impl import served_kernel
 
     neighbours, failed = {}, set()
-    for M, N, K, impl, details in db.execute(
-            f"SELECT M, N, K, impl, details FROM verifications WHERE run_id IN ({_in(runs)}) AND impl IN (?, ?)",
-            (*runs, PAIRS[0][1], PAIRS[1][1])):
-        d = (json.loads(details or "{}") or {}).get("impl") or {}
-        key = (M, N, K, "TN" if impl == PAIRS[1][1] else "NN")
+    for _run, key, d in _pack_records(db, runs):
         got = served_kernel(d)
         if got is not None:
             if got.get("exact") is False:
@@ -69,13 +73,10 @@ def run_serving(db: sqlite3.Connection, runs: tuple) -> dict:
     from gemmrl.runtime.pack_impl import served_kernel, served_lt
 
     out = {}
-    for run, M, N, K, impl, details in db.execute(
-            f"SELECT run_id, M, N, K, impl, details FROM verifications WHERE run_id IN ({_in(runs)}) "
-            "AND impl IN (?, ?)", (*runs, PAIRS[0][1], PAIRS[1][1])):
-        d = (json.loads(details or "{}") or {}).get("impl") or {}
+    for run, pair, d in _pack_records(db, runs):
         if "served" not in d:
             continue
-        key = (run, M, N, K, "TN" if impl == PAIRS[1][1] else "NN")
+        key = (run, *pair)
         got = served_kernel(d)
         if got is not None:
             if got.get("exact") is not False:
@@ -109,20 +110,24 @@ def differs(timed: tuple, pack: tuple) -> bool:
     return timed != pack
 
 
+def _timed_and_served(times: dict, timed_by: dict, serving: dict):
+    """(session key, (mode, M, N, K, layout), what the session's gemmrl.matmul call ran (None where
+    its record cannot say), what the pack serves now, the run) for each such call in `times`."""
+    for key, t in times.items():
+        mode, _, M, N, K = key
+        for layout, ours, _torch in PAIRS:
+            if ours in t and len(t[ours]) >= 3:
+                run = t[ours][2]
+                yield (key, (mode, M, N, K, layout), timed_by.get((run, M, N, K, layout)),
+                       serving.get((M, N, K, layout), ("library", None)), run)
+
+
 def stale_pairs(times: dict, timed_by: dict, serving: dict) -> dict:
     """(mode, M, N, K, layout) -> (what the session timed, what the pack serves) for each pair whose
     session timed gemmrl.matmul serving otherwise than the pack does now (exported again after
     it ran). `times` as sessions() gives it (each impl's run third); `timed_by` run_serving's."""
-    out = {}
-    for (mode, _, M, N, K), t in times.items():
-        for layout, ours, _torch in PAIRS:
-            if ours not in t or len(t[ours]) < 3:
-                continue
-            got = timed_by.get((t[ours][2], M, N, K, layout))
-            now = serving.get((M, N, K, layout), ("library", None))
-            if got is not None and differs(got, now):
-                out[(mode, M, N, K, layout)] = (got, now)
-    return out
+    return {pair: (got, now) for _, pair, got, now, _ in _timed_and_served(times, timed_by, serving)
+            if got is not None and differs(got, now)}
 
 
 def latest_as_served(times: dict, timed_by: dict, serving: dict) -> tuple[dict, dict]:
@@ -133,17 +138,10 @@ def latest_as_served(times: dict, timed_by: dict, serving: dict) -> tuple[dict, 
     it). A pair timed in its present serving by an earlier call, then in another serving by a
     later one (a pack exported between two calls), is judged by the earlier. Pure."""
     best: dict = {}
-    for key, t in times.items():
-        mode, _, M, N, K = key
-        for layout, ours, _torch in PAIRS:
-            if ours not in t or len(t[ours]) < 3:
-                continue
-            got = timed_by.get((t[ours][2], M, N, K, layout))
-            now = serving.get((M, N, K, layout), ("library", None))
-            rank = (got is None or not differs(got, now), t[ours][2])
-            pair = (mode, M, N, K, layout)
-            if pair not in best or rank >= best[pair][0]:
-                best[pair] = (rank, key, (got, now))
+    for key, pair, got, now, run in _timed_and_served(times, timed_by, serving):
+        rank = (got is None or not differs(got, now), run)
+        if pair not in best or rank >= best[pair][0]:
+            best[pair] = (rank, key, (got, now))
     out: dict = {}
     stale = {}
     for pair, ((as_served, _), key, what) in best.items():
@@ -155,27 +153,20 @@ def latest_as_served(times: dict, timed_by: dict, serving: dict) -> tuple[dict, 
     return out, stale
 
 
-def sessions(db: sqlite3.Connection, runs: tuple, latest: bool = False, modes: tuple = MODES) -> dict:
-    """(mode, session, M, N, K) -> {impl: (time, paired)}: medians, means in server mode, and the
-    record's paired ratios {other: t_other / t_self} where it has them (the reports' rule).
-    latest: of the sessions that timed gemmrl.matmul on one shape in one mode, only the last
-    run's (the product as it last ran there, when several runs timed the shape again).
-    modes: only these modes' sessions."""
+def sessions(db: sqlite3.Connection, runs: tuple, modes: tuple = MODES) -> dict:
+    """(mode, session, M, N, K) -> {impl: (time, paired, run)}: medians, means in server mode, the
+    record's paired ratios {other: t_other / t_self} where it has them (the reports' rule), and the
+    run that timed it (--latest picks among runs: latest_as_served). modes: only these modes'
+    sessions."""
     out: dict = defaultdict(dict)
     q = ("SELECT run_id, mode, session, M, N, K, impl, median_us, mean_us, details FROM measurements "
          f"WHERE run_id IN ({_in(runs)}) AND mode IN ({_in(modes)}) AND status='ok' ORDER BY run_id, id")
-    last: dict = {}  # (mode, M, N, K) -> the last run that timed gemmrl.matmul there
     for run, mode, session, M, N, K, impl, med, mean, details in db.execute(q, (*runs, *modes)):
         t = mean if mode == "server" else med
         if t and t > 0:
             paired = (json.loads(details or "{}") or {}).get("paired") or {}
             out[(mode, session, M, N, K)][impl] = (t, paired, run)
-            if impl.startswith("gemmrl.matmul"):
-                last[(mode, M, N, K)] = run  # rows come in run order
-    if latest:
-        out = {k: t for k, t in out.items()
-               if max(v[2] for v in t.values()) >= last.get((k[0], *k[2:]), 0)}
-    return dict(out)  # {impl: (time, paired, run)}
+    return dict(out)
 
 
 def over(t: dict, a: str, b: str) -> float:
@@ -343,10 +334,10 @@ def main(argv=None) -> int:
     neighbours, failed = run_served(db, runs)
     manifest = json.loads(mf.read_text())
     timed_by, serving = run_serving(db, runs), pack_serving(manifest)
+    timed = sessions(db, runs, modes)
     if a.latest:
-        timed, stale = latest_as_served(sessions(db, runs, False, modes), timed_by, serving)
+        timed, stale = latest_as_served(timed, timed_by, serving)
     else:
-        timed = sessions(db, runs, False, modes)
         stale = stale_pairs(timed, timed_by, serving)
     res = summarize(timed, served_keys(manifest) - failed, neighbours, stale)
     if not res:

@@ -56,9 +56,9 @@ def trials_by_shape(store, device: str) -> dict[tuple, list[tuple[str, float]]]:
     return out
 
 
-def rewards_by_shape(store, device: str) -> dict[tuple, list[float]]:
-    """(M, N, K, dtype, acc) -> the rewards of the store's trials on `device`, in timing order."""
-    return {k: [r for _, r in v] for k, v in trials_by_shape(store, device).items()}
+def rewards_of(trials: dict[tuple, list[tuple[str, float]]]) -> dict[tuple, list[float]]:
+    """trials_by_shape's rewards alone, in timing order. Pure."""
+    return {k: [r for _, r in v] for k, v in trials.items()}
 
 
 def within_sweep(sweep: dict[tuple, list[tuple[str, float]]], policy: dict[tuple, list[tuple[str, float]]]
@@ -228,11 +228,11 @@ def main(argv=None) -> int:
             store.close()
 
     device, sweep_trials, sweep_prov = read(a.sweep)
-    sweep = {k: [r for _, r in v] for k, v in sweep_trials.items()}
+    sweep = rewards_of(sweep_trials)
     policies, extra, provenance = {}, {}, {"sweep": sweep_prov}
     for name, db in named.items():
         _, got, provenance[name] = read(db)
-        policies[name] = {k: [r for _, r in v] for k, v in got.items()}
+        policies[name] = rewards_of(got)
         kept, outside = within_sweep(sweep_trials, got)
         extra[name] = {"outside_sweep_trials": outside, "same_kernel_vs_sweep": session_noise(sweep_trials, got)}
         if outside:  # its order over the sweep's own kernels, beside its curve over the wider set
