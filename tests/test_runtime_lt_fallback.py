@@ -505,3 +505,49 @@ def test_a_packs_algorithms_go_to_every_gpu_of_its_model(monkeypatch):
     finally:
         ops._install_lt(None, None)
     assert ops.lt_status()["installed"] == 0 and ops.lt_status()["note"] == "no pack"
+
+
+def test_the_first_shape_a_process_prepares_names_its_installed_algorithm(monkeypatch):
+    """PackMatmul records which cuBLASLt algorithm of the pack serves a shape. The fast path (and
+    with it the pack's algorithms) loads on a process's first call, so a shape prepared before
+    any call read an empty table and was recorded as served by the heuristic (H200, runs
+    539-555): _installed_lt loads the fast path first."""
+    import types
+
+    from gemmrl.runtime import fastpath
+    from gemmrl.runtime.pack_impl import _installed_lt
+
+    class Fast:
+        def set_python(self, *a):
+            pass
+
+        def set_active(self, on):
+            pass
+
+        def set_lt(self, on):
+            pass
+
+        def lt_version(self):
+            return 130100
+
+        def lt_install(self, M, N, K, tn, dtype, dev, algo):
+            return True
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(fastpath, "get", lambda: Fast())
+    monkeypatch.delenv("GEMMRL_FALLBACK", raising=False)
+    algo = bytes(range(64))
+    pack = types.SimpleNamespace(lt_algos={(4096, 256, 16384, "NN"): algo}, lt_version=130100, dtype="fp16",
+                                 stamp={"device": "NVIDIA H200"})
+    monkeypatch.setattr(ops, "_ACTIVE", types.SimpleNamespace(pack=pack))
+    monkeypatch.setattr(ops, "_FAST", ops._UNSET)  # a fresh process: no call made yet
+    try:
+        assert _installed_lt(pack, 4096, 256, 16384, "NN") == algo.hex()
+        assert _installed_lt(pack, 4096, 256, 16384, "TN") is None  # the pack has none for it
+        assert _installed_lt(pack, 64, 256, 16384, "NN") is None
+    finally:
+        ops._install_lt(None, None)

@@ -94,6 +94,11 @@ def _installed_lt(pack, M: int, N: int, K: int, layout: str) -> str | None:
     key = (M, N, K, layout)
     if key not in pack.lt_algos or not torch.cuda.is_available() or ops._fallback_choice() == "torch":
         return None
+    # the fast path loads on a process's first call, and installs the active pack's algorithms
+    # then: before it, the table is empty, and the first shape a bench process prepared was
+    # recorded as served by the heuristic (H200, runs 539-555: a disputed pair timed six times
+    # that never counted, and product pairs listed as stale)
+    ops._fast()
     if key not in ops._LT["installed"].get(torch.cuda.current_device(), ()):
         return None
     return pack.lt_algos[key].hex()
