@@ -9,8 +9,8 @@
 # "build ARGS" (gemmrl build, e.g. --tuned-in results/gemmrl.sqlite --variants epi: kernels the next
 # steps race, compiled on the device's cores into the cache they read).
 # STEPS run on GPU 0; on a machine with G GPUs, STEPS_1 .. STEPS_<G-1> run on the others at once
-# (each lane's steps in turn, all writing the one store). A step with --gpus N (bench --gpus 4) sees
-# every GPU, so give it a lane of its own with no other lane's steps beside it. PRE="build ...; ..." runs first, alone
+# (each lane's steps in turn, all writing the one store). A step with --gpus N, N > 1 (bench --gpus 4),
+# sees every GPU, so give it a lane of its own with no other lane's steps beside it (--gpus 1: its lane's). PRE="build ...; ..." runs first, alone
 # (its logs step-pre.N-VERB.log), e.g. the kernels every lane will time compiled on all cores.
 # Carry the CUTLASS headers (.ext/carry/cutlass-headers-*.txz from scripts/pack-cutlass-headers.sh, or
 # the nvidia_cutlass wheel) and the build caches the steps need (.ext/carry/gcache*.txz,
@@ -98,9 +98,11 @@ lane() {
     [ -n "$cap" ] && [ "$cap" -lt "$budget" ] && budget=$cap
     log=$out/logs/step-$id-$verb.log
     echo "== step $id: $label ${argv[*]} (timeout ${budget} s)" | tee -a "$out/logs/steps.txt"
-    # a step that spreads itself over GPUs (bench --gpus N) sees every GPU of the machine, not its lane's
+    # a step that spreads itself over GPUs (bench --gpus N, N > 1) sees every GPU of the machine, not
+    # its lane's; with --gpus 1 it keeps its lane's (two lanes' --gpus 1 steps both ran on GPU 0, runs 551-556)
     vis=${LANE_GPUS[$g]}
-    [[ " ${argv[*]} " == *" --gpus "* ]] && vis=$(IFS=,; echo "${LANE_GPUS[*]}")
+    gpus_re=' --gpus ([0-9]+) '
+    [[ " ${argv[*]} " =~ $gpus_re ]] && [ "${BASH_REMATCH[1]}" -gt 1 ] && vis=$(IFS=,; echo "${LANE_GPUS[*]}")
     CUDA_VISIBLE_DEVICES=$vis OUT=$out GEMMRL_TEST_OUT=$out/logs timeout -k 30 "$budget" "${cmd[@]}" "${argv[@]}" "${extra[@]}" > "$log" 2>&1
     echo "exit $? after $SECONDS s (step $id)" | tee -a "$out/logs/steps.txt"
     grep -E "^tuned|^the winners|^measured|deadline" "$log" | tail -3

@@ -245,12 +245,12 @@ def test_device_steps_runs_each_step_in_turn_with_its_cap_and_returns_the_store(
     assert "== step 3: python3 scripts/hello.py a b" in steps and (out / "hello.txt").read_text() == "a b"
     # two lanes (GPUs): STEPS_1 runs beside STEPS; a lane for a GPU the machine lacks is named
     out2 = tmp_path / "out2"
-    # a step with --gpus N sees every GPU of the machine; another sees its lane's alone
+    # a step with --gpus N (N > 1) sees every GPU of the machine; another sees its lane's alone
     (repo / "scripts" / "vis.py").write_text(
         "import os, sys\nopen(os.environ['OUT'] + '/vis-' + sys.argv[1] + '.txt', 'w')"
         ".write(os.environ['CUDA_VISIBLE_DEVICES'])\n")
     env2 = {**env, "STEPS": "store; scripts/vis.py all --gpus 2",
-            "STEPS_1": "store --db-missing-option; scripts/vis.py lane", "STEPS_2": "store",
+            "STEPS_1": "store --db-missing-option; scripts/vis.py lane; scripts/vis.py one --gpus 1", "STEPS_2": "store",
             "STEPS_GPUS": "2", "FULL_STORE": "1", "BG": "", "PRE": "scripts/hello.py pre; store",
             "CACHE_BACK": str(tmp_path / "entries.txt")}
     # CACHE_BACK: the builds a step listed come back packed, and only those
@@ -275,6 +275,8 @@ def test_device_steps_runs_each_step_in_turn_with_its_cap_and_returns_the_store(
     assert max(i for i, l in enumerate(lines) if "(step pre.1)" in l) < first_lane
     assert (out2 / "hello.txt").read_text() == "pre"
     assert (out2 / "vis-all.txt").read_text() == "0,1" and (out2 / "vis-lane.txt").read_text() == "1"
+    # --gpus 1 keeps its lane's GPU (two lanes' --gpus 1 steps both ran on GPU 0, runs 551-556)
+    assert (out2 / "vis-one.txt").read_text() == "1"
     assert (out2 / "gemmrl.sqlite.xz").exists() and not (out2 / "gemmrl-delta.sqlite.xz").exists()
     with tarfile.open(out2 / "gcache-back.txz") as t:
         assert set(t.getnames()) == {"builds/k1", "builds/k1/lib.so"}
