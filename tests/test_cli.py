@@ -630,6 +630,70 @@ def test_tune_stopped_in_its_baselines_or_final_timing_ends_partial_and_goes_no_
     assert len(seen_kw) == n_tunes and calls[-1] == ("baselines",) and calls[-2] != ("baselines",)
 
 
+def test_tune_wall_gives_the_baselines_half_and_searches_the_shapes_that_have_them(tmp_path, monkeypatch):
+    """--wall-s bounds the baselines' measurement too: they get half of it (H100, 2026-11-27: the
+    baselines of 200 shapes took a whole call and nothing was searched). The shapes measured by
+    then are searched until the whole wall, the others are left to a rerun (the run is partial);
+    without --wall-s the baselines have no deadline. The GPU parts are replaced."""
+    import time
+    from types import SimpleNamespace
+
+    import gemmrl.bench.env as env
+    import gemmrl.search.run as srun
+    import gemmrl.search.tune as stune
+    from gemmrl.bench import runner
+    from gemmrl.search.tune import TuneResult
+
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    monkeypatch.setattr(env, "provenance", lambda *a, **k: {"device": "Fake GPU"})
+    monkeypatch.setattr(stune, "best_baseline_from_store", lambda *a, **k: (lambda p: 1.0))
+    monkeypatch.setattr(srun, "isolated_evaluator", lambda *a, **k: (None, lambda: None))
+    monkeypatch.setattr(srun, "rejected_winners", lambda *a: {})
+    searched, timed, deadlines = [], [], []
+
+    def fake_run_tune(problems, store, device, evaluate, **kw):
+        searched.append([q.shape for q in problems])
+        deadlines.append(kw["deadline"])
+        trials = [SimpleNamespace(problem=q, reward=1.2) for q in problems]
+        return TuneResult(problems=list(problems), trials=trials, history=[], best={t.problem: t for t in trials},
+                          curve=[], device_s=0.0)
+    monkeypatch.setattr(srun, "run_tune", fake_run_tune)
+
+    def fake_isolated(probs, specs, store, cfg, **kw):
+        if specs == ("baselines",):
+            deadlines.append(cfg.deadline)
+            if cfg.deadline is not None:  # the wall's half ran out after the first shape
+                return {"stopped": True, "deadline_after": 1}
+            return {"stopped": False}
+        timed.append([q.shape for q in probs])
+        return {"stopped": False}
+    monkeypatch.setattr(runner, "run_isolated", fake_isolated)
+    shapes = "64x64x64,128x128x128"
+    db = tmp_path / "wall.sqlite"
+    t0 = time.monotonic()
+    r = CliRunner().invoke(main, ["tune", "--shapes", shapes, "--db", str(db), "--no-report", "--wall-s", "100"])
+    assert r.exit_code == 0, r.output
+    assert "baselines measured for 1 of 2 shapes" in r.output
+    assert searched == [["64x64x64"]] and timed == [["64x64x64"]]
+    base_deadline, search_deadline = deadlines
+    assert t0 + 50 <= base_deadline <= time.monotonic() + 50  # half the wall, from the start
+    assert abs(search_deadline - base_deadline - 50) < 1e-6  # the whole wall, from the same start
+    store = Store(db)
+    assert store.runs()[-1]["status"] == "partial"  # one shape left to a rerun
+    store.close()
+    # without --wall-s: no deadline on the baselines, every shape searched, the run done
+    searched.clear(), timed.clear(), deadlines.clear()
+    db = tmp_path / "nowall.sqlite"
+    r = CliRunner().invoke(main, ["tune", "--shapes", shapes, "--db", str(db), "--no-report"])
+    assert r.exit_code == 0, r.output
+    assert deadlines == [None, None] and searched == [["64x64x64", "128x128x128"]]
+    store = Store(db)
+    assert store.runs()[-1]["status"] == "done"
+    store.close()
+
+
 def test_cuda_l2_imports_a_carried_prebuilt_module(tmp_path):
     """A CUDA-L2 module built on another machine of the same image and carried as the .so alone
     (scripts/cuda-l2-prebuild.py) is imported as it is, not compiled again; a build directory

@@ -90,6 +90,7 @@ def _until_deadline(problems, cfg, counts: dict, log, progress):
     for idx, problem in enumerate(problems):
         if cfg.deadline is not None and time.monotonic() > cfg.deadline:
             counts["stopped"] = True
+            counts["deadline_after"] = idx  # the first idx problems were done (a SIGTERM sets no such key)
             log(f"deadline reached after {idx} of {len(problems)} problems; rerun to resume")
             return
         yield problem
