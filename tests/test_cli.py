@@ -555,18 +555,12 @@ def test_build_tuned_in_compiles_the_stored_winners_once_each(tmp_path, monkeypa
     assert "1 already built, 0 to compile" in r.output
 
 
-def test_tune_stopped_in_its_baselines_or_final_timing_ends_partial_and_goes_no_further(tmp_path, monkeypatch):
-    """A SIGTERM (a device call's timeout) during tune's final timing: the runner returns with
-    counts['stopped']; the run must be recorded 'partial', not 'done', and no runner-up round may
-    start on the strength of winners that were never timed. One during the baselines: no search
-    starts. The GPU parts are replaced."""
-    from types import SimpleNamespace
-
+def _fake_gpu_for_tune(monkeypatch):
+    """tune's GPU parts replaced for the CLI tests: a visible 'Fake GPU', its provenance, a
+    baseline of 1 us for every shape and no evaluator (run_tune and run_isolated are the tests')."""
     import gemmrl.bench.env as env
     import gemmrl.search.run as srun
     import gemmrl.search.tune as stune
-    from gemmrl.bench import runner
-    from gemmrl.search.tune import TuneResult
 
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -574,6 +568,20 @@ def test_tune_stopped_in_its_baselines_or_final_timing_ends_partial_and_goes_no_
     monkeypatch.setattr(env, "provenance", lambda *a, **k: {"device": "Fake GPU"})
     monkeypatch.setattr(stune, "best_baseline_from_store", lambda *a, **k: (lambda p: 1.0))
     monkeypatch.setattr(srun, "isolated_evaluator", lambda *a, **k: (None, lambda: None))
+
+
+def test_tune_stopped_in_its_baselines_or_final_timing_ends_partial_and_goes_no_further(tmp_path, monkeypatch):
+    """A SIGTERM (a device call's timeout) during tune's final timing: the runner returns with
+    counts['stopped']; the run must be recorded 'partial', not 'done', and no runner-up round may
+    start on the strength of winners that were never timed. One during the baselines: no search
+    starts. The GPU parts are replaced."""
+    from types import SimpleNamespace
+
+    import gemmrl.search.run as srun
+    from gemmrl.bench import runner
+    from gemmrl.search.tune import TuneResult
+
+    _fake_gpu_for_tune(monkeypatch)
     p = Problem(64, 64, 64)
 
     seen_kw = []
@@ -638,18 +646,11 @@ def test_tune_wall_gives_the_baselines_half_and_searches_the_shapes_that_have_th
     import time
     from types import SimpleNamespace
 
-    import gemmrl.bench.env as env
     import gemmrl.search.run as srun
-    import gemmrl.search.tune as stune
     from gemmrl.bench import runner
     from gemmrl.search.tune import TuneResult
 
-    torch = pytest.importorskip("torch")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
-    monkeypatch.setattr(env, "provenance", lambda *a, **k: {"device": "Fake GPU"})
-    monkeypatch.setattr(stune, "best_baseline_from_store", lambda *a, **k: (lambda p: 1.0))
-    monkeypatch.setattr(srun, "isolated_evaluator", lambda *a, **k: (None, lambda: None))
+    _fake_gpu_for_tune(monkeypatch)
     monkeypatch.setattr(srun, "rejected_winners", lambda *a: {})
     searched, timed, deadlines = [], [], []
 
