@@ -568,6 +568,10 @@ def targets(results_dir, device, subject, acc, product, json_out):
                    "baselines take half of it at most: shapes whose baselines are not measured by then are "
                    "left to a rerun, and the search takes the rest")
 @click.option("--no-report", is_flag=True, help="do not write CSVs, summary and plots at the end")
+@click.option("--seed-from-lt", "seed_from_lt", is_flag=True,
+              help="seed each shape's first batch with the CUTLASS kernels of cuBLASLt autotuned's own "
+                   "choice there (its stored tile and cluster, in our orientation: search/lt_seed.py), beside "
+                   "any --transfer-from; the baselines must have been measured on this GPU")
 @click.option("--reuse-baselines", is_flag=True,
               help="time only the winners at the end and compare them with the baselines already in the "
                    "store (default: time the baselines again beside them, so each ratio is from one run)")
@@ -614,7 +618,8 @@ def targets(results_dir, device, subject, acc, product, json_out):
                    "trials; the stored choices await their final verification, which a later run without "
                    "this flag does)")
 def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, built_only, family_opts, match, layouts,
-         db, out, ray_address, gpus, no_report, reuse_baselines, race, transfer_from, policy_name, seed, search_only):
+         db, out, ray_address, gpus, no_report, seed_from_lt, reuse_baselines, race, transfer_from, policy_name, seed,
+         search_only):
     """Search kernels per shape with speed over the best baseline as the reward; keep the winners.
 
     Baselines are measured first (kernel mode) where the store lacks them; then the model-free
@@ -627,6 +632,8 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
     _check_match(match)
     if transfer_from and policy_name != "model-free":
         raise click.UsageError(f"--transfer-from seeds the model-free policy; the {policy_name} policy takes none")
+    if seed_from_lt and policy_name != "model-free":
+        raise click.UsageError(f"--seed-from-lt seeds the model-free policy; the {policy_name} policy takes none")
     no_report = no_report or search_only
     from gemmrl.space import registry
 
@@ -722,6 +729,8 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
                        "a rerun resumes from what the store holds", err=True)
         else:
             baseline_fn = best_baseline_from_store(store, device, "kernel")
+            # after the baselines: the autotuned one stored its choices
+            lt_prior = _lt_prior_for(store, device, problems, lays) if seed_from_lt else None
             if ray_address is not None:
                 import ray
 
@@ -743,7 +752,8 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
                                budget_s=budget_s or float("inf"), layouts=lays, run_id=run_id, on_trial=on_trial,
                                deadline=t_start + wall_s if wall_s else None,
                                generic_built_only=built_only, families=fams, match=match, more=more,
-                               transfer_from=sources or None, policy_name=policy_name, seed=seed)
+                               transfer_from=sources or None, policy_name=policy_name, seed=seed,
+                               lt_prior=lt_prior)
                 search_wall = time.monotonic() - t_search
             finally:
                 close()
@@ -806,6 +816,21 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
 
 
 RUNNER_UP_ROUNDS = 3  # how many times a shape's rejected winner gives way to the next (tune)
+
+
+def _lt_prior_for(store, device: str, problems, layouts) -> dict:
+    """tune --seed-from-lt: the CUTLASS kernels of cuBLASLt autotuned's stored choices on these
+    shapes (search.lt_seed.lt_prior), its enums read from cublasLt.h where one is found (else
+    CUDA 11's, which know no tile above 35); says how many and from what."""
+    from gemmrl.baselines.cublas import lt_enum_tables
+    from gemmrl.search.lt_seed import lt_prior
+
+    tiles, clusters, source = lt_enum_tables(extra_roots=tuple(sorted(Path.cwd().glob(".ext/*/nvidia/cu13"))))
+    prior = lt_prior(store, device, problems, tiles, clusters, layouts)
+    n = sum(len(v) for v in prior.values())
+    click.echo(f"--seed-from-lt: {n} kernels after cuBLASLt autotuned's choices on {len(prior)} of "
+               f"{len(problems)} shapes ({source})", err=True)
+    return prior
 
 
 def split_transfer_source(text: str) -> tuple[str, str | None]:
@@ -1161,11 +1186,16 @@ def store_cmd(db, compress, small, merge_from, since_run, release, release_shape
                    "--shapes with --acc: per shape the first --top of that GPU's winner and runners-up (with "
                    ":ACC, its tuning with that accumulator, each kernel's --acc twin; repeated, the sources "
                    "interleaved by rank, as tune does). tune takes 3")
+@click.option("--seed-from-lt", "lt_gpu", default=None, metavar="GPU",
+              help="with --tuned-in: also compile what `gemmrl tune --seed-from-lt` proposes first on GPU: "
+                   "the kernels of cuBLASLt autotuned's stored choices there on --shapes (ranked before any "
+                   "--transfer-from's, as tune does)")
 @click.option("--pack", "pack_dir", default=None, metavar="DIR",
               help="compile every kernel of this pack instead (what gemmrl.warmup() builds on the GPU "
                    "machine): a deployment's cache made ahead of time; only --jobs, --dry-run and --entries apply")
 def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned_device, variant_opt, acc_only, jobs,
-              dry_run, pending_db, candidates, max_shapes, entries_file, race_k, former, match, transfer_text, pack_dir):
+              dry_run, pending_db, candidates, max_shapes, entries_file, race_k, former, match, transfer_text, lt_gpu,
+              pack_dir):
     """Compile the kernels a set of shapes will try into the build cache ($GEMMRL_CACHE), ahead of
     time and without a GPU; copy the cache to the GPU machine to save its time."""
     from gemmrl.build import ahead
@@ -1206,11 +1236,13 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
         fams = [registry.get(f) for f in family_opts or (() if tuned_db else ("cutlass_sm90",))]
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--family") from None
-    if transfer_text:
+    if transfer_text or lt_gpu:
         if tuned_db is None:
-            raise click.UsageError("--transfer-from goes with --tuned-in DB, the store holding that tuning")
+            raise click.UsageError(f"{'--transfer-from' if transfer_text else '--seed-from-lt'} goes with --tuned-in "
+                                   "DB, the store holding that tuning")
         return _build_transfer(tuned_db, transfer_text, shape_spec, dtype, acc, top, fams, tuned_device,
-                               variant_opt, acc_only, race_k, pending_db, max_shapes, jobs, dry_run, entries_file)
+                               variant_opt, acc_only, race_k, pending_db, max_shapes, jobs, dry_run, entries_file,
+                               lt_gpu)
     if tuned_db is not None:
         if pending_db is not None or max_shapes is not None:
             raise click.UsageError("--tuned-in builds stored winners: --pending-in and --max-shapes do not apply")
@@ -1280,8 +1312,9 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
 
 
 def _build_transfer(tuned_db, transfer_texts, shape_spec, dtype, acc, top, fams, tuned_device, variant_opt,
-                    acc_only, race_k, pending_db, max_shapes, jobs, dry_run, entries_file):
-    """build --tuned-in DB --transfer-from GPU[:ACC] ...: the kernels tune's prior puts first."""
+                    acc_only, race_k, pending_db, max_shapes, jobs, dry_run, entries_file, lt_gpu=None):
+    """build --tuned-in DB --transfer-from GPU[:ACC] and/or --seed-from-lt GPU ...: the kernels
+    tune's prior puts first."""
     from gemmrl.build import ahead
     from gemmrl.search.run import TUNED, merged_priors, store_prior
     from gemmrl.store.db import Store, device_by_part, unpack_if_missing
@@ -1290,7 +1323,8 @@ def _build_transfer(tuned_db, transfer_texts, shape_spec, dtype, acc, top, fams,
                                 ("--race", race_k), ("--pending-in", pending_db), ("--max-shapes", max_shapes))
              if v is not None]
     if given:
-        raise click.UsageError(f"--transfer-from builds the prior's kernels: {', '.join(given)} "
+        raise click.UsageError(f"{'--transfer-from' if transfer_texts else '--seed-from-lt'} builds the prior's "
+                               f"kernels: {', '.join(given)} "
                                f"{'does' if len(given) == 1 else 'do'} not apply")
     unpack_if_missing(tuned_db)
     if not Path(tuned_db).exists():
@@ -1313,6 +1347,24 @@ def _build_transfer(tuned_db, transfer_texts, shape_spec, dtype, acc, top, fams,
             twins = twins or cross
             priors.append(store_prior(store, source, problems, source_acc if cross else None, acc if cross else None))
             names.append(f"{source}'s" + (f" {source_acc}" if source_acc else ""))
+        if lt_gpu is not None:  # first, as tune ranks it
+            from gemmrl.baselines.cublas import lt_enum_tables
+            from gemmrl.search.lt_seed import lt_prior
+
+            from gemmrl.runtime.pack import LT_IMPL
+
+            lt_devices = sorted({d for lay in ("nn", "tn") for d in store.tuned_devices(LT_IMPL.format(lay))})
+            try:
+                lt_device = device_by_part(lt_gpu, lt_devices, "GPUs")
+            except ValueError as e:
+                raise click.ClickException(str(e)) from None
+            if lt_device not in lt_devices:
+                raise click.ClickException(f"{tuned_db} holds no autotuned cuBLASLt choices on {lt_gpu!r} (gemmrl bench "
+                                           "--impl baselines stores them)" + (f"; it has them on {', '.join(lt_devices)}"
+                                                                              if lt_devices else ""))
+            tiles, clusters, _src = lt_enum_tables(extra_roots=tuple(sorted(Path.cwd().glob(".ext/*/nvidia/cu13"))))
+            priors.insert(0, lt_prior(store, lt_device, problems, tiles, clusters))
+            names.insert(0, f"cuBLASLt autotuned's (on {lt_device})")
     finally:
         store.close()
     prior = merged_priors(priors)

@@ -27,34 +27,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# cublasLtMatmulTile_t: enum value -> rows x columns (cuBLAS's m x n), read from cublasLt.h where
-# it is found (CUDA 13's lists 600+ tiles: 184 is 144x128, 197 168x128, 495 256x96); without a
-# header, the first 35 (CUDA 11's), and a newer tile is shown by number.
-LT_TILES = {1: (8, 8), 2: (8, 16), 3: (16, 8), 4: (8, 32), 5: (16, 16), 6: (32, 8), 7: (8, 64), 8: (16, 32),
-            9: (32, 16), 10: (64, 8), 11: (32, 32), 12: (32, 64), 13: (64, 32), 14: (32, 128), 15: (64, 64),
-            16: (128, 32), 17: (64, 128), 18: (128, 64), 19: (64, 256), 20: (128, 128), 21: (256, 64),
-            22: (64, 512), 23: (128, 256), 24: (256, 128), 25: (512, 64), 26: (64, 96), 27: (96, 64),
-            28: (96, 128), 29: (128, 160), 30: (160, 128), 31: (192, 128), 32: (128, 192), 33: (128, 96),
-            34: (32, 256), 35: (256, 32)}
-# cublasLtClusterShape_t: enum value -> (m, n)
-LT_CLUSTERS = {2: (1, 1), 3: (2, 1), 4: (4, 1), 5: (1, 2), 6: (2, 2), 7: (4, 2), 8: (1, 4), 9: (2, 4),
-               10: (4, 4), 11: (8, 1), 12: (1, 8), 13: (8, 2), 14: (2, 8), 15: (16, 1), 16: (1, 16)}
+from gemmrl.baselines import cublas as _cublas  # noqa: E402
+
+# the enums' tables (gemmrl.baselines.cublas's CUDA 11 ones; load_enums adds the header's): copies,
+# so that this script's additions stay its own
+LT_TILES, LT_CLUSTERS = dict(_cublas.LT_TILES), dict(_cublas.LT_CLUSTERS)
 
 
 def load_enums(header: Path | None) -> str:
     """Take the tile and cluster numbers from `header` (cublasLt.h; None: look where the cuBLAS
     baseline's build does, and in this checkout's .ext/*/nvidia/cu13) into LT_TILES and
     LT_CLUSTERS; returns where they came from, for the report's first line."""
-    from gemmrl.baselines.cublas import lt_enums, lt_header
+    from gemmrl.baselines.cublas import lt_enum_tables
 
-    if header is None:
-        header = lt_header(tuple(sorted(ROOT.glob(".ext/*/nvidia/cu13"))))
-    if header is None:
-        return "no cublasLt.h found: newer tiles shown by number"
-    tiles, clusters = lt_enums(header.read_text(errors="replace"))
+    tiles, clusters, source = lt_enum_tables(header, tuple(sorted(ROOT.glob(".ext/*/nvidia/cu13"))))
     LT_TILES.update(tiles)
     LT_CLUSTERS.update(clusters)
-    return f"tiles from {header}"
+    return source
 
 
 def parse_info(info: str) -> dict | None:

@@ -695,6 +695,39 @@ def test_tune_wall_gives_the_baselines_half_and_searches_the_shapes_that_have_th
     store.close()
 
 
+def test_tune_seeds_from_the_stored_cublaslt_choices_after_the_baselines(tmp_path, monkeypatch):
+    """tune --seed-from-lt reads the autotuned baseline's stored choices once the baselines are
+    measured (they store them) and gives run_tune their kernels as a prior; it says how many."""
+    import gemmrl.search.run as srun
+    from gemmrl.bench import runner
+    from gemmrl.runtime.pack import LT_IMPL
+    from gemmrl.search.tune import TuneResult
+
+    _fake_gpu_for_tune(monkeypatch)
+    db = tmp_path / "lt.sqlite"
+    p = Problem(16384, 4096, 4096)
+    info = "algo=66 tile=29 stages=35 splitk=1 reduction=0 swizzle=0 custom=1 inner=0 cluster=3"
+
+    def fake_isolated(probs, specs, store, cfg, **kw):
+        if specs == ("baselines",):  # the autotuned baseline stores its pick as it runs
+            store.put_tuning("Fake GPU", p, LT_IMPL.format("tn"), b"\x01" * 64, info, 800.0)
+        return {"stopped": False}
+    priors = []
+
+    def fake_run_tune(problems, store, device, evaluate, **kw):
+        priors.append(kw["lt_prior"])
+        return TuneResult(problems=list(problems), trials=[], history=[], best={}, curve=[], device_s=0.0)
+    monkeypatch.setattr(runner, "run_isolated", fake_isolated)
+    monkeypatch.setattr(srun, "run_tune", fake_run_tune)
+    r = CliRunner().invoke(main, ["tune", "--shapes", p.shape, "--db", str(db), "--no-report", "--seed-from-lt"])
+    assert r.exit_code == 0, r.output
+    assert "--seed-from-lt: 2 kernels after cuBLASLt autotuned's choices on 1 of 1 shapes" in r.output
+    assert [s.name for _f, s in priors[0][p]] == ["sm90_coop_128x160x64_c2x1_persist_s0_rh_sw1_tn_f16_f32_xab",
+                                                  "sm90_pp_128x160x64_c2x1_persist_s0_rh_sw1_tn_f16_f32_xab"]
+    r = CliRunner().invoke(main, ["tune", "--shapes", p.shape, "--db", str(db), "--no-report"])
+    assert r.exit_code == 0 and priors[1] is None and "--seed-from-lt" not in r.output
+
+
 def test_cuda_l2_imports_a_carried_prebuilt_module(tmp_path):
     """A CUDA-L2 module built on another machine of the same image and carried as the .so alone
     (scripts/cuda-l2-prebuild.py) is imported as it is, not compiled again; a build directory

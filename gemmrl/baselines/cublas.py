@@ -82,6 +82,19 @@ def parse_description(text: str) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"(\w+)=(-?\d+)", text)}
 
 
+# cublasLtMatmulTile_t: enum value -> rows x columns (cuBLAS's m x n) of the first 35 (CUDA 11's;
+# CUDA 13's cublasLt.h lists 600+, read by lt_enums where the header is found: 184 is 144x128,
+# 197 168x128, 495 256x96)
+LT_TILES = {1: (8, 8), 2: (8, 16), 3: (16, 8), 4: (8, 32), 5: (16, 16), 6: (32, 8), 7: (8, 64), 8: (16, 32),
+            9: (32, 16), 10: (64, 8), 11: (32, 32), 12: (32, 64), 13: (64, 32), 14: (32, 128), 15: (64, 64),
+            16: (128, 32), 17: (64, 128), 18: (128, 64), 19: (64, 256), 20: (128, 128), 21: (256, 64),
+            22: (64, 512), 23: (128, 256), 24: (256, 128), 25: (512, 64), 26: (64, 96), 27: (96, 64),
+            28: (96, 128), 29: (128, 160), 30: (160, 128), 31: (192, 128), 32: (128, 192), 33: (128, 96),
+            34: (32, 256), 35: (256, 32)}
+# cublasLtClusterShape_t: enum value -> (m, n)
+LT_CLUSTERS = {2: (1, 1), 3: (2, 1), 4: (4, 1), 5: (1, 2), 6: (2, 2), 7: (4, 2), 8: (1, 4), 9: (2, 4),
+               10: (4, 4), 11: (8, 1), 12: (1, 8), 13: (8, 2), 14: (2, 8), 15: (16, 1), 16: (1, 16)}
+
 _LT_TILE = re.compile(r"CUBLASLT_MATMUL_TILE_(\d+)x(\d+)\s*=\s*(\d+)")
 _LT_CLUSTER = re.compile(r"CUBLASLT_CLUSTER_SHAPE_(\d+)x(\d+)x1\s*=\s*(\d+)")
 
@@ -96,6 +109,21 @@ def lt_enums(header_text: str) -> tuple[dict[int, tuple[int, int]], dict[int, tu
     if not tiles:
         raise ValueError("no CUBLASLT_MATMUL_TILE_<m>x<n> = <value> entries: not cublasLt.h")
     return tiles, clusters
+
+
+def lt_enum_tables(header: Path | None = None, extra_roots: tuple[Path, ...] = ()) -> tuple[dict, dict, str]:
+    """(tiles, clusters, source): LT_TILES and LT_CLUSTERS with every entry of cublasLt.h added
+    (`header`, else where lt_header finds one), and where they came from. Without a header the
+    CUDA 11 tables alone: a newer tile (enum above 35) is then unknown."""
+    tiles, clusters = dict(LT_TILES), dict(LT_CLUSTERS)
+    if header is None:
+        header = lt_header(extra_roots)
+    if header is None:
+        return tiles, clusters, "no cublasLt.h found: CUDA 11's tiles only"
+    more_tiles, more_clusters = lt_enums(Path(header).read_text(errors="replace"))
+    tiles.update(more_tiles)
+    clusters.update(more_clusters)
+    return tiles, clusters, f"tiles from {header}"
 
 
 def lt_header(extra_roots: tuple[Path, ...] = ()) -> Path | None:

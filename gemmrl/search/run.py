@@ -174,10 +174,12 @@ def merged_priors(priors: list) -> dict:
     return out
 
 
-def add_store_priors(policy, store, sources, device: str, problems=None, target_acc: str | None = None) -> int:
+def add_store_priors(policy, store, sources, device: str, problems=None, target_acc: str | None = None,
+                     extra=()) -> int:
     """add_store_prior for several sources ((GPU, accumulator or None) pairs), their suggestions
-    interleaved by rank (merged_priors). Returns the number of shapes with suggestions."""
-    priors = []
+    interleaved by rank (merged_priors) after those of the `extra` priors ({problem: [(family,
+    spec)]}, e.g. search.lt_seed's). Returns the number of shapes with suggestions."""
+    priors = list(extra)
     for source, source_acc in sources:
         cross = source_acc is not None and target_acc is not None and source_acc != target_acc
         if source == device and not cross:
@@ -303,7 +305,7 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
              generic_built_only: bool = False, families: tuple | None = None,
              match: str | None = None, more: int | None = None,
              transfer_from=None, transfer_acc: str | None = None, policy_name: str = "model-free",
-             seed: int = 0) -> TuneResult:
+             seed: int = 0, lt_prior: dict | None = None) -> TuneResult:
     """Tune, resuming from the trials already in the store; store every trial and the winners.
     The policy also learns from the store's trials of other shapes on this device (its cost
     model, and transfer from the nearest tuned shapes), so a new shape set starts informed.
@@ -313,13 +315,15 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
     one's search (add_store_prior); `transfer_acc`: the accumulator of its tuning to take, when it
     is not the problems' own (each kernel's twin with theirs). Or a list of (GPU, accumulator or
     None) sources, their suggestions interleaved by rank (add_store_priors). `policy_name`: which
-    search (make_policy) where no `policy` is given; only the model-free one takes a transfer."""
+    search (make_policy) where no `policy` is given; only the model-free one takes a transfer.
+    `lt_prior`: {problem: [(family, spec)]} of cuBLASLt's autotuned choices (search.lt_seed,
+    `tune --seed-from-lt`), a prior like a transfer's, its suggestions ranked with theirs."""
     problems = list(problems)
     wanted = {p.key() for p in problems}
     stored = stored_history(store, device, None)
     history = [t for t in stored if t.problem.key() in wanted]
     others = [t for t in stored if t.problem.key() not in wanted]
-    if transfer_from and policy_name != "model-free" and policy is None:
+    if (transfer_from or lt_prior) and policy_name != "model-free" and policy is None:
         raise ValueError(f"the {policy_name} policy takes no transfer: only the model-free one is seeded")
     policy = policy or make_policy(policy_name, families=families, layouts=layouts,
                                    allow=policy_filter(generic_built_only, match), seed=seed)
@@ -333,7 +337,10 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
             raise ValueError(f"transfer from the {named[0]} tuning: the problems mix accumulators "
                              f"({', '.join(sorted(accs))})")
         add_store_priors(policy, store, sources, device,
-                         target_acc=next(iter(accs)) if named and accs else None)
+                         target_acc=next(iter(accs)) if named and accs else None, extra=[lt_prior] if lt_prior else ())
+    elif lt_prior:
+        for problem, suggestions in merged_priors([lt_prior]).items():
+            policy.add_prior(problem, suggestions)
 
     def keep(t: Trial) -> None:
         choice = json.dumps({"family": t.candidate.family, "spec": t.to_dict()["spec"]}, sort_keys=True).encode()

@@ -1,0 +1,88 @@
+"""Candidates after cuBLASLt's own autotuned choice (`tune --seed-from-lt`): the autotuned
+baseline stores, per shape and layout, the algorithm it picked out of up to 100 (its tile,
+cluster and split-K, in the description `algo=66 tile=29 ... cluster=3`). That choice is the
+library's measured answer for the shape on this GPU, so the CUTLASS kernels of the same output
+tile and cluster are a prior worth timing first, like another GPU's winners (--transfer-from).
+On the H200's fp32 shapes of 2^36 FLOPs or more below 0.98 of it (2026-11-27), it chose tile
+128x160 with a 2x1 cluster on 46 of 68 (shape, layout) pairs, a tile our search had tried on 8
+of the grid's shapes; on the H100 our swapped 128x160 kernels won those shapes.
+
+cuBLAS is column-major: the harness computes row-major C = A B as C^T = B^T A^T, so its m x n
+tile lies m along our N and n along our M, and its cluster likewise. Its faithful twin is our
+swapped kernel (swap_ab: the kernel's M is our N) with tile_m = m, tile_n = n and the cluster as
+it is; our plain kernel of the same output tile has tile_m = n, tile_n = m and the cluster
+turned. Both, in both schedules, wherever the CUTLASS family accepts them for the shape."""
+
+from __future__ import annotations
+
+import functools
+
+FAMILY = "cutlass_sm90"
+
+
+def lt_specs(tile: tuple[int, int], cluster: tuple[int, int], layout: str, dtype: str = "fp16",
+             acc: str = "fp32", problem=None) -> list:
+    """The CUTLASS specs of cuBLASLt's (m, n) tile and (m, n) cluster in our orientation: the
+    swapped twin first (cooperative, then pingpong), then the plain kernel of the same output
+    tile; persistent, default stages, raster and swizzle; only those of the search pool (which
+    leaves out legal kernels known to run badly, e.g. the NN forms of 144 and 176 wide tiles)
+    that the family accepts (for `problem`, when given), each once. Pure."""
+    from gemmrl.space import cutlass_sm90 as cs
+
+    (m, n), (cm, cn) = tile, cluster
+    pool = _pool(layout, dtype, acc)
+    out, seen = [], set()
+    for swap in (True, False):
+        tm, tn, clm, cln = (m, n, cm, cn) if swap else (n, m, cn, cm)
+        for schedule in ("cooperative", "pingpong"):
+            spec = cs.CutlassSpec(tile_m=tm, tile_n=tn, cluster_m=clm, cluster_n=cln, schedule=schedule,
+                                  layout=layout, dtype=dtype, acc=acc, swap_ab=swap)
+            if spec.name in pool and spec.name not in seen and cs.valid(spec, problem) is None:
+                seen.add(spec.name)
+                out.append(spec)
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _pool(layout: str, dtype: str, acc: str) -> frozenset:
+    """The names of the CUTLASS search pool's specs of a layout, swapped twins included."""
+    from gemmrl.space import cutlass_sm90 as cs
+
+    specs = cs.enumerate_specs(layout, dtype, acc)
+    return frozenset(s.name for s in specs + cs.swapped_twins(specs))
+
+
+def parse_choice(info: str, tiles: dict, clusters: dict) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """((m, n) tile, (m, n) cluster) of a stored autotuned choice's description, or None where it
+    names no tile and cluster these tables know, or a split-K one (our plain persistent kernels
+    are no twin of it). Pure."""
+    from gemmrl.baselines.cublas import parse_description
+
+    d = parse_description(info or "")
+    tile, cluster = tiles.get(d.get("tile")), clusters.get(d.get("cluster"))
+    if tile is None or cluster is None or d.get("splitk", 1) > 1:
+        return None
+    return tile, cluster
+
+
+def lt_prior(store, device: str, problems, tiles: dict, clusters: dict, layouts=("NN", "TN")) -> dict:
+    """{problem: [(family, spec), ...]} for tune's policy (add_prior): per problem, the specs of
+    the autotuned cuBLASLt choice stored on `device` for each of `layouts` (lt_specs; the
+    choices are fp32-accumulator ones, as the baseline runs, and the specs take the problem's
+    accumulator). Problems with no usable stored choice are left out."""
+    from gemmrl.runtime.pack import LT_IMPL
+
+    out: dict = {}
+    for problem in problems:
+        suggestions = []
+        for layout in layouts:
+            row = store.db.execute(
+                "SELECT info FROM tuning WHERE device=? AND M=? AND N=? AND K=? AND dtype=? AND acc='fp32' "
+                "AND impl=?", (device, problem.M, problem.N, problem.K, problem.dtype,
+                               LT_IMPL.format(layout.lower()))).fetchone()
+            got = parse_choice(row[0], tiles, clusters) if row else None
+            if got is not None:
+                suggestions += [(FAMILY, s) for s in lt_specs(*got, layout, problem.dtype, problem.acc, problem)]
+        if suggestions:
+            out[problem] = suggestions
+    return out

@@ -1,0 +1,128 @@
+"""tune --seed-from-lt: cuBLASLt autotuned's stored choice (its tile and cluster) turned into the
+CUTLASS kernels of our orientation, and given to the search as a prior. CPU only: the choices
+are written into a store here as the autotuned baseline stores them."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from gemmrl.baselines.cublas import LT_CLUSTERS, LT_TILES
+from gemmrl.cli import main
+from gemmrl.core.problem import Problem
+from gemmrl.runtime.pack import LT_IMPL
+from gemmrl.search.lt_seed import lt_prior, lt_specs, parse_choice
+from gemmrl.store.db import Store
+
+DEV = "Fake H200"
+# as the autotuned baseline describes its pick (H200, 16384x4096x4096: tile 29 = 128x160, cluster 3 = 2x1)
+INFO = "algo=66 tile=29 stages=35 splitk=1 reduction=0 swizzle=0 custom=1 inner=0 cluster=3 (best of 3/3)"
+
+
+def names(specs) -> list[str]:
+    return [s.name for s in specs]
+
+
+def test_a_cublas_tile_becomes_our_swapped_twin_and_the_plain_kernel_of_its_output_tile():
+    """cuBLAS's m x n tile lies m along our N: its twin is our swapped kernel with the same tile
+    and cluster; the plain kernel of the same output tile has the tile and the cluster turned.
+    Only kernels of the search pool, in both schedules."""
+    p = Problem(16384, 4096, 4096)
+    # 128x160 (2x1): the swapped 128x160 with a 2x1 cluster; no 160-row plain tile in the pool
+    assert names(lt_specs((128, 160), (2, 1), "TN", problem=p)) == [
+        "sm90_coop_128x160x64_c2x1_persist_s0_rh_sw1_tn_f16_f32_xab",
+        "sm90_pp_128x160x64_c2x1_persist_s0_rh_sw1_tn_f16_f32_xab"]
+    # 176x128 (1x2): the plain 128x176, its cluster turned to 2x1; the pool has it in TN only
+    assert names(lt_specs((176, 128), (1, 2), "TN", problem=p)) == [
+        "sm90_coop_128x176x64_c2x1_persist_s0_rh_sw1_tn_f16_f32",
+        "sm90_pp_128x176x64_c2x1_persist_s0_rh_sw1_tn_f16_f32"]
+    assert lt_specs((176, 128), (1, 2), "NN", problem=p) == []
+    # a square tile: both orientations, swapped first; the accumulator is the problem's
+    got = names(lt_specs((128, 128), (2, 1), "NN", acc="fp16", problem=Problem(4096, 4096, 4096, acc="fp16")))
+    assert got[:2] == ["sm90_coop_128x128x64_c2x1_persist_s0_rh_sw1_nn_f16_f16_xab",
+                       "sm90_pp_128x128x64_c2x1_persist_s0_rh_sw1_nn_f16_f16_xab"]
+    assert "sm90_coop_128x128x64_c1x2_persist_s0_rh_sw1_nn_f16_f16" in got and len(got) == len(set(got))
+
+
+def test_a_stored_description_gives_its_tile_and_cluster_or_nothing():
+    assert parse_choice(INFO, LT_TILES, LT_CLUSTERS) == ((128, 160), (2, 1))
+    # a tile the tables do not know (CUDA 13's 197 without cublasLt.h), a split-K pick, no description
+    assert parse_choice(INFO.replace("tile=29", "tile=197"), LT_TILES, LT_CLUSTERS) is None
+    assert parse_choice(INFO.replace("splitk=1", "splitk=4"), LT_TILES, LT_CLUSTERS) is None
+    assert parse_choice("", LT_TILES, LT_CLUSTERS) is None
+
+
+def _store_with_choices(path) -> tuple[Store, Problem, Problem]:
+    """A store where the autotuned baseline chose tile 128x160 on TN and 128x128 on NN of one
+    shape, and nothing on another."""
+    store = Store(path)
+    p, q = Problem(16384, 4096, 4096), Problem(64, 64, 64)
+    store.put_tuning(DEV, p, LT_IMPL.format("tn"), b"\x01" * 64, INFO, 800.0)
+    store.put_tuning(DEV, p, LT_IMPL.format("nn"), b"\x02" * 64, INFO.replace("tile=29", "tile=20"), 810.0)
+    return store, p, q
+
+
+def test_the_prior_reads_the_stored_choices_of_each_layout(tmp_path):
+    store, p, q = _store_with_choices(tmp_path / "s.sqlite")
+    try:
+        prior = lt_prior(store, DEV, [p, q], LT_TILES, LT_CLUSTERS)
+        assert set(prior) == {p}  # no stored choice on q: nothing to suggest
+        got = [(fam, s.layout, s.tile_m, s.tile_n, s.swap_ab) for fam, s in prior[p]]
+        assert got[:2] == [("cutlass_sm90", "NN", 128, 128, True)] * 2
+        assert ("cutlass_sm90", "TN", 128, 160, True) in got
+        # an fp16-accumulator problem takes the fp32 choices (the baseline accumulates in fp32)
+        p16 = Problem(16384, 4096, 4096, acc="fp16")
+        assert {s.acc for _f, s in lt_prior(store, DEV, [p16], LT_TILES, LT_CLUSTERS)[p16]} == {"fp16"}
+        assert lt_prior(store, "Other GPU", [p], LT_TILES, LT_CLUSTERS) == {}
+    finally:
+        store.close()
+
+
+def test_the_search_proposes_the_prior_first(tmp_path):
+    """run_tune(lt_prior=...): the model-free policy's first batch on the shape leads with the
+    suggestions; a policy that takes no prior refuses it."""
+    from gemmrl.search.policy import Trial
+    from gemmrl.search.run import run_tune
+
+    store, p, _q = _store_with_choices(tmp_path / "s.sqlite")
+    prior = lt_prior(store, DEV, [p], LT_TILES, LT_CLUSTERS)
+    seen = []
+
+    def evaluate(problem, candidates):
+        seen.extend(c.name for c in candidates)
+        return [Trial(problem, c, "ok", 1000.0, 0.9, {"stage": "time", "device_s": 0.1}) for c in candidates]
+    try:
+        run_tune([p], store, DEV, evaluate, candidates=8, batch=8, lt_prior=prior)
+        want = [s.name for _f, s in prior[p]]
+        assert seen[:3] == want[:3]  # the policy's prior slots (prior_top) take the first three
+        with pytest.raises(ValueError, match="takes no transfer"):
+            run_tune([p], store, DEV, evaluate, candidates=8, batch=8, lt_prior=prior, policy_name="random")
+    finally:
+        store.close()
+
+
+def test_build_compiles_what_the_prior_puts_first(tmp_path, monkeypatch):
+    """gemmrl build --tuned-in DB --seed-from-lt GPU: the first --top suggestions per shape (a
+    dry run lists them); without --tuned-in, or naming a GPU the store lacks, a clear error."""
+    monkeypatch.setenv("GEMMRL_CACHE", str(tmp_path / "cache"))
+    db = tmp_path / "s.sqlite"
+    store, p, _q = _store_with_choices(db)
+    store.close()
+    shapes = tmp_path / "shapes.txt"
+    shapes.write_text("16384x4096x4096\n64x64x64\n")
+    r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--seed-from-lt", "fake", "--shapes", str(shapes),
+                                  "--acc", "fp32", "--top", "2", "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert "on 1 of 2 shapes" in r.output and "cuBLASLt autotuned" in r.output
+    assert "sm90_coop_128x128x64_c2x1_persist_s0_rh_sw1_nn_f16_f32_xab" in r.output
+    assert "sm90_pp_128x128x64_c2x1_persist_s0_rh_sw1_nn_f16_f32_xab" in r.output
+    r = CliRunner().invoke(main, ["build", "--seed-from-lt", "fake", "--shapes", str(shapes), "--dry-run"])
+    assert r.exit_code == 2 and "--seed-from-lt goes with --tuned-in" in r.output
+    r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--seed-from-lt", "H100", "--shapes", str(shapes),
+                                  "--dry-run"])
+    assert r.exit_code == 1 and "H100" in r.output
+
+
+def test_tune_refuses_the_lt_seed_for_a_policy_that_takes_none():
+    r = CliRunner().invoke(main, ["tune", "--shapes", "64x64x64", "--policy", "random", "--seed-from-lt"])
+    assert r.exit_code == 2 and "the random policy takes none" in r.output
