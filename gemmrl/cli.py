@@ -818,14 +818,35 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
 RUNNER_UP_ROUNDS = 3  # how many times a shape's rejected winner gives way to the next (tune)
 
 
+def _lt_tables() -> tuple[dict, dict, str]:
+    """cuBLASLt's tile and cluster enums (baselines.cublas.lt_enum_tables), from cublasLt.h where
+    the cuBLAS build finds it or under this checkout's .ext/*/nvidia/cu13 (.ci/run's headers)."""
+    from gemmrl.baselines.cublas import lt_enum_tables
+
+    return lt_enum_tables(extra_roots=tuple(sorted(Path.cwd().glob(".ext/*/nvidia/cu13"))))
+
+
+def _known_device(name: str, devices, missing: str) -> str:
+    """The one of `devices` that `name` names (device_by_part), else a ClickException: `missing`,
+    and the devices there are."""
+    from gemmrl.store.db import device_by_part
+
+    try:
+        got = device_by_part(name, devices, "GPUs")
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    if got not in devices:
+        raise click.ClickException(missing + (f"; it has {', '.join(map(repr, sorted(devices)))}" if devices else ""))
+    return got
+
+
 def _lt_prior_for(store, device: str, problems, layouts) -> dict:
     """tune --seed-from-lt: the CUTLASS kernels of cuBLASLt autotuned's stored choices on these
     shapes (search.lt_seed.lt_prior), its enums read from cublasLt.h where one is found (else
     CUDA 11's, which know no tile above 35); says how many and from what."""
-    from gemmrl.baselines.cublas import lt_enum_tables
     from gemmrl.search.lt_seed import lt_prior
 
-    tiles, clusters, source = lt_enum_tables(extra_roots=tuple(sorted(Path.cwd().glob(".ext/*/nvidia/cu13"))))
+    tiles, clusters, source = _lt_tables()
     prior = lt_prior(store, device, problems, tiles, clusters, layouts)
     n = sum(len(v) for v in prior.values())
     click.echo(f"--seed-from-lt: {n} kernels after cuBLASLt autotuned's choices on {len(prior)} of "
@@ -1317,7 +1338,7 @@ def _build_transfer(tuned_db, transfer_texts, shape_spec, dtype, acc, top, fams,
     tune's prior puts first."""
     from gemmrl.build import ahead
     from gemmrl.search.run import TUNED, merged_priors, store_prior
-    from gemmrl.store.db import Store, device_by_part, unpack_if_missing
+    from gemmrl.store.db import Store, unpack_if_missing
 
     given = [opt for opt, v in (("--device", tuned_device), ("--variants", variant_opt), ("--acc-only", acc_only),
                                 ("--race", race_k), ("--pending-in", pending_db), ("--max-shapes", max_shapes))
@@ -1336,33 +1357,19 @@ def _build_transfer(tuned_db, transfer_texts, shape_spec, dtype, acc, top, fams,
         devices = store.tuned_devices(TUNED)
         for text in transfer_texts:
             source, source_acc = split_transfer_source(text)
-            try:
-                source = device_by_part(source, devices, "GPUs")
-            except ValueError as e:
-                raise click.ClickException(str(e)) from None
-            if source not in devices:
-                raise click.ClickException(f"{tuned_db} holds no {TUNED} winners on {source!r}"
-                                           + (f"; it has {', '.join(map(repr, sorted(devices)))}" if devices else ""))
+            source = _known_device(source, devices, f"{tuned_db} holds no {TUNED} winners on {source!r}")
             cross = source_acc not in (None, acc)
             twins = twins or cross
             priors.append(store_prior(store, source, problems, source_acc if cross else None, acc if cross else None))
             names.append(f"{source}'s" + (f" {source_acc}" if source_acc else ""))
         if lt_gpu is not None:  # first, as tune ranks it
-            from gemmrl.baselines.cublas import lt_enum_tables
+            from gemmrl.runtime.pack import LT_IMPL
             from gemmrl.search.lt_seed import lt_prior
 
-            from gemmrl.runtime.pack import LT_IMPL
-
             lt_devices = sorted({d for lay in ("nn", "tn") for d in store.tuned_devices(LT_IMPL.format(lay))})
-            try:
-                lt_device = device_by_part(lt_gpu, lt_devices, "GPUs")
-            except ValueError as e:
-                raise click.ClickException(str(e)) from None
-            if lt_device not in lt_devices:
-                raise click.ClickException(f"{tuned_db} holds no autotuned cuBLASLt choices on {lt_gpu!r} (gemmrl bench "
-                                           "--impl baselines stores them)" + (f"; it has them on {', '.join(lt_devices)}"
-                                                                              if lt_devices else ""))
-            tiles, clusters, _src = lt_enum_tables(extra_roots=tuple(sorted(Path.cwd().glob(".ext/*/nvidia/cu13"))))
+            lt_device = _known_device(lt_gpu, lt_devices, f"{tuned_db} holds no autotuned cuBLASLt choices on "
+                                      f"{lt_gpu!r} (gemmrl bench --impl baselines stores them)")
+            tiles, clusters, _src = _lt_tables()
             priors.insert(0, lt_prior(store, lt_device, problems, tiles, clusters))
             names.insert(0, f"cuBLASLt autotuned's (on {lt_device})")
     finally:
