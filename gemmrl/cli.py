@@ -719,12 +719,11 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
             click.echo(f"--wall-s: baselines measured for {n} of {len(problems)} shapes in half the wall time; "
                        f"the search takes those, a rerun the other {len(problems) - n}", err=True)
             problems, short = problems[:n], True
-            base = {**base, "stopped": False}
         # a SIGTERM there (a device call's timeout) stops the run: the runner caught it and left
         # SIGTERM ignored for its own clean exit, so a search started now could not be stopped
         if not problems:
             click.echo("no shape has its baselines: no search and no final timing", err=True)
-        elif base.get("stopped"):
+        elif base.get("stopped") and not short:
             click.echo("stopped while measuring the baselines: no search and no final timing; "
                        "a rerun resumes from what the store holds", err=True)
         else:

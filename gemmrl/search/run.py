@@ -329,8 +329,9 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
                                    allow=policy_filter(generic_built_only, match), seed=seed)
     if others:
         policy.observe(others)
-    if transfer_from:
-        sources = [(transfer_from, transfer_acc)] if isinstance(transfer_from, str) else list(transfer_from)
+    if transfer_from or lt_prior:
+        sources = ([] if not transfer_from else
+                   [(transfer_from, transfer_acc)] if isinstance(transfer_from, str) else list(transfer_from))
         accs = {p.acc for p in problems}
         named = [a for _g, a in sources if a is not None]
         if named and len(accs) > 1:
@@ -338,9 +339,6 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
                              f"({', '.join(sorted(accs))})")
         add_store_priors(policy, store, sources, device,
                          target_acc=next(iter(accs)) if named and accs else None, extra=[lt_prior] if lt_prior else ())
-    elif lt_prior:
-        for problem, suggestions in merged_priors([lt_prior]).items():
-            policy.add_prior(problem, suggestions)
 
     def keep(t: Trial) -> None:
         choice = json.dumps({"family": t.candidate.family, "spec": t.to_dict()["spec"]}, sort_keys=True).encode()
