@@ -1212,7 +1212,8 @@ def store_cmd(db, compress, small, merge_from, since_run, release, release_shape
                    "--transfer-from's, as tune does)")
 @click.option("--pack", "pack_dir", default=None, metavar="DIR",
               help="compile every kernel of this pack instead (what gemmrl.warmup() builds on the GPU "
-                   "machine): a deployment's cache made ahead of time; only --jobs, --dry-run and --entries apply")
+                   "machine): a deployment's cache made ahead of time; only --shapes (then only the kernels "
+                   "serving those shapes: what a bench of them loads), --jobs, --dry-run and --entries apply")
 def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned_device, variant_opt, acc_only, jobs,
               dry_run, pending_db, candidates, max_shapes, entries_file, race_k, former, match, transfer_text, lt_gpu,
               pack_dir):
@@ -1223,7 +1224,7 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
 
     if pack_dir is not None:
         ctx = click.get_current_context()
-        given = [opt for n, opt in (("shape_spec", "--shapes"), ("tuned_db", "--tuned-in"), ("pending_db", "--pending-in"),
+        given = [opt for n, opt in (("tuned_db", "--tuned-in"), ("pending_db", "--pending-in"),
                                     ("race_k", "--race"), ("former", "--former"), ("max_shapes", "--max-shapes"),
                                     ("tuned_device", "--device"),
                                     ("match", "--match"))
@@ -1236,8 +1237,14 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
             pack = load_pack(pack_dir)
         except (FileNotFoundError, ValueError) as e:
             raise click.ClickException(str(e) if str(pack_dir) in str(e) else f"{pack_dir}: {e}") from None
-        return _compile_jobs(ahead.plan_pack(pack), f"the {len(pack.entries)} entries of {pack_dir}", jobs,
-                             dry_run, entries_file)
+        if ctx.get_parameter_source("shape_spec") is ParameterSource.DEFAULT:
+            return _compile_jobs(ahead.plan_pack(pack), f"the {len(pack.entries)} entries of {pack_dir}", jobs,
+                                 dry_run, entries_file)
+        wanted = {(p.M, p.N, p.K) for p in _problems(shape_spec, dtype, acc)}
+        mine = [e for e in pack.entries if (e.problem.M, e.problem.N, e.problem.K) in wanted]
+        return _compile_jobs(ahead.plan_pack(pack, mine),
+                             f"the {len(mine)} entries of {pack_dir} serving {len(wanted)} shapes", jobs, dry_run,
+                             entries_file)
 
     for opt, given in (("--device", tuned_device), ("--variants", variant_opt), ("--acc-only", acc_only),
                        ("--race", race_k)):

@@ -78,7 +78,7 @@ def settle(run, *, device: str, acc: str, pack: str, db: str, work: str, shapes:
     """The settling loop. `run(argv, label)` runs one gemmrl command (argv after `gemmrl`) and
     returns its exit status; `work` is a directory for the changed-shapes files. Each round:
     export (`pack --changed-shapes`; round 1 skips it where `shapes` is given), stop if nothing
-    changed, else `build --pack` and one bench a mode on the changed shapes. A step is not started
+    changed, else `build --pack --shapes` (the kernels serving those shapes) and one bench a mode on the changed shapes. A step is not started
     past `deadline_s`; each bench gets at most `bench_s` seconds of budget, and no more than what
     is left. `disputes()`, where given, is asked when an export changed nothing: the (M, N, K,
     layout, mode) the pack serves whose newest product session ran slower than torch.matmul beyond
@@ -128,7 +128,7 @@ def settle(run, *, device: str, acc: str, pack: str, db: str, work: str, shapes:
             break
         entry = {"shapes": todo, "file": todo_file, "benches": {}, **({"disputed": True} if disputed else {})}
         out["rounds"].append(entry)
-        rc = run(["build", "--pack", pack], f"build {i}")
+        rc = run(["build", "--pack", pack, "--shapes", todo_file], f"build {i}")
         if rc != 0:
             out["stopped"] = f"build {i} failed (exit {rc})"
             break

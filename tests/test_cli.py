@@ -352,8 +352,18 @@ def test_build_pack_compiles_each_kernel_source_of_a_pack_once(tmp_path, monkeyp
     assert all(d.built_path(e) for e in loaded.entries)
     r = CliRunner().invoke(main, ["build", "--pack", str(pack), "--dry-run"])
     assert f"{len(shas)} already built, 0 to compile" in r.output
-    r = CliRunner().invoke(main, ["build", "--pack", str(pack), "--shapes", "grid"])
-    assert r.exit_code == 2 and "--shapes does not apply" in r.output
+    # --shapes: only the kernels serving those shapes (what a settle's bench of them loads)
+    one = loaded.entries[0].problem
+    mine = [e for e in loaded.entries if e.problem.shape == one.shape]
+    assert len(mine) < len(loaded.entries), "the test pack's two entries serve two shapes"
+    r = CliRunner().invoke(main, ["build", "--pack", str(pack), "--shapes", f"{one.M}x{one.N}x{one.K}", "--dry-run",
+                                  "--entries", str(tmp_path / "e1.txt")])
+    assert r.exit_code == 0 and f"for the {len(mine)} entries of {pack} serving 1 shapes" in r.output, r.output
+    assert len((tmp_path / "e1.txt").read_text().split()) == len({e.source_sha256 for e in mine})
+    r = CliRunner().invoke(main, ["build", "--pack", str(pack), "--shapes", "3x5x7", "--dry-run"])
+    assert r.exit_code == 0 and "the 0 entries" in r.output, r.output
+    r = CliRunner().invoke(main, ["build", "--pack", str(pack), "--race", "3"])
+    assert r.exit_code == 2 and "--race does not apply" in r.output
     r = CliRunner().invoke(main, ["build", "--pack", str(tmp_path)])
     assert r.exit_code == 1 and "not a pack" in r.output
 

@@ -1290,6 +1290,8 @@ def test_product_settle_times_the_changed_shapes_until_an_export_changes_nothing
     assert export[:7] == ["pack", "--device", "H200", "--acc", "fp16", "--out", "packs/p"]
     kernel, server = dict(fake.calls)["bench 1 kernel"], dict(fake.calls)["bench 1 server"]
     assert kernel[kernel.index("--shapes") + 1] == str(tmp_path / "changed-1.txt")
+    # each round compiles only the kernels serving its shapes, not the whole pack's
+    assert dict(fake.calls)["build 1"] == ["build", "--pack", "packs/p", "--shapes", str(tmp_path / "changed-1.txt")]
     for argv in (kernel, server):
         assert {"--impl", "torch.matmul", "pack:packs/p", "--retime", "--subject", "gemmrl.matmul-nn"} <= set(argv)
         assert argv[argv.index("--gpus") + 1] == "4" and argv[argv.index("--acc") + 1] == "fp16"

@@ -37,9 +37,10 @@ def pack_job(pack, entry, arch: str | None = None) -> BuildJob:
                     {"arch": arch or pack.arch, **registry.get(entry.family).build_kwargs()})
 
 
-def plan_pack(pack) -> list[BuildJob]:
-    """What Dispatcher.build_all compiles for a loaded pack: each kernel source once."""
-    return unique(pack_job(pack, e) for e in pack.entries)
+def plan_pack(pack, entries=None) -> list[BuildJob]:
+    """What Dispatcher.build_all compiles for a loaded pack: each kernel source once; of
+    `entries` alone where given (those serving the shapes a bench will load)."""
+    return unique(pack_job(pack, e) for e in (pack.entries if entries is None else entries))
 
 
 def unique(jobs) -> list[BuildJob]:
