@@ -73,6 +73,26 @@ split_words() {
   rm -f "$f"
   return 1
 }
+# the call's runs so far, sent back as OUT/gemmrl-delta.sqlite.xz after each step and every SNAP_S
+# seconds (default 120): a call killed from outside (the device tool's limit is below TOTAL_S where
+# little device time is left: the thirty-ninth session lost a settle's five runs and a tune so)
+# still brings back what it measured; the end of the call replaces it with the whole delta.
+# Written beside and renamed, so OUT never holds half a file; one at a time (flock).
+snapshot() {
+  [ -n "${FULL_STORE:-}" ] && return 0
+  (
+    command -v flock > /dev/null && { flock -n 9 || exit 0; }
+    [ -e "/tmp/gemmrl-snap-done-$$" ] && exit 0  # the whole delta is being written
+    d=/tmp/gemmrl-snap-$$.sqlite
+    rm -f "$d" "$d.xz"
+    python3 -m gemmrl.cli store --db "$d" --merge "$db" --since-run "$since" --compress > /dev/null 2>&1 \
+      && mv "$d.xz" "$out/.gemmrl-delta.part" && mv "$out/.gemmrl-delta.part" "$out/gemmrl-delta.sqlite.xz"
+    rm -f "$d" "$d.xz"
+  ) 9> /tmp/gemmrl-snap.lock
+}
+snaps() {  # its sleep is killed at the end of the call, which ends the loop
+  while sleep "${SNAP_S:-120}"; do snapshot; done
+}
 # lane g: its steps in turn on GPU g (STEPS is lane 0, STEPS_1 lane 1, ...); the lanes at once
 lane() {
   local g=$1 spec=$2 tag=${3:-} i args argv cap verb extra budget log vis
@@ -106,6 +126,7 @@ lane() {
     CUDA_VISIBLE_DEVICES=$vis OUT=$out GEMMRL_TEST_OUT=$out/logs timeout -k 30 "$budget" "${cmd[@]}" "${argv[@]}" "${extra[@]}" > "$log" 2>&1
     echo "exit $? after $SECONDS s (step $id)" | tee -a "$out/logs/steps.txt"
     grep -E "^tuned|^the winners|^measured|deadline" "$log" | tail -3
+    snapshot
   done
 }
 ngpu=${STEPS_GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}; [ "$ngpu" -gt 0 ] || ngpu=1
@@ -117,6 +138,7 @@ LANE_GPUS=($(seq 0 $((ngpu - 1))))
 # PRE: steps run in turn before any lane starts (GPU 0 visible), e.g. a build on every core whose
 # kernels the lanes' host-timed steps then load, with no compiler beside their timing
 [ -n "${PRE:-}" ] && lane 0 "$PRE" pre
+snaps > /dev/null 2>&1 & snappid=$!
 pids=()
 lane 0 "$STEPS" & pids+=($!)
 for g in $(seq 1 $((ngpu - 1))); do
@@ -142,6 +164,9 @@ if [ -n "${CACHE_BACK:-}" ]; then
     echo "CACHE_BACK: $CACHE_BACK lists no builds" | tee -a "$out/logs/steps.txt"
   fi
 fi
+pkill -TERM -P "$snappid" 2> /dev/null; kill "$snappid" 2> /dev/null; wait "$snappid" 2> /dev/null
+# a snapshot under way finishes before the whole delta is written (flock), and none starts after
+( command -v flock > /dev/null && flock 9; touch "/tmp/gemmrl-snap-done-$$" ) 9> /tmp/gemmrl-snap.lock
 [ -n "${FULL_STORE:-}" ] && since=""
 send_store_back "$out" "$db" "$since"
 rm -rf "$out"/logs/results-*

@@ -282,6 +282,55 @@ def test_device_steps_runs_each_step_in_turn_with_its_cap_and_returns_the_store(
         assert set(t.getnames()) == {"builds/k1", "builds/k1/lib.so"}
 
 
+def test_device_steps_sends_back_what_finished_when_the_call_is_killed(tmp_path):
+    """A call killed from outside before its end (the device tool's limit was below TOTAL_S:
+    2026-11-28, a settle's five runs lost) still leaves the runs of the steps that finished in
+    OUT/gemmrl-delta.sqlite.xz, a whole file, never the carried store's runs."""
+    import shutil
+    import signal
+    import sqlite3
+    import time
+
+    from gemmrl.store.db import Store
+
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "results").mkdir()
+    for name in ("device-steps.sh", "device-common.sh", "pack-build-cache.sh"):
+        shutil.copy(ROOT / "scripts" / name, repo / "scripts")
+    store = Store(repo / "results" / "gemmrl.sqlite")
+    store.start_run("gemmrl bench (committed)", "Fake GPU", {}, {})
+    store.close()
+    (repo / "scripts" / "addrun.py").write_text(
+        "import sys\nsys.path.insert(0, %r)\nfrom gemmrl.store.db import Store\n"
+        "s = Store('results/gemmrl.sqlite'); s.start_run('gemmrl tune (finished)', 'Fake GPU', {}, {}); s.close()\n"
+        % str(ROOT))
+    (repo / "scripts" / "hang.py").write_text("import time\ntime.sleep(120)\n")
+    out = tmp_path / "out"
+    env = {**ENV, "STEPS": "scripts/addrun.py; scripts/hang.py", "TOTAL_S": "300", "SNAP_S": "600",
+           "GEMMRL_CACHE": str(tmp_path / "cache"), "PATH": os.environ["PATH"]}
+    p = subprocess.Popen(["bash", str(repo / "scripts" / "device-steps.sh"), str(out)], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, env=env, cwd=repo, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:  # the second step has begun: the first one's snapshot is written
+            steps = out / "logs" / "steps.txt"
+            if steps.exists() and "== step 1:" in steps.read_text() and (out / "gemmrl-delta.sqlite.xz").exists():
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("no snapshot after the first step")
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)  # as the tool kills a call at its limit
+        p.wait(timeout=60)
+    assert not list(out.glob(".gemmrl-delta*"))
+    back = tmp_path / "back.sqlite"
+    m = subprocess.run([sys.executable, "-m", "gemmrl.cli", "store", "--db", str(back), "--merge",
+                        str(out / "gemmrl-delta.sqlite.xz")], capture_output=True, text=True, env=ENV, timeout=300)
+    assert m.returncode == 0, m.stdout + m.stderr
+    assert [r[0] for r in sqlite3.connect(back).execute("SELECT command FROM runs")] == ["gemmrl tune (finished)"]
+
+
 def test_device_steps_splits_a_steps_words_as_a_shell_would(tmp_path):
     """Quotes group a step's words (pytest -k 'a or b' was split at its spaces and pytest stopped
     with a usage error, 2026-11-27); nothing is expanded; a step whose quotes do not balance is
