@@ -157,6 +157,19 @@ def test_cutlass_headers_pack_and_unpack_to_the_same_build_key(tmp_path):
     assert keys == "('cutlass-9.8.7/include', 'cutlass-9.8.7/tools/util/include')"
 
 
+def _steps_repo(tmp_path):
+    """A copy of the repository's layout that scripts/device-steps.sh runs in: its scripts, an
+    empty results/."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "results").mkdir()
+    for name in ("device-steps.sh", "device-common.sh", "pack-build-cache.sh"):
+        shutil.copy(ROOT / "scripts" / name, repo / "scripts")
+    return repo
+
+
 def test_device_steps_merges_carried_deltas_before_the_steps(tmp_path):
     """.ext/carry/delta*.sqlite[.xz] (earlier calls' runs, not yet in the committed store) are
     merged into the call's store before any step reads it, once however often carried, and the
@@ -166,12 +179,8 @@ def test_device_steps_merges_carried_deltas_before_the_steps(tmp_path):
 
     from gemmrl.store.db import Store
 
-    repo = tmp_path / "repo"
-    (repo / "scripts").mkdir(parents=True)
-    (repo / "results").mkdir()
+    repo = _steps_repo(tmp_path)
     (repo / ".ext" / "carry").mkdir(parents=True)
-    for name in ("device-steps.sh", "device-common.sh", "pack-build-cache.sh"):
-        shutil.copy(ROOT / "scripts" / name, repo / "scripts")
     store = Store(repo / "results" / "gemmrl.sqlite")
     store.start_run("gemmrl bench (committed)", "Fake GPU", {}, {})
     store.close()
@@ -205,17 +214,12 @@ def test_device_steps_runs_each_step_in_turn_with_its_cap_and_returns_the_store(
     gets --db, a step with @N is cut after N seconds, one that fails does not stop the next, a
     BG job runs beside them and is waited for, and the call's own runs come back compressed
     beside the logs (the whole store with FULL_STORE=1)."""
-    import shutil
     import tarfile
 
     from gemmrl.core.problem import Problem
     from gemmrl.store.db import Store
 
-    repo = tmp_path / "repo"
-    (repo / "scripts").mkdir(parents=True)
-    (repo / "results").mkdir()
-    for name in ("device-steps.sh", "device-common.sh", "pack-build-cache.sh"):
-        shutil.copy(ROOT / "scripts" / name, repo / "scripts")
+    repo = _steps_repo(tmp_path)
     store = Store(repo / "results" / "gemmrl.sqlite")
     store.put_tuning("Fake GPU", Problem(64, 64, 64), "gemmrl-tuned", b"{}", "x", 1.0)
     store.close()
@@ -286,18 +290,13 @@ def test_device_steps_sends_back_what_finished_when_the_call_is_killed(tmp_path)
     """A call killed from outside before its end (the device tool's limit was below TOTAL_S:
     2026-11-28, a settle's five runs lost) still leaves the runs of the steps that finished in
     OUT/gemmrl-delta.sqlite.xz, a whole file, never the carried store's runs."""
-    import shutil
     import signal
     import sqlite3
     import time
 
     from gemmrl.store.db import Store
 
-    repo = tmp_path / "repo"
-    (repo / "scripts").mkdir(parents=True)
-    (repo / "results").mkdir()
-    for name in ("device-steps.sh", "device-common.sh", "pack-build-cache.sh"):
-        shutil.copy(ROOT / "scripts" / name, repo / "scripts")
+    repo = _steps_repo(tmp_path)
     store = Store(repo / "results" / "gemmrl.sqlite")
     store.start_run("gemmrl bench (committed)", "Fake GPU", {}, {})
     store.close()
@@ -336,15 +335,10 @@ def test_device_steps_splits_a_steps_words_as_a_shell_would(tmp_path):
     with a usage error, 2026-11-27); nothing is expanded; a step whose quotes do not balance is
     skipped, saying so, and the next one runs."""
     import json
-    import shutil
 
     from gemmrl.store.db import Store
 
-    repo = tmp_path / "repo"
-    (repo / "scripts").mkdir(parents=True)
-    (repo / "results").mkdir()
-    for name in ("device-steps.sh", "device-common.sh", "pack-build-cache.sh"):
-        shutil.copy(ROOT / "scripts" / name, repo / "scripts")
+    repo = _steps_repo(tmp_path)
     Store(repo / "results" / "gemmrl.sqlite").close()
     (repo / "scripts" / "argv.py").write_text(
         "import json, os, sys\nopen(os.environ['OUT'] + '/argv-' + sys.argv[1] + '.json', 'w')"
