@@ -27,7 +27,9 @@ for what in "sweep --policy exhaustive --candidates 10000" "mf --policy model-fr
   echo "== $name: gemmrl tune ${F[*]} $* ($(date -u +%T))" | tee -a "$out/study.txt"
   python3 -m gemmrl.cli tune "${F[@]}" "$@" --db "/tmp/$name.sqlite" > "$out/$name.log" 2>&1
   r=$?
-  echo "exit $r ($(date -u +%T)); $(grep -E '^tuned' "$out/$name.log" | tail -1)" | tee -a "$out/study.txt"
+  # each GPU's worker says "[gpuN] tuned S shapes with C new candidates ..."
+  echo "exit $r ($(date -u +%T)); $(grep -E '^(\[gpu[0-9]+\] )?tuned ' "$out/$name.log" | tr '\n' ' ')" \
+    | tee -a "$out/study.txt"
   [ "$r" = 0 ] || rc=$r
   xz -9 -c "/tmp/$name.sqlite" > "$out/$name.sqlite.xz"
 done

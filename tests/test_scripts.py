@@ -330,6 +330,61 @@ def test_device_steps_sends_back_what_finished_when_the_call_is_killed(tmp_path)
     assert [r[0] for r in sqlite3.connect(back).execute("SELECT command FROM runs")] == ["gemmrl tune (finished)"]
 
 
+def test_sample_efficiency_run_searches_each_policy_in_its_own_copy_of_the_baselines(tmp_path):
+    """scripts/sample-efficiency-run.sh: the sweep and the model-free policy, each a --search-only
+    tune on every GPU in a fresh copy of BASE (so each store holds its own trials alone), come
+    back compressed with their logs; a missing BASE stops it before anything runs."""
+    import json
+    import lzma
+    import shutil
+    import sqlite3
+
+    repo = _steps_repo(tmp_path)
+    shutil.copy(ROOT / "scripts" / "sample-efficiency-run.sh", repo / "scripts")
+    # a fake gemmrl.cli that records its argv in the store it is given, and a fake two-GPU nvidia-smi
+    (repo / "gemmrl").mkdir()
+    (repo / "gemmrl" / "__init__.py").write_text("")
+    (repo / "gemmrl" / "cli.py").write_text(
+        "import json, sqlite3, sys\nargv = sys.argv[1:]\ndb = sqlite3.connect(argv[argv.index('--db') + 1])\n"
+        "db.execute('CREATE TABLE IF NOT EXISTS calls (argv TEXT)')\n"
+        "db.execute('INSERT INTO calls VALUES (?)', (json.dumps(argv),)); db.commit()\n"
+        "print('[gpu0] tuned 50 shapes with 7 new candidates'); print('[gpu1] tuned 50 shapes with 9 new candidates')\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: Fake'; echo 'GPU 1: Fake'\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    base = repo / "base.sqlite"
+    con = sqlite3.connect(base)
+    con.execute("CREATE TABLE calls (argv TEXT)")
+    con.execute("INSERT INTO calls VALUES ('baselines')")
+    con.commit()
+    con.close()
+    out = tmp_path / "out"
+    env = {**ENV, "PATH": f"{bin_dir}:{os.environ['PATH']}", "GEMMRL_CACHE": str(tmp_path / "cache"), "MF_N": "8"}
+    script = str(repo / "scripts" / "sample-efficiency-run.sh")
+    r = subprocess.run(["bash", script, str(out)], capture_output=True, text=True, env={**env, "BASE": "nope.sqlite"},
+                       cwd=repo, timeout=120)
+    assert r.returncode == 2 and "no baselines store at nope.sqlite" in r.stderr and not (out / "study.txt").exists()
+    r = subprocess.run(["bash", script, str(out)], capture_output=True, text=True, env={**env, "BASE": str(base)},
+                       cwd=repo, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = {}
+    for name in ("sweep", "mf"):
+        db = tmp_path / f"{name}.sqlite"
+        db.write_bytes(lzma.decompress((out / f"{name}.sqlite.xz").read_bytes()))
+        got[name] = [row[0] for row in sqlite3.connect(db).execute("SELECT argv FROM calls")]
+    assert got["sweep"][0] == "baselines" and got["mf"][0] == "baselines" and len(got["sweep"]) == len(got["mf"]) == 2
+    sweep, mf = json.loads(got["sweep"][1]), json.loads(got["mf"][1])
+    for argv in (sweep, mf):
+        assert argv[:2] == ["tune", "--shapes"] and {"--built-only", "--search-only"} <= set(argv)
+        assert argv[argv.index("--gpus") + 1] == "2"
+    assert sweep[sweep.index("--policy") + 1] == "exhaustive" and mf[mf.index("--policy") + 1] == "model-free"
+    assert mf[mf.index("--candidates") + 1] == "8"
+    study = (out / "study.txt").read_text()
+    assert "[gpu0] tuned 50 shapes with 7 new candidates [gpu1] tuned 50 shapes with 9" in study
+    assert (out / "sweep.log").exists() and (out / "mf.log").exists()
+
+
 def test_device_steps_splits_a_steps_words_as_a_shell_would(tmp_path):
     """Quotes group a step's words (pytest -k 'a or b' was split at its spaces and pytest stopped
     with a usage error, 2026-11-27); nothing is expanded; a step whose quotes do not balance is
