@@ -337,8 +337,8 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
         if named and len(accs) > 1:
             raise ValueError(f"transfer from the {named[0]} tuning: the problems mix accumulators "
                              f"({', '.join(sorted(accs))})")
-        add_store_priors(policy, store, sources, device,
-                         target_acc=next(iter(accs)) if named and accs else None, extra=[lt_prior] if lt_prior else ())
+        add_store_priors(policy, store, sources, device, target_acc=next(iter(accs)) if named and accs else None,
+                         extra=[lt_prior] if lt_prior else ())
 
     def keep(t: Trial) -> None:
         choice = json.dumps({"family": t.candidate.family, "spec": t.to_dict()["spec"]}, sort_keys=True).encode()
