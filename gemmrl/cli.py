@@ -221,8 +221,7 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, h
     from gemmrl.bench import env, timing
     from gemmrl.store.db import Store
 
-    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    env.use_harness_settings()
     store = Store(db)
     device = torch.cuda.get_device_name()
     impls = build_impls(impl_opts, store, device)
@@ -674,6 +673,7 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
 
     store = Store(db)
     device = torch.cuda.get_device_name()
+    env.use_harness_settings()  # as the workers time, so that the provenance says so
     prov = env.provenance(_cublas_version())  # packs read it: their lt_algos need it
     sources = []
     for text in transfer_from:
@@ -957,6 +957,7 @@ def llm_cmd(shape_spec, dtype, acc, layout, turns, samples, token_budget, db, ex
 
     store = Store(db)
     device = torch.cuda.get_device_name()
+    env.use_harness_settings()
     run_id = store.start_run(" ".join(["gemmrl"] + sys.argv[1:]), device, env.provenance(_cublas_version()),
                              {"turns": turns, "samples": samples, "layout": layout, "model": client.model})
     click.echo("baselines (the reward's yardstick), kernel mode", err=True)

@@ -51,8 +51,7 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    env.use_harness_settings()
     from gemmrl.bench.select import impls_from_specs
     from gemmrl.runtime import ops
     from gemmrl.store.db import Store

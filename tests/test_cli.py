@@ -869,3 +869,46 @@ def test_store_releases_a_quarantine_and_says_what_it_was(tmp_path):
     assert r.exit_code == 1 and "no quarantine entry for 'cuda-l2'" in r.output
     r = CliRunner().invoke(main, ["store", "--db", str(db), "--shapes", "64x64x64"])
     assert r.exit_code == 2 and "--shapes goes with --release-quarantine" in r.output
+
+
+@pytest.mark.parametrize("argv", [["tune", "--shapes", "64x64x64", "--no-report"],
+                                  ["bench", "--shapes", "64x64x64", "--impl", "torch.matmul", "--no-report"]])
+def test_a_runs_provenance_records_the_torch_settings_it_times_with(monkeypatch, tmp_path, argv):
+    """torch's default allows reduced-precision fp16 reduction; gemmrl's workers time without it.
+    The run's provenance is taken after the command sets the harness's flags, so it says False:
+    before the fix, the 145 H100 and H200 tune runs up to run 599 recorded True."""
+    import torch
+
+    from gemmrl.bench import env, runner
+
+    class Recorded(Exception):
+        pass
+
+    seen = {}
+
+    def provenance(cublas_version=""):
+        seen.update(fp16=torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+                    bf16=torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction)
+        raise Recorded
+
+    monkeypatch.setattr(runner, "require_gpu", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
+    monkeypatch.setattr(env, "provenance", provenance)
+    for flag in ("allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction"):
+        monkeypatch.setattr(torch.backends.cuda.matmul, flag, True)
+    r = CliRunner().invoke(main, argv + ["--db", str(tmp_path / "s.sqlite")])
+    assert isinstance(r.exception, Recorded), r.output
+    assert seen == {"fp16": False, "bf16": False}
+
+
+def test_use_harness_settings_turns_reduced_precision_reduction_off(monkeypatch):
+    import torch
+
+    from gemmrl.bench import env
+
+    for flag in ("allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction"):
+        monkeypatch.setattr(torch.backends.cuda.matmul, flag, True)
+    assert env.use_harness_settings() == {"allow_fp16_reduced_precision_reduction": False,
+                                          "allow_bf16_reduced_precision_reduction": False}
+    assert torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction is False
+    assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is False

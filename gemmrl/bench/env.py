@@ -44,6 +44,19 @@ def driver_version() -> str:
         return "unknown"
 
 
+def use_harness_settings() -> dict:
+    """Set torch's matmul flags the way every gemmrl measurement runs them and return them: no
+    reduced-precision reduction in fp16 or bf16 (torch.matmul then accumulates as the fp32
+    baselines do; shared/measuring.md). Called by each command before it records its run's
+    provenance and by each worker before it times, so the provenance states what was timed (tune
+    runs before 2026-11-28 recorded torch's default, True, though their workers timed with False)."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    return {"allow_fp16_reduced_precision_reduction": False, "allow_bf16_reduced_precision_reduction": False}
+
+
 def provenance(cublas_version: str = "") -> dict:
     import torch
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gemmrl.bench import timing
+from gemmrl.bench import env, timing
 from gemmrl.bench.stats import judge_floor
 from gemmrl.bench.worker import HEARTBEAT_ENV, Worker, beat, last_beat, stop_if_context_lost
 from gemmrl.core.impl import UnsupportedProblem
@@ -211,8 +211,7 @@ def problem_task(problem, impl_specs, cfg, device, run_id, db_path, include_dirs
 
     key = (tuple(impl_specs), str(db_path), tuple(include_dirs), device)
     if _CHILD.get("key") != key:
-        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        env.use_harness_settings()
         store = Store(db_path)
         _CHILD.clear()
         _CHILD.update(key=key, store=store, impls=impls_from_specs(impl_specs, store, device, include_dirs),

@@ -23,9 +23,9 @@ def evaluate_task(problem, candidates, device, db_path, baseline_us):
     from gemmrl.store.db import Store
 
     if _CHILD.get("db") != db_path:
-        import torch
+        from gemmrl.bench.env import use_harness_settings
 
-        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+        use_harness_settings()
         _CHILD.update(db=db_path, store=Store(db_path))
     return gpu_evaluate(_CHILD["store"], device, lambda p: baseline_us)(problem, candidates)
 
