@@ -394,7 +394,11 @@ def write_report(store, device, out, subject, dtype, acc, records=None):
     if not records:
         raise click.ClickException(f"the store holds no measurements for {device} ({dtype}, acc {acc})")
     runs = [r for r in store.runs() if r["device"] == device]
-    prov = dict(runs[-1]["provenance"]) if runs else {}
+    # the top level describes the newest run whose measurements the report shows, not the device's
+    # newest run of any kind (an fp16 settle set the fp32 summary's torch settings, 2026-11-28)
+    used = {r.get("run_id") for r in records}
+    mine = [r for r in runs if r["id"] in used] or runs
+    prov = dict(mine[-1]["provenance"]) if mine else {}
     prov["runs"] = [{"id": r["id"], "command": r["command"], "status": r["status"],
                      "commit": r["provenance"].get("commit"), "date": r["provenance"].get("date")}
                     for r in runs]

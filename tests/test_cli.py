@@ -912,3 +912,27 @@ def test_use_harness_settings_turns_reduced_precision_reduction_off(monkeypatch)
                                           "allow_bf16_reduced_precision_reduction": False}
     assert torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction is False
     assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is False
+
+
+def test_a_reports_provenance_is_its_newest_measuring_run_not_the_devices_newest(tmp_path):
+    """A later run of another accumulator (here fp16, commit 'later') must not describe the fp32
+    report; the run list still names every run of the device."""
+    db = tmp_path / "s.sqlite"
+    st = Store(db)
+    _fill(st)
+    run = st.start_run("gemmrl bench --acc fp16", "NVIDIA H100 80GB HBM3", {"commit": "later", "date": "2026-11-28"},
+                       {})
+    st.record_session(run, "u", "NVIDIA H100 80GB HBM3", Problem(64, 64, 64, acc="fp16"), "kernel", "kernel:v1", {
+        "torch.matmul": {"median_us": 3.0, "n": 20, "status": "ok", "details": {}}})
+    st.finish_run(run)
+    st.close()
+    out = tmp_path / "res"
+    r = CliRunner().invoke(main, ["report", "--db", str(db), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    prov = json.loads((out / "h100" / "torch_matmul_h100_F32F16F16F32_summary.json").read_text())["provenance"]
+    assert prov["commit"] == "c0ffee" and prov["date"] == "2026-11-21"
+    assert [x["command"] for x in prov["runs"]] == ["gemmrl bench", "gemmrl bench --acc fp16"]
+    r = CliRunner().invoke(main, ["report", "--db", str(db), "--out", str(out), "--acc", "fp16"])
+    assert r.exit_code == 0, r.output
+    prov = json.loads((out / "h100" / "torch_matmul_h100_F16F16F16F16_summary.json").read_text())["provenance"]
+    assert prov["commit"] == "later"
