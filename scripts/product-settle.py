@@ -82,9 +82,10 @@ def settle(run, *, device: str, acc: str, pack: str, db: str, work: str, shapes:
     mode on the changed shapes. A step is not started past `deadline_s`; each bench gets at most
     `bench_s` seconds of budget, and no more than what is left. `disputes()`, where given, is
     asked when an export changed nothing: the (M, N, K, layout, mode) the pack serves whose newest
-    product session ran slower than torch.matmul beyond the noise though the export kept them (gemmrl.runtime.pack.disputed); those shapes are timed
-    again in those modes as a round of their own (its entry says 'disputed'), so that a third
-    session decides, before the pack counts as settled. Returns {'settled', 'stopped', 'rounds':
+    product session ran slower than torch.matmul beyond the noise though the export kept them
+    (gemmrl.runtime.pack.disputed); those shapes are timed again in those modes as a round of
+    their own (its entry says 'disputed'), so that a third session decides, before the pack counts
+    as settled. Returns {'settled', 'stopped', 'rounds':
     [{'shapes', 'file', 'benches': {mode: rc}}]}."""
     t0 = clock()
 
