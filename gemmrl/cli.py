@@ -1202,6 +1202,9 @@ def store_cmd(db, compress, small, merge_from, since_run, release, release_shape
 @click.option("--former", "former", default=None, type=click.IntRange(1, 16),
               help="with --race: also the N winners verified before each incumbent (what `bench --impl "
                    "race:K:formerN` races)")
+@click.option("--burst", "burst", default=None, type=click.IntRange(1, 16),
+              help="with --race: also the N fastest kernels of each shape whose only trials were burst-timed, "
+                   "never beside the baseline (what `bench --impl race:K:burstN` races)")
 @click.option("--match", "match", default=None, metavar="REGEX",
               help="each family's candidates are its search pool's kernels whose names match this regular "
                    "expression (re.search), the cost model's fastest --top of them: what `gemmrl tune --match "
@@ -1220,8 +1223,8 @@ def store_cmd(db, compress, small, merge_from, since_run, release, release_shape
                    "machine): a deployment's cache made ahead of time; only --shapes (then only the kernels "
                    "serving those shapes: what a bench of them loads), --jobs, --dry-run and --entries apply")
 def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned_device, variant_opt, acc_only, jobs,
-              dry_run, pending_db, candidates, max_shapes, entries_file, race_k, former, match, transfer_text, lt_gpu,
-              pack_dir):
+              dry_run, pending_db, candidates, max_shapes, entries_file, race_k, former, burst, match, transfer_text,
+              lt_gpu, pack_dir):
     """Compile the kernels a set of shapes will try into the build cache ($GEMMRL_CACHE), ahead of
     time and without a GPU; copy the cache to the GPU machine to save its time."""
     from gemmrl.build import ahead
@@ -1230,7 +1233,8 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
     if pack_dir is not None:
         ctx = click.get_current_context()
         given = [opt for n, opt in (("tuned_db", "--tuned-in"), ("pending_db", "--pending-in"),
-                                    ("race_k", "--race"), ("former", "--former"), ("max_shapes", "--max-shapes"),
+                                    ("race_k", "--race"), ("former", "--former"), ("burst", "--burst"),
+                                    ("max_shapes", "--max-shapes"),
                                     ("tuned_device", "--device"),
                                     ("match", "--match"))
                  if ctx.get_parameter_source(n) is not ParameterSource.DEFAULT]
@@ -1257,6 +1261,8 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
             raise click.UsageError(f"{opt} goes with --tuned-in")
     if former is not None and race_k is None:
         raise click.UsageError("--former goes with --race")
+    if burst is not None and race_k is None:
+        raise click.UsageError("--burst goes with --race")
     if match is not None and tuned_db is not None:
         raise click.UsageError("--match picks from the search pool; --tuned-in builds stored winners: choose one")
     _check_match(match)
@@ -1304,14 +1310,15 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
         if race_k:
             jobs_all = ahead.unique(jobs_all + ahead.plan_race(store, choices, race_k,
                                                                {f.name for f in fams} if fams else None,
-                                                               former=former or 0))
+                                                               former=former or 0, burst=burst or 0))
         store.close()
         for line in skipped:
             click.echo(f"skipped: {line}", err=True)
         return _compile_jobs(jobs_all, f"the winners of {len(choices)} tuned (shape, precision) pairs"
                              + (f" and their {', '.join(fields)} variants" if fields else "")
                              + (f" and the race's {race_k} contenders" if race_k else "")
-                             + (f" and the {former} winners before each incumbent" if former else ""), jobs, dry_run,
+                             + (f" and the {former} winners before each incumbent" if former else "")
+                             + (f" and the {burst} fastest burst-only kernels" if burst else ""), jobs, dry_run,
                              entries_file)
     problems = _problems(shape_spec, dtype, acc)
     if pending_db is not None:

@@ -230,13 +230,18 @@ def test_race_is_an_implementation_the_cli_names(tmp_path):
     assert r.former == 2 and r.exclude.pattern == "_128x144x"
     assert impls_from_specs(["race:1:former"], store, "NVIDIA H200")[0].former == 2
     assert impls_from_specs(["race:1"], store, "NVIDIA H200")[0].former == 0
+    assert impls_from_specs(["race:1"], store, "NVIDIA H200")[0].burst == 0
+    assert impls_from_specs(["race:1:burst"], store, "NVIDIA H200")[0].burst == 2
+    (r,) = impls_from_specs(["race:1:built:burst3:former1"], store, "NVIDIA H200")
+    assert r.burst == 3 and r.former == 1 and r.built_only
     # beside the baselines unless ':alone'
     assert impls_from_specs(["race:1:built"], store, "NVIDIA H200")[0].beside
     (r,) = impls_from_specs(["race:1:built:alone:former2"], store, "NVIDIA H200")
     assert not r.beside and r.built_only and r.former == 2
     for bad in ("race:0", "race:x", "race:2:x", "race:2:built:y", "race:2:built:built", "race:2:pdl:pdl",
                 "race:2:epi:epi", "race:2:tile_m", "race:1:formerx", "race:1:former:former2", "race:1:former-1",
-                "race:1:not=(", "race:1:not=", "race:1:not=a:not=b", "race:1:alone:alone"):
+                "race:1:not=(", "race:1:not=", "race:1:not=a:not=b", "race:1:alone:alone",
+                "race:1:burstx", "race:1:burst0", "race:1:burst:burst2", "race:1:burst-1"):
         with pytest.raises(ValueError, match=r"race:K\[:built\]"):
             impls_from_specs([bad], store, "NVIDIA H200")
 
@@ -371,6 +376,23 @@ def test_build_race_plans_what_the_race_compiles(tmp_path, monkeypatch):
     assert r.exit_code == 0 and "and the 2 winners before each incumbent" in r.output and SPECS[4].name in r.output
     r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--former", "2", "--dry-run"])
     assert r.exit_code == 2 and "--former goes with --race" in r.output
+    # --burst N: the fastest kernels whose only trials were burst-timed (bench --impl race:K:burstN)
+    store = Store(db)
+    run = store.start_run("gemmrl tune", dev, {}, {})
+    t = _ref_trial(4, 120.0)  # one trial beside the baseline: the search's four earlier ones are burst-only
+    store.record_trial(run, dev, t.problem, t.candidate.name, t.status, t.reward, t.time_us, t.to_dict())
+    choices = [c for c in store.tuned_choices(TUNED, dev) if c[1] == P]
+    # the search's fastest timed beside the baseline, the incumbent (burst-only itself), then the
+    # two fastest burst-only kernels not racing already
+    assert [j.name for j in ahead.plan_race(store, choices, 1, burst=2)] == [SPECS[4].name, SPECS[0].name,
+                                                                            SPECS[1].name, SPECS[2].name]
+    store.close()
+    r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--shapes", "16384x16384x16384",
+                                  "--race", "1", "--burst", "3", "--dry-run"])
+    assert r.exit_code == 0 and "and the 3 fastest burst-only kernels" in r.output, r.output
+    assert SPECS[3].name in r.output
+    r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--burst", "2", "--dry-run"])
+    assert r.exit_code == 2 and "--burst goes with --race" in r.output
 
 
 def _ref(stored=100.0, session=110.0):
@@ -578,3 +600,49 @@ def test_pick_fastest_times_the_company_but_picks_a_candidate_by_paired_ratio(mo
     records["k1"] = records["k2"] = records["k3"]
     with pytest.raises(RuntimeError, match="none of 3 candidates"):
         timing.pick_fastest(P, cand, company={"base": fn})
+
+
+def _ref_trial(i, us, problem=P):
+    t = _trial(i, us, problem=problem)
+    return Trial(t.problem, t.candidate, t.status, t.time_us, t.reward,
+                 {"device_s": 0.01, "reference": {"impl": "cuBLASLt-auto-tuning-nn", "session_us": 100.0}})
+
+
+def test_burst_only_kernels_are_those_never_timed_beside_the_baseline():
+    from gemmrl.search.race import burst_only
+
+    burst = [_trial(0, 90.0), _trial(1, 80.0), _trial(2, 85.0), _trial(3, 70.0), _trial(1, 95.0)]
+    # no trial timed beside the baseline: the burst trials are contenders' own, none is 'burst only'
+    assert burst_only(burst, 3) == []
+    assert contenders(burst, 2, 0.5) == [SPECS[3], SPECS[1]]
+    # kernel 2 timed beside the baseline later, kernel 3 failed a check later: both out
+    later = [_ref_trial(2, 101.0), _ref_trial(4, 99.0), _trial(3, 0, status="rejected")]
+    trials = burst + later
+    assert contenders(trials, 3, 0.5) == [SPECS[4], SPECS[2]]  # the burst trials leave the race
+    assert burst_only(trials, 1) == [SPECS[1]]  # its fastest burst trial counts
+    assert burst_only(trials, 5) == [SPECS[1], SPECS[0]]
+    assert burst_only(trials, 0) == []
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="whole number"):
+            burst_only(trials, bad)
+
+
+def test_burst_only_kernels_race_when_asked(tmp_path, monkeypatch):
+    """race:K:burstN: the search never proposes a kernel it has tried, and a burst-timed trial
+    never races once the shape has trials timed beside its baseline; burstN races the N fastest
+    such kernels beside the rest (each once, none quarantined; under built_only only built ones)."""
+    store = Store(tmp_path / "s.sqlite")
+    dev = "NVIDIA H200"
+    run = store.start_run("gemmrl tune", dev, {}, {})
+    for t in (_trial(0, 90.0), _trial(1, 80.0), _trial(2, 85.0), _ref_trial(3, 101.0), _ref_trial(4, 104.0)):
+        store.record_trial(run, dev, t.problem, t.candidate.name, t.status, t.reward, t.time_us, t.to_dict())
+    assert Race(store, dev, k=2).specs(P) == [SPECS[3], SPECS[4]]
+    assert Race(store, dev, k=2, burst=1).specs(P) == [SPECS[3], SPECS[4], SPECS[1]]
+    assert Race(store, dev, k=1, burst=2).specs(P) == [SPECS[3], SPECS[1], SPECS[2]]
+    store.quarantine(dev, P, SPECS[1].name, "killed its worker")
+    assert Race(store, dev, k=1, burst=2).specs(P) == [SPECS[3], SPECS[2], SPECS[0]]  # the next one up
+    import gemmrl.search.run as srun
+    monkeypatch.setattr(srun, "built_generic_only", lambda: (lambda fam, spec, problem: spec.name != SPECS[2].name))
+    assert Race(store, dev, k=1, burst=2, built_only=True).specs(P) == [SPECS[3], SPECS[0]]
+    with pytest.raises(ValueError, match="burst"):
+        Race(store, dev, burst=-1)

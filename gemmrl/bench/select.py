@@ -57,22 +57,28 @@ def impls_from_specs(specs, store=None, device: str = "", include_dirs=()) -> li
                 from gemmrl.build.ahead import VARIANT_FIELDS
 
                 former = [o for o in opts if o.startswith("former")]
+                burst = [o for o in opts if o.startswith("burst")]
                 exclude = [o[4:] for o in opts if o.startswith("not=")]
                 if not k.isdigit() or int(k) < 1 or len(set(opts)) < len(opts) or len(former) > 1 or (
-                        set(opts) - {"built", "alone", *VARIANT_FIELDS, *former, *(f"not={x}" for x in exclude)}) or (
+                        len(burst) > 1) or (
+                        set(opts) - {"built", "alone", *VARIANT_FIELDS, *former, *burst,
+                                     *(f"not={x}" for x in exclude)}) or (
                         former and not (former[0] == "former" or former[0][6:].isdigit())) or (
+                        burst and not (burst[0] == "burst" or (burst[0][5:].isdigit() and int(burst[0][5:]) >= 1))) or (
                         len(exclude) > 1 or (exclude and not _is_regex(exclude[0]))):
-                    raise ValueError(f"race:K[:built][:alone][:formerN][:not=REGEX][:FIELD...] needs a positive "
+                    raise ValueError(f"race:K[:built][:alone][:formerN][:burstN][:not=REGEX][:FIELD...] needs a positive "
                                      f"whole number of contenders, then optionally 'built', 'alone' (the "
                                      f"contenders race among themselves, not beside the baselines), 'formerN' (the N winners "
-                                     f"before the incumbent race too; 'former': 2), 'not=REGEX' (kernels whose "
+                                     f"before the incumbent race too; 'former': 2), 'burstN' (the N fastest kernels "
+                                     f"whose only trials were burst-timed race too; 'burst': 2), 'not=REGEX' (kernels whose "
                                      f"names match never race) and variant fields ({', '.join(VARIANT_FIELDS)}); "
                                      f"got {s!r}")
                 # twins: each contender's variants in those fields, e.g. 'pdl' (its programmatic-
                 # dependent twin), 'lean' (its one-tile-per-CTA ones), 'epi' (wider epilogue subtiles)
                 n_former = (int(former[0][6:]) if former[0][6:] else 2) if former else 0
+                n_burst = (int(burst[0][5:]) if burst[0][5:] else 2) if burst else 0
                 out.append(Race(store, device, k=int(k), log=_log_stderr, built_only="built" in opts,
-                                twins=tuple(o for o in VARIANT_FIELDS if o in opts), former=n_former,
+                                twins=tuple(o for o in VARIANT_FIELDS if o in opts), former=n_former, burst=n_burst,
                                 exclude=exclude[0] if exclude else None, beside="alone" not in opts))
             elif s.startswith("pack:"):
                 from gemmrl.runtime.pack_impl import PackMatmul

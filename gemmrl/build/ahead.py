@@ -176,14 +176,14 @@ def plan_transfer(prior: dict, top: int, families=None) -> list[BuildJob]:
                   for family, spec in [x for x in suggestions if families is None or x[0] in families][:top])
 
 
-def plan_race(store, choices, k: int, families=None, former: int = 0) -> list[BuildJob]:
-    """The builds a race of `k` (search.race.Race, `bench --impl race:K[:formerN]`) compiles on
-    each chosen shape (Store.tuned_choices rows): the shape's fastest stored trials within the
-    race's margin, the incumbent winner and the `former` winners before it, limited to
-    `families` (names) if given; each source once."""
+def plan_race(store, choices, k: int, families=None, former: int = 0, burst: int = 0) -> list[BuildJob]:
+    """The builds a race of `k` (search.race.Race, `bench --impl race:K[:formerN][:burstN]`)
+    compiles on each chosen shape (Store.tuned_choices rows): the shape's fastest stored trials
+    within the race's margin, the incumbent winner, the `former` winners before it and the
+    `burst` fastest burst-only kernels, limited to `families` (names) if given; each source once."""
     from gemmrl.search.race import Race
     from gemmrl.space import registry
 
     return unique(job_for(spec, problem) for device, problem, _fam, _fields in choices
-                  for spec in Race(store, device, k=k, former=former).specs(problem)
+                  for spec in Race(store, device, k=k, former=former, burst=burst).specs(problem)
                   if families is None or registry.family_of(spec).name in families)

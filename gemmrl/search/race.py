@@ -44,13 +44,38 @@ def contenders(trials, k: int, margin: float) -> list:
     return [t.candidate.spec for t in ranked if t.time_us <= limit][:k]
 
 
+def burst_only(trials, n: int) -> list:
+    """The specs of the `n` fastest kernels of one shape whose every trial was timed in a short
+    burst (before the shape had trials timed beside its baseline: tune.is_referenced), none of
+    which failed; fastest burst time first, each kernel once. `contenders` leaves them out (a burst
+    reads up to 30% fast, so their times do not compare), and the search never proposes a kernel
+    it has tried: without a race that names them, such kernels are never timed again. Empty on a
+    shape with no trial timed beside its baseline (its burst trials are `contenders`' own)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a whole number >= 0, got {n!r}")
+    from gemmrl.search.tune import is_referenced
+
+    trials = list(trials)
+    if n == 0 or not any(is_referenced(t) for t in trials):
+        return []
+    out_of = {t.candidate.key() for t in trials if t.status != "ok" or is_referenced(t)}
+    best: dict = {}
+    for t in trials:
+        if t.time_us is None or t.candidate.key() in out_of:
+            continue
+        if t.candidate.key() not in best or t.time_us < best[t.candidate.key()].time_us:
+            best[t.candidate.key()] = t
+    ranked = sorted(best.values(), key=lambda t: (t.time_us, t.candidate.name))
+    return [t.candidate.spec for t in ranked[:n]]
+
+
 class Race(BestOf):
     """gemmrl's tuned winner, chosen again per shape by a race of the search's top candidates
     timed with the full kernel protocol; the choice is stored as the winner (`name`)."""
 
     def __init__(self, store, device: str, k: int = 3, margin: float = 0.10, name: str | None = None,
                  log=None, built_only: bool = False, twins: tuple = (), former: int = 0,
-                 exclude: str | None = None, beside: bool = True):
+                 exclude: str | None = None, beside: bool = True, burst: int = 0):
         from gemmrl.bench.timing import KernelSettings
         from gemmrl.search.run import TUNED
         from gemmrl.space import registry
@@ -71,6 +96,12 @@ class Race(BestOf):
         if isinstance(former, bool) or not isinstance(former, int) or former < 0:
             raise ValueError(f"former must be a whole number >= 0, got {former!r}")
         self.former = former
+        # burst: the N fastest kernels whose only trials on the shape were burst-timed race too
+        # (burst_only; beyond those racing already): the search never proposes them again and
+        # `contenders` leaves them out
+        if isinstance(burst, bool) or not isinstance(burst, int) or burst < 0:
+            raise ValueError(f"burst must be a whole number >= 0, got {burst!r}")
+        self.burst = burst
         # exclude: a regular expression; kernels whose names match never race (not even as the
         # incumbent or a former winner), e.g. a tile whose race times its final timing disowns
         import re
@@ -114,12 +145,17 @@ class Race(BestOf):
             ranked = [s for s in contenders(trials, len(trials) or 1, self.margin) if s.name not in bad]
             out = [s for s in ranked if s == stored or built(registry.family_of(s).name, s, problem)][:self.k]
         inc = self.incumbent(problem, trials, bad)
-        if inc is not None and inc not in out and (out or self.twins or self.former or self.exclude is not None):
+        if inc is not None and inc not in out and (out or self.twins or self.former or self.burst
+                                                    or self.exclude is not None):
             out = out + [inc]
         if self.former and inc is not None:
             for spec in self.predecessors(problem, trials, bad, inc):
                 if spec not in out and (built is None or built(registry.family_of(spec).name, spec, problem)):
                     out.append(spec)
+        if self.burst:  # the fastest burst-only kernels not racing already
+            extra = [s for s in burst_only(trials, len(trials)) if s not in out and s.name not in bad and (
+                built is None or built(registry.family_of(s).name, s, problem))]
+            out += extra[:self.burst]
         if self.twins and out:
             from gemmrl.build.ahead import variants
 
