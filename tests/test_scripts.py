@@ -1588,3 +1588,44 @@ def test_sample_efficiency_reads_the_study_stores_and_writes_its_files(tmp_path)
                         str(tmp_path / "sweep.sqlite"), "--policy", "model-free", "--device", "h200"],
                        capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode == 2 and "NAME=DB" in r.stderr
+
+
+def test_burst_only_lists_shapes_whose_burst_only_kernel_reads_over_the_final_ratio(tmp_path):
+    """scripts/burst-only.py: shapes below the ratio whose burst-only kernel (never timed beside
+    the baseline) read more than the margin over the final ratio, largest gap first."""
+    from gemmrl.core.problem import Problem
+    from gemmrl.search.policy import Candidate, Trial
+    from gemmrl.space import cutlass_sm90
+    from gemmrl.store.db import Store
+
+    pick = _script("burst-only.py").pick
+    bursts = {"1_1_1": 1.10, "2_2_2": 0.93, "3_3_3": 1.30}
+    rows = [("1_1_1", 0.90, 0.92), ("2_2_2", 0.90, 0.91), ("3_3_3", 1.01, 1.0), ("4_4_4", 0.8, 0.8),
+            ("5_5_5", None, None)]
+    assert pick(rows, bursts.get, 1.0, 0.03) == [("1_1_1", 0.90, 0.92, 1.10)]  # 2: too little; 3: not below
+    assert [r[0] for r in pick(rows, bursts.get, 1.05, 0.03)] == ["3_3_3", "1_1_1"]  # 0.30 over, then 0.18
+    assert pick(rows, bursts.get, 1.0, 0.2) == []
+
+    db = tmp_path / "s.sqlite"
+    store = Store(db)
+    dev = "NVIDIA H200"
+    run = store.start_run("x", dev, {}, {})
+    p, q = Problem(4096, 4096, 1024), Problem(2048, 2048, 512)
+    specs = cutlass_sm90.heuristic_specs(p, "NN")[:3]
+    ref = {"reference": {"impl": "cuBLASLt-auto-tuning-nn", "session_us": 100.0}}
+    for prob, i, reward, details in ((p, 0, 1.2, {}), (p, 1, 0.95, ref), (q, 2, 1.3, {})):  # q: no trial beside
+        t = Trial(prob, Candidate("cutlass_sm90", specs[i]), "ok", 10.0, reward, dict(details))
+        store.record_trial(run, dev, prob, t.candidate.name, t.status, t.reward, t.time_us, t.to_dict())
+    store.put_tuning(dev, p, "gemmrl-tuned", b"{}", specs[1].name, 10.0)
+    store.close()
+    report = tmp_path / "k.csv"
+    report.write_text("mnk,cuBLASLt-auto-tuning-max,best-baseline\n4096_4096_1024,0.95,0.95\n2048_2048_512,0.9,0.9\n")
+    out = tmp_path / "shapes.txt"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "burst-only.py"), "--db", str(db), "--device", "H200",
+                        "--csv", str(report), "--out", str(out)], capture_output=True, text=True, env=ENV)
+    assert r.returncode == 0, r.stderr
+    lines = out.read_text().splitlines()
+    assert lines[0].startswith("# NVIDIA H200 fp32: 1 shapes below 1.0") and lines[1:] == ["4096x4096x1024"]
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "burst-only.py"), "--db", str(db), "--device", "H100",
+                        "--csv", str(report)], capture_output=True, text=True, env=ENV)
+    assert r.returncode == 1 and "no tuned shapes on 'H100'" in r.stderr
