@@ -1217,7 +1217,7 @@ def store_cmd(db, compress, small, merge_from, since_run, release, release_shape
 @click.option("--seed-from-lt", "lt_gpu", default=None, metavar="GPU",
               help="with --tuned-in: also compile what `gemmrl tune --seed-from-lt` proposes first on GPU: "
                    "the kernels of cuBLASLt autotuned's stored choices there on --shapes (ranked before any "
-                   "--transfer-from's, as tune does)")
+                   "--transfer-from's, as tune does), less those the store has trials of there")
 @click.option("--pack", "pack_dir", default=None, metavar="DIR",
               help="compile every kernel of this pack instead (what gemmrl.warmup() builds on the GPU "
                    "machine): a deployment's cache made ahead of time; only --shapes (then only the kernels "
@@ -1390,14 +1390,25 @@ def _build_transfer(tuned_db, transfer_texts, shape_spec, dtype, acc, top, fams,
             tiles, clusters, _src = _lt_tables()
             priors.insert(0, lt_prior(store, lt_device, problems, tiles, clusters))
             names.insert(0, f"cuBLASLt autotuned's (on {lt_device})")
+            # the tune runs on that GPU: on a shape it has searched, it offers the first suggestions
+            # not tried there yet (policy._options), so those are what to compile
+            tried: dict = {}
+            for row in store.trials(lt_device, problems):
+                tried.setdefault((row["M"], row["N"], row["K"], row["dtype"], row["acc"]), set()).add(row["candidate"])
     finally:
         store.close()
     prior = merged_priors(priors)
+    if lt_gpu is not None:
+        prior = {p: left for p, sugg in prior.items()
+                 if (left := [(f, s) for f, s in sugg if s.name not in tried.get(p.key(), ())])}
     what = " and ".join(names)
     if not prior:
-        raise click.ClickException(f"the tuning ({what}) suggests nothing for these {len(problems)} shapes")
+        raise click.ClickException(f"the tuning ({what}) suggests nothing for these {len(problems)} shapes"
+                                   + (" that the search has not tried there" if lt_gpu is not None else ""))
     return _compile_jobs(ahead.plan_transfer(prior, top, {f.name for f in fams} if fams else None),
-                         f"the first {top} of {what} suggestions on {len(prior)} of {len(problems)} shapes"
+                         f"the first {top} of {what} suggestions"
+                         + (" not tried there yet" if lt_gpu is not None else "")
+                         + f" on {len(prior)} of {len(problems)} shapes"
                          + (f" as {acc}-accumulator twins" if twins else ""),
                          jobs, dry_run, entries_file)
 

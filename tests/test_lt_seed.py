@@ -126,3 +126,23 @@ def test_build_compiles_what_the_prior_puts_first(tmp_path, monkeypatch):
 def test_tune_refuses_the_lt_seed_for_a_policy_that_takes_none():
     r = CliRunner().invoke(main, ["tune", "--shapes", "64x64x64", "--policy", "random", "--seed-from-lt"])
     assert r.exit_code == 2 and "the random policy takes none" in r.output
+
+
+def test_build_leaves_out_the_suggestions_the_search_tried_there(tmp_path, monkeypatch):
+    """build --seed-from-lt GPU plans what tune proposes on that GPU: on a shape with trials
+    there, the suggestions not tried yet (the first --top of them)."""
+    from gemmrl.search.policy import Candidate, Trial
+
+    monkeypatch.setenv("GEMMRL_CACHE", str(tmp_path / "cache"))
+    db = tmp_path / "s.sqlite"
+    store, p, _q = _store_with_choices(db)
+    first = [s for _f, s in lt_prior(store, DEV, [p], LT_TILES, LT_CLUSTERS)[p]]
+    run = store.start_run("gemmrl tune", DEV, {}, {})
+    t = Trial(p, Candidate("cutlass_sm90", first[0]), "ok", 900.0, 0.9, {"device_s": 0.1})
+    store.record_trial(run, DEV, p, t.candidate.name, t.status, t.reward, t.time_us, t.to_dict())
+    store.close()
+    r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--seed-from-lt", "fake", "--shapes",
+                                  "16384x4096x4096", "--acc", "fp32", "--top", "2", "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert "not tried there yet on 1 of 1 shapes" in r.output
+    assert first[0].name not in r.output and first[1].name in r.output and first[2].name in r.output

@@ -700,3 +700,18 @@ def test_tune_search_only_sweeps_the_raw_pool_and_times_no_winner(tmp_path):
     timed = {r[0] for r in store.db.execute("SELECT DISTINCT impl FROM measurements")}
     assert "torch.matmul" in timed and not any(i.startswith("gemmrl") for i in timed), timed
     assert not (tmp_path / "out").exists()  # no report
+
+
+def test_on_a_searched_shape_the_prior_offers_its_first_untried_suggestions():
+    """add_prior on a shape the search has trials of: the first `prior_top` suggestions not tried
+    yet lead the next batch, however many tried ones come before them in the prior (a seed from
+    cuBLASLt's own tile, whose first kernels an earlier search had timed, offered nothing)."""
+    p = Problem(4096, 4096, 1024)
+    pool = [s for f, s in candidate_pool(p, LAYOUTS) if f == "cutlass_sm90"][:8]
+    policy = ModelFreePolicy(layouts=LAYOUTS, seed=0)
+    policy.observe(SimGPU()(p, [Candidate("cutlass_sm90", s) for s in pool[:4]]))  # searched: 4 tried
+    policy.add_prior(p, [("cutlass_sm90", s) for s in pool])  # its first four are the tried ones
+    assert policy.prior_top == 3
+    got = policy.propose(p, 8)
+    assert [c.spec for c in got if c.origin == "prior"] == pool[4:7]
+    assert [c.spec for c in got[:3]] == pool[4:7]

@@ -570,7 +570,8 @@ class ModelFreePolicy(_Tracking):
         # already searched here, the first `prior_top` of its own prior (not its neighbours') are
         # offered once each, those not tried yet: a seed from the other accumulator's tuning, or
         # from another GPU, on shapes this search has visited
-        prior = self._prior(problem) if not tried else self.prior.get(problem, [])[:self.prior_top]
+        # (the cap is on those offered: a prior whose first suggestions were tried offers the next)
+        prior = self._prior(problem) if not tried else self.prior.get(problem, [])
         for family, spec in prior:
             if sum(o[2] == "prior" for o in opts.values()) >= self.prior_top:
                 break
