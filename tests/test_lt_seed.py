@@ -11,7 +11,7 @@ from gemmrl.baselines.cublas import LT_CLUSTERS, LT_TILES
 from gemmrl.cli import main
 from gemmrl.core.problem import Problem
 from gemmrl.runtime.pack import LT_IMPL
-from gemmrl.search.lt_seed import lt_prior, lt_specs, parse_choice
+from gemmrl.search.lt_seed import lt_prior, lt_specs, lt_split_specs, parse_choice, parse_split_choice
 from gemmrl.store.db import Store
 
 DEV = "Fake H200"
@@ -52,6 +52,28 @@ def test_a_stored_description_gives_its_tile_and_cluster_or_nothing():
     assert parse_choice("", LT_TILES, LT_CLUSTERS) is None
 
 
+def test_a_split_k_choice_becomes_our_split_k_kernels_of_its_tile():
+    """cuBLASLt's split-K pick (splitk=S): our split-K kernels of the same output tile, cluster and
+    S, first with the reduction of its scheme (2, the compute-type workspace: our separate
+    reduction), then the other; the family's valid() decides (no cooperative 64-row tile, no
+    ping-pong in-kernel split-K, no separate reduction where K does not split evenly)."""
+    split = INFO.replace("tile=29", "tile=17").replace("splitk=1", "splitk=4").replace("reduction=0", "reduction=2")
+    assert parse_split_choice(split, LT_TILES, LT_CLUSTERS) == ((64, 128), (2, 1), 4, 2)
+    assert parse_split_choice(INFO, LT_TILES, LT_CLUSTERS) is None  # not split-K: parse_choice's
+    assert parse_split_choice(split.replace("tile=17", "tile=197"), LT_TILES, LT_CLUSTERS) is None
+    p = Problem(256, 512, 12288)
+    assert names(lt_split_specs((64, 128), (2, 1), 4, 2, "TN", problem=p)) == [
+        "sm90_coop_128x64x64_c1x2_splitk4sr_s0_rh_sw1_tn_f16_f32",
+        "sm90_pp_128x64x64_c1x2_splitk4sr_s0_rh_sw1_tn_f16_f32",
+        "sm90_coop_128x64x64_c1x2_splitk4_s0_rh_sw1_tn_f16_f32"]
+    # the in-place scheme (1): the in-kernel reduction first, which no 64x64 form has; the separate one
+    assert names(lt_split_specs((64, 64), (2, 1), 4, 1, "NN", problem=p)) == [
+        "sm90_pp_64x64x64_c1x2_splitk4sr_s0_rh_sw1_nn_f16_f32"]
+    # K = 12296 splits into 4 chunks of 3074, not 16-byte aligned: no separate reduction
+    got = names(lt_split_specs((64, 128), (2, 1), 4, 2, "TN", problem=Problem(256, 512, 12296)))
+    assert got == ["sm90_coop_128x64x64_c1x2_splitk4_s0_rh_sw1_tn_f16_f32"]
+
+
 def _store_with_choices(path) -> tuple[Store, Problem, Problem]:
     """A store where the autotuned baseline chose tile 128x160 on TN and 128x128 on NN of one
     shape, and nothing on another."""
@@ -74,6 +96,12 @@ def test_the_prior_reads_the_stored_choices_of_each_layout(tmp_path):
         p16 = Problem(16384, 4096, 4096, acc="fp16")
         assert {s.acc for _f, s in lt_prior(store, DEV, [p16], LT_TILES, LT_CLUSTERS)[p16]} == {"fp16"}
         assert lt_prior(store, "Other GPU", [p], LT_TILES, LT_CLUSTERS) == {}
+        # a split-K choice seeds our split-K kernels of its tile
+        r = Problem(256, 512, 12288)
+        store.put_tuning(DEV, r, LT_IMPL.format("tn"), b"\x03" * 64, INFO.replace("tile=29", "tile=17").replace(
+            "splitk=1", "splitk=4").replace("reduction=0", "reduction=2"), 12.0)
+        assert names(s for _f, s in lt_prior(store, DEV, [r], LT_TILES, LT_CLUSTERS)[r])[0] == \
+            "sm90_coop_128x64x64_c1x2_splitk4sr_s0_rh_sw1_tn_f16_f32"
     finally:
         store.close()
 

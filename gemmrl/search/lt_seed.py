@@ -11,7 +11,13 @@ cuBLAS is column-major: the harness computes row-major C = A B as C^T = B^T A^T,
 tile lies m along our N and n along our M, and its cluster likewise. Its faithful twin is our
 swapped kernel (swap_ab: the kernel's M is our N) with tile_m = m, tile_n = n and the cluster as
 it is; our plain kernel of the same output tile has tile_m = n, tile_n = m and the cluster
-turned. Both, in both schedules, wherever the CUTLASS family accepts them for the shape."""
+turned. Both, in both schedules, wherever the CUTLASS family accepts them for the shape.
+
+A split-K choice (`splitk=S`) has its own twins (lt_split_specs): our split-K kernels of the same
+output tile and cluster with S splits. cuBLASLt's `reduction=2` (CUBLASLT_REDUCTION_SCHEME_
+COMPUTE_TYPE: the partials in fp32 in a workspace, then a reduction kernel) is our separate
+reduction (`splitkSsr`); any other scheme, our in-kernel reduction (`splitkS`). On the H200's fp32
+shapes below 0.98 of it (2026-11-28), 56 of the 494 (shape, layout) choices were split-K ones."""
 
 from __future__ import annotations
 
@@ -41,6 +47,49 @@ def lt_specs(tile: tuple[int, int], cluster: tuple[int, int], layout: str, dtype
                 seen.add(spec.name)
                 out.append(spec)
     return out
+
+
+def lt_split_specs(tile: tuple[int, int], cluster: tuple[int, int], splits: int, reduction: int, layout: str,
+                   dtype: str = "fp16", acc: str = "fp32", problem=None) -> list:
+    """The CUTLASS split-K specs twinning cuBLASLt's split-K choice of (m, n) tile, (m, n)
+    cluster and `splits`: the plain kernel of the same output tile (tile and cluster turned;
+    the separate reduction offers no swapped form), then the swapped twin where the family
+    allows it; each schedule; first with the reduction of cuBLASLt's scheme (its compute-type
+    out-of-place scheme, 2: our separate reduction; any other: the in-kernel one), then with the
+    other (where the first has no valid form, or as a runner-up). Not limited to the search pool (it holds
+    split-K for a few tiles only); the family's valid() decides, for `problem` when given. Pure."""
+    from gemmrl.space import cutlass_sm90 as cs
+
+    (m, n), (cm, cn) = tile, cluster
+    reds = ("separate", "deterministic") if reduction == 2 else ("deterministic", "separate")
+    out, seen = [], set()
+    for red in reds:
+        for swap in (False, True):
+            tm, tn, clm, cln = (m, n, cm, cn) if swap else (n, m, cn, cm)
+            for schedule in ("cooperative", "pingpong"):
+                try:
+                    spec = cs.CutlassSpec(tile_m=tm, tile_n=tn, cluster_m=clm, cluster_n=cln, schedule=schedule,
+                                          scheduler="splitk", splits=splits, layout=layout, dtype=dtype, acc=acc,
+                                          reduction=red, swap_ab=swap)
+                except (TypeError, ValueError):
+                    continue
+                if spec.name not in seen and cs.valid(spec, problem) is None:
+                    seen.add(spec.name)
+                    out.append(spec)
+    return out
+
+
+def parse_split_choice(info: str, tiles: dict, clusters: dict) -> tuple | None:
+    """((m, n) tile, (m, n) cluster, splits, reduction scheme) of a stored split-K autotuned
+    choice; None for any other (parse_choice reads those) or one whose tile or cluster the tables
+    do not know. Pure."""
+    from gemmrl.baselines.cublas import parse_description
+
+    d = parse_description(info or "")
+    tile, cluster = tiles.get(d.get("tile")), clusters.get(d.get("cluster"))
+    if tile is None or cluster is None or d.get("splitk", 1) <= 1:
+        return None
+    return tile, cluster, int(d["splitk"]), int(d.get("reduction", 0))
 
 
 @functools.lru_cache(maxsize=16)
@@ -83,6 +132,10 @@ def lt_prior(store, device: str, problems, tiles: dict, clusters: dict, layouts=
             got = parse_choice(row[0], tiles, clusters) if row else None
             if got is not None:
                 suggestions += [(FAMILY, s) for s in lt_specs(*got, layout, problem.dtype, problem.acc, problem)]
+            split = parse_split_choice(row[0], tiles, clusters) if row else None
+            if split is not None:
+                suggestions += [(FAMILY, s) for s in lt_split_specs(*split, layout, problem.dtype, problem.acc,
+                                                                    problem)]
         if suggestions:
             out[problem] = suggestions
     return out
