@@ -55,9 +55,10 @@ def lt_split_specs(tile: tuple[int, int], cluster: tuple[int, int], splits: int,
     cluster and `splits`: the plain kernel of the same output tile (tile and cluster turned;
     the separate reduction offers no swapped form), then the swapped twin where the family
     allows it; each schedule; first with the reduction of cuBLASLt's scheme (its compute-type
-    out-of-place scheme, 2: our separate reduction; any other: the in-kernel one), then with the
-    other (where the first has no valid form, or as a runner-up). Not limited to the search pool (it holds
-    split-K for a few tiles only); the family's valid() decides, for `problem` when given. Pure."""
+    out-of-place scheme, 2: our separate reduction; any other: the in-kernel one), then with
+    the other (where the first has no valid form, or as a runner-up). Not limited to the search
+    pool (it holds split-K for a few tiles only); the family's valid() decides, for `problem`
+    when given. Pure."""
     from gemmrl.space import cutlass_sm90 as cs
 
     (m, n), (cm, cn) = tile, cluster
