@@ -901,6 +901,41 @@ def test_a_runs_provenance_records_the_torch_settings_it_times_with(monkeypatch,
     assert seen == {"fp16": False, "bf16": False}
 
 
+def test_gpu_identity_names_the_physical_gpu_and_its_limits(monkeypatch):
+    """A run's provenance names the GPU it timed on (UUID, PCI bus, power limit, clocks, VBIOS),
+    asked of nvidia-smi by UUID; what cannot be read is left out, and nothing raises."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from gemmrl.bench import env
+
+    row = "00000000:19:00.0, 700.00, 1980, 3201, 1755, 96.00.A5.00.01\n"
+    assert env.parse_gpu_query("GPU-abc", row) == {
+        "uuid": "GPU-abc", "pci_bus_id": "00000000:19:00.0", "power_limit_w": 700.0, "max_sm_mhz": 1980.0,
+        "max_mem_mhz": 3201.0, "app_sm_mhz": 1755.0, "vbios": "96.00.A5.00.01"}
+    got = env.parse_gpu_query("GPU-abc", "00000000:19:00.0, [N/A], 1980, 3201, [Not Supported], 96.00\n")
+    assert "power_limit_w" not in got and "app_sm_mhz" not in got and got["max_sm_mhz"] == 1980.0
+    assert env.parse_gpu_query("GPU-abc", "") == {"uuid": "GPU-abc"}
+    assert env.parse_gpu_query("GPU-abc", "a, b\n") == {"uuid": "GPU-abc"}  # not the fields asked
+    calls = []
+
+    def run(argv, **kw):
+        calls.append(argv)
+        return SimpleNamespace(returncode=0, stdout=row)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    got = env.gpu_identity(SimpleNamespace(uuid="6b4e-1234"))
+    assert got["uuid"] == "GPU-6b4e-1234" and got["power_limit_w"] == 700.0
+    assert calls[0][1] == "--id=GPU-6b4e-1234" and calls[0][2].startswith("--query-gpu=pci.bus_id,")
+    assert env.gpu_identity(SimpleNamespace(uuid="")) == {}
+
+    def broken(argv, **kw):
+        raise OSError("no nvidia-smi")
+
+    monkeypatch.setattr(subprocess, "run", broken)
+    assert env.gpu_identity(SimpleNamespace(uuid="GPU-x")) == {"uuid": "GPU-x"}
+
+
 def test_use_harness_settings_turns_reduced_precision_reduction_off(monkeypatch):
     import torch
 

@@ -44,6 +44,58 @@ def driver_version() -> str:
         return "unknown"
 
 
+GPU_FIELDS = {"pci.bus_id": "pci_bus_id", "power.limit": "power_limit_w", "clocks.max.sm": "max_sm_mhz",
+              "clocks.max.mem": "max_mem_mhz", "clocks.applications.graphics": "app_sm_mhz", "vbios_version": "vbios"}
+
+
+def parse_gpu_query(uuid: str, text: str) -> dict:
+    """nvidia-smi --query-gpu=<GPU_FIELDS> --format=csv,noheader,nounits output for one GPU ->
+    {'uuid': ..., 'pci_bus_id': ..., 'power_limit_w': 700.0, ...}: numbers as numbers, a field
+    nvidia-smi cannot read ('[N/A]', 'N/A', '[Not Supported]') left out. Pure."""
+    out: dict = {"uuid": uuid} if uuid else {}
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    if len(lines) != 1:
+        return out
+    values = [v.strip() for v in lines[0].split(",")]
+    if len(values) != len(GPU_FIELDS):
+        return out
+    for key, value in zip(GPU_FIELDS.values(), values):
+        if not value or "N/A" in value or "Not Supported" in value:
+            continue
+        try:
+            out[key] = float(value) if key.endswith(("_w", "_mhz")) else value
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def gpu_identity(props=None) -> dict:
+    """Which physical GPU a run timed on, and the limits its speed depends on: its UUID (torch's),
+    PCI bus id, power limit, maximum and application clocks, VBIOS (nvidia-smi, asked by UUID, so
+    CUDA_VISIBLE_DEVICES does not matter). A lent machine may be another GPU from call to call; the
+    same kernels' ratios over cuBLASLt moved by up to 7% between two calls of one session
+    (2026-11-28, runs 601 and 604), with nothing recorded to tell the GPUs apart. Never raises:
+    what cannot be read is left out."""
+    try:
+        if props is None:
+            import torch
+
+            props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        uuid = str(getattr(props, "uuid", "") or "")
+    except Exception:  # no GPU, an old torch: nothing to say
+        return {}
+    if not uuid:
+        return {}
+    smi_id = uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+    try:
+        r = subprocess.run(["nvidia-smi", f"--id={smi_id}", f"--query-gpu={','.join(GPU_FIELDS)}",
+                            "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=20)
+        text = r.stdout if r.returncode == 0 else ""
+    except (OSError, subprocess.TimeoutExpired):
+        text = ""
+    return parse_gpu_query(smi_id, text)
+
+
 def use_harness_settings() -> dict:
     """Set torch's matmul flags the way every gemmrl measurement runs them and return them: no
     reduced-precision reduction in fp16 or bf16 (torch.matmul then accumulates as the fp32
@@ -76,6 +128,7 @@ def provenance(cublas_version: str = "") -> dict:
         "commit": git_commit(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
+        "gpu_identity": gpu_identity(props),
         "python": platform.python_version(),
         "torch_settings": {
             "allow_fp16_reduced_precision_reduction":
