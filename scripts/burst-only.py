@@ -45,11 +45,12 @@ def main(argv=None) -> int:
     ap.add_argument("--db", default="results/gemmrl.sqlite")
     ap.add_argument("--device", required=True, help="the GPU as the store names it, or a unique part (H200)")
     ap.add_argument("--acc", choices=sorted(PRECISIONS), default="fp32")
-    ap.add_argument("--csv", default=None, help="the kernel report's speedup CSV (default: results/<gpu>/"
+    ap.add_argument("--csv", default=None, help="the kernel report's speedup CSV (default: RESULTS/<gpu>/"
                                                 "gemmrl-tuned_<gpu>_<PREC>_speedup_kernel.csv)")
+    ap.add_argument("--results", default=str(ROOT / "results"), help="where the reports are (without --csv)")
     ap.add_argument("--below", type=float, default=1.0, help="report ratios over cuBLASLt autotuned below this")
     ap.add_argument("--margin", type=float, default=0.03, help="burst reward over the final ratio by more than this")
-    ap.add_argument("--out", default=None, help="write the shapes here (default: print them)")
+    ap.add_argument("--out", default=None, help="write the shapes here (default: print only the largest gaps)")
     args = ap.parse_args(argv)
 
     from gemmrl.core.problem import Problem
@@ -72,8 +73,10 @@ def main(argv=None) -> int:
         print(f"{args.db} holds no tuned shapes on {args.device!r} (it has: {', '.join(sorted(tuned)) or 'none'})",
               file=sys.stderr)
         return 1
-    gpu = device.split()[-1].lower()
-    path = Path(args.csv or ROOT / "results" / gpu / f"gemmrl-tuned_{gpu}_{PRECISIONS[args.acc]}_speedup_kernel.csv")
+    from gemmrl.bench.env import gpu_slug
+
+    gpu = gpu_slug(device)  # 'NVIDIA H100 80GB HBM3' -> h100
+    path = Path(args.csv or Path(args.results) / gpu / f"gemmrl-tuned_{gpu}_{PRECISIONS[args.acc]}_speedup_kernel.csv")
     if not path.exists():
         print(f"no kernel report at {path} (gemmrl report --device {args.device})", file=sys.stderr)
         return 1

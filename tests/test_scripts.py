@@ -1608,7 +1608,7 @@ def test_burst_only_lists_shapes_whose_burst_only_kernel_reads_over_the_final_ra
 
     db = tmp_path / "s.sqlite"
     store = Store(db)
-    dev = "NVIDIA H200"
+    dev = "NVIDIA H100 80GB HBM3"
     run = store.start_run("x", dev, {}, {})
     p, q = Problem(4096, 4096, 1024), Problem(2048, 2048, 512)
     specs = cutlass_sm90.heuristic_specs(p, "NN")[:3]
@@ -1621,11 +1621,17 @@ def test_burst_only_lists_shapes_whose_burst_only_kernel_reads_over_the_final_ra
     report = tmp_path / "k.csv"
     report.write_text("mnk,cuBLASLt-auto-tuning-max,best-baseline\n4096_4096_1024,0.95,0.95\n2048_2048_512,0.9,0.9\n")
     out = tmp_path / "shapes.txt"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "burst-only.py"), "--db", str(db), "--device", "H200",
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "burst-only.py"), "--db", str(db), "--device", "H100",
                         "--csv", str(report), "--out", str(out)], capture_output=True, text=True, env=ENV)
     assert r.returncode == 0, r.stderr
     lines = out.read_text().splitlines()
-    assert lines[0].startswith("# NVIDIA H200 fp32: 1 shapes below 1.0") and lines[1:] == ["4096x4096x1024"]
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "burst-only.py"), "--db", str(db), "--device", "H100",
+    assert lines[0].startswith("# NVIDIA H100 80GB HBM3 fp32: 1 shapes below 1.0") and lines[1:] == ["4096x4096x1024"]
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "burst-only.py"), "--db", str(db), "--device", "H200",
                         "--csv", str(report)], capture_output=True, text=True, env=ENV)
-    assert r.returncode == 1 and "no tuned shapes on 'H100'" in r.stderr
+    assert r.returncode == 1 and "no tuned shapes on 'H200'" in r.stderr
+    # without --csv: the report of the GPU's slug under --results ('NVIDIA H100 80GB HBM3' -> h100/)
+    (tmp_path / "res" / "h100").mkdir(parents=True)
+    report.rename(tmp_path / "res" / "h100" / "gemmrl-tuned_h100_F32F16F16F32_speedup_kernel.csv")
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "burst-only.py"), "--db", str(db), "--device", "H100",
+                        "--results", str(tmp_path / "res")], capture_output=True, text=True, env=ENV)
+    assert r.returncode == 0 and "1 shapes" in r.stdout, r.stderr
