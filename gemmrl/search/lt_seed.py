@@ -80,17 +80,24 @@ def lt_split_specs(tile: tuple[int, int], cluster: tuple[int, int], splits: int,
     return out
 
 
-def parse_split_choice(info: str, tiles: dict, clusters: dict) -> tuple | None:
-    """((m, n) tile, (m, n) cluster, splits, reduction scheme) of a stored split-K autotuned
-    choice; None for any other (parse_choice reads those) or one whose tile or cluster the tables
-    do not know. Pure."""
+def _parse(info: str, tiles: dict, clusters: dict) -> tuple | None:
+    """((m, n) tile, (m, n) cluster, splits, reduction scheme) of a stored autotuned choice's
+    description, or None where it names no tile and cluster these tables know. Pure."""
     from gemmrl.baselines.cublas import parse_description
 
     d = parse_description(info or "")
     tile, cluster = tiles.get(d.get("tile")), clusters.get(d.get("cluster"))
-    if tile is None or cluster is None or d.get("splitk", 1) <= 1:
+    if tile is None or cluster is None:
         return None
-    return tile, cluster, int(d["splitk"]), int(d.get("reduction", 0))
+    return tile, cluster, int(d.get("splitk", 1)), int(d.get("reduction", 0))
+
+
+def parse_split_choice(info: str, tiles: dict, clusters: dict) -> tuple | None:
+    """((m, n) tile, (m, n) cluster, splits, reduction scheme) of a stored split-K autotuned
+    choice; None for any other (parse_choice reads those) or one whose tile or cluster the tables
+    do not know. Pure."""
+    got = _parse(info, tiles, clusters)
+    return got if got is not None and got[2] > 1 else None
 
 
 @functools.lru_cache(maxsize=16)
@@ -105,14 +112,9 @@ def _pool(layout: str, dtype: str, acc: str) -> frozenset:
 def parse_choice(info: str, tiles: dict, clusters: dict) -> tuple[tuple[int, int], tuple[int, int]] | None:
     """((m, n) tile, (m, n) cluster) of a stored autotuned choice's description, or None where it
     names no tile and cluster these tables know, or a split-K one (our plain persistent kernels
-    are no twin of it). Pure."""
-    from gemmrl.baselines.cublas import parse_description
-
-    d = parse_description(info or "")
-    tile, cluster = tiles.get(d.get("tile")), clusters.get(d.get("cluster"))
-    if tile is None or cluster is None or d.get("splitk", 1) > 1:
-        return None
-    return tile, cluster
+    are no twin of it: parse_split_choice). Pure."""
+    got = _parse(info, tiles, clusters)
+    return got[:2] if got is not None and got[2] <= 1 else None
 
 
 def lt_prior(store, device: str, problems, tiles: dict, clusters: dict, layouts=("NN", "TN")) -> dict:
@@ -130,12 +132,11 @@ def lt_prior(store, device: str, problems, tiles: dict, clusters: dict, layouts=
                 "SELECT info FROM tuning WHERE device=? AND M=? AND N=? AND K=? AND dtype=? AND acc='fp32' "
                 "AND impl=?", (device, problem.M, problem.N, problem.K, problem.dtype,
                                LT_IMPL.format(layout.lower()))).fetchone()
-            got = parse_choice(row[0], tiles, clusters) if row else None
-            if got is not None:
-                suggestions += [(FAMILY, s) for s in lt_specs(*got, layout, problem.dtype, problem.acc, problem)]
-            split = parse_split_choice(row[0], tiles, clusters) if row else None
-            if split is not None:
-                suggestions += [(FAMILY, s) for s in lt_split_specs(*split, layout, problem.dtype, problem.acc,
+            got = _parse(row[0], tiles, clusters) if row else None
+            if got is not None and got[2] <= 1:
+                suggestions += [(FAMILY, s) for s in lt_specs(*got[:2], layout, problem.dtype, problem.acc, problem)]
+            elif got is not None:  # a split-K choice
+                suggestions += [(FAMILY, s) for s in lt_split_specs(*got, layout, problem.dtype, problem.acc,
                                                                     problem)]
         if suggestions:
             out[problem] = suggestions
