@@ -646,3 +646,52 @@ def test_burst_only_kernels_race_when_asked(tmp_path, monkeypatch):
     assert Race(store, dev, k=1, burst=2, built_only=True).specs(P) == [SPECS[3], SPECS[0]]
     with pytest.raises(ValueError, match="burst"):
         Race(store, dev, burst=-1)
+
+
+def test_a_tune_that_finds_nothing_better_leaves_the_raced_winner_in_place(tmp_path):
+    """A race (the final timing, in one session beside the incumbent) may keep a kernel that is not
+    the search's best by reward. A later tune that never reaches the shape (its wall-clock deadline
+    came first), or whose new trials there all lose, must not write the search's older best back
+    over it: with its final timing cut, that kernel would ship in the pack untimed."""
+    import json
+    from dataclasses import asdict
+
+    from gemmrl.search.policy import ModelFreePolicy
+
+    store, dev = _store_with_search(tmp_path, [100.0, 104.0, 130.0])  # the search's best: SPECS[0]
+    run = store.start_run("gemmrl tune", dev, {}, {})
+    raced = {"family": "cutlass_sm90", "spec": asdict(SPECS[1])}
+    store.put_tuning(dev, P, TUNED, json.dumps(raced, sort_keys=True).encode(), f"{SPECS[1].name} (best of 9/2)", 103.0)
+    store.record_verification(run, dev, P, TUNED, True, "", {
+        "impl": {"name": TUNED, "chosen": {**raced, "name": SPECS[1].name}}})
+
+    def never(problem, cands):
+        raise AssertionError("no candidate is left to evaluate")
+
+    run_tune([P], store, dev, never, candidates=3, batch=3, layouts=("NN",), policy=ModelFreePolicy(layouts=("NN",)))
+    assert store.get_tuning(dev, P, TUNED)["info"] == f"{SPECS[1].name} (best of 9/2)"
+    # a deadline already past: the search stops before the shape
+    run_tune([P], store, dev, never, more=3, batch=3, layouts=("NN",), deadline=0.0,
+             policy=ModelFreePolicy(layouts=("NN",)))
+    assert store.get_tuning(dev, P, TUNED)["info"] == f"{SPECS[1].name} (best of 9/2)"
+    # a new trial that loses to the search's best changes nothing either
+    slow = Trial(P, Candidate("cutlass_sm90", SPECS[3]), "ok", 200.0, 5.0, {"device_s": 0.01})
+
+    class Slow(ModelFreePolicy):
+        def propose(self, problem, n, exclude=()):
+            return [slow.candidate]
+
+    res = run_tune([P], store, dev, lambda problem, cands: [slow], more=1, batch=1, layouts=("NN",),
+                   policy=Slow(layouts=("NN",)))
+    assert res.trials == [slow] and res.best[P].candidate.spec == SPECS[0]
+    assert store.get_tuning(dev, P, TUNED)["info"] == f"{SPECS[1].name} (best of 9/2)"
+    # a new trial better than every stored one takes the winner's place (the race then decides)
+    fast = Trial(P, Candidate("cutlass_sm90", SPECS[4]), "ok", 90.0, 100.0 / 9.0, {"device_s": 0.01})
+
+    class Fast(ModelFreePolicy):
+        def propose(self, problem, n, exclude=()):
+            return [fast.candidate]
+
+    run_tune([P], store, dev, lambda problem, cands: [fast], more=1, batch=1, layouts=("NN",),
+             policy=Fast(layouts=("NN",)))
+    assert store.get_tuning(dev, P, TUNED)["info"].startswith(SPECS[4].name + " (reward")

@@ -361,7 +361,13 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
 
     res = tune(problems, policy, evaluate, per_shape_candidates=candidates, batch=batch,
                device_budget_s=budget_s, history=history, on_trial=record, deadline=deadline, more=more)
+    # the final pass stores a shape's best only where it is a trial of this run, or where the shape
+    # has no winner at all: a stored winner a race chose (in one session, beside the incumbent) is
+    # not the search's best by reward, and a run that never reached the shape (a wall-clock
+    # deadline) or found nothing better there must leave it as it is; writing the older search
+    # best back would undo the race, and a final timing cut short would leave it in the pack
+    new = {id(t) for t in res.trials}
     for problem, t in res.best.items():
-        if t.reward > 0 and t.status == "ok":
+        if t.reward > 0 and t.status == "ok" and (id(t) in new or store.get_tuning(device, problem, TUNED) is None):
             keep(t)
     return res
