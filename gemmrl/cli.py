@@ -761,9 +761,16 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
             finally:
                 close()
             won = sum(1 for t in res.best.values() if t.reward > 1.0)
+            # res.best holds the earlier runs' trials too: say how many shapes this run reached, so a
+            # --wall-s spent before the search (the baselines' measurement counts) reads as such
+            searched = len({t.problem for t in res.trials})
             click.echo(f"tuned {len(res.best)} shapes with {len(res.trials)} new candidates in {search_wall:.1f} s "
                        f"of wall time ({res.device_s:.0f} device s); faster than the best baseline on {won}"
                        + (f"; stopped: {res.stopped}" if res.stopped else ""), err=True)
+            if searched < len(problems):
+                click.echo(f"this run searched {searched} of its {len(problems)} shapes"
+                           + (f" (the wall-clock deadline came {wall_s:g} s after the start, the baselines' "
+                              "measurement included)" if res.stopped == "wall-clock deadline" else ""), err=True)
             if not no_report:
                 write_curves({policy_name: res.per_shape_curve()}, Path(out) / env.gpu_slug(device) / "tune_curve")
             final = [] if search_only else shapes_to_time(problems, res.trials, store, device,

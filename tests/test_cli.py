@@ -700,9 +700,24 @@ def test_tune_wall_gives_the_baselines_half_and_searches_the_shapes_that_have_th
     r = CliRunner().invoke(main, ["tune", "--shapes", shapes, "--db", str(db), "--no-report"])
     assert r.exit_code == 0, r.output
     assert deadlines == [None, None] and searched == [["64x64x64", "128x128x128"]]
+    assert "this run searched" not in r.output  # both shapes reached
     store = Store(db)
     assert store.runs()[-1]["status"] == "done"
     store.close()
+    # the search's deadline before the second shape (run 608: the 12 s wall went on the start and the
+    # baselines, and 1 of 73 shapes was searched): the run says so, not only "tuned 2 shapes"
+    def first_only(problems, store, device, evaluate, **kw):
+        old = SimpleNamespace(problem=problems[1], reward=1.1)  # an earlier run's winner
+        new = SimpleNamespace(problem=problems[0], reward=1.2)
+        return TuneResult(problems=list(problems), trials=[new], history=[old], best={problems[0]: new,
+                          problems[1]: old}, curve=[], device_s=0.0, stopped="wall-clock deadline")
+    monkeypatch.setattr(srun, "run_tune", first_only)
+    monkeypatch.setattr(runner, "run_isolated", lambda probs, specs, store, cfg, **kw: {"stopped": False})
+    r = CliRunner().invoke(main, ["tune", "--shapes", shapes, "--db", str(tmp_path / "late.sqlite"), "--no-report",
+                                  "--wall-s", "12"])
+    assert r.exit_code == 0, r.output
+    assert "tuned 2 shapes with 1 new candidates" in r.output and "stopped: wall-clock deadline" in r.output
+    assert "this run searched 1 of its 2 shapes (the wall-clock deadline came 12 s after the start" in r.output
 
 
 def test_tune_seeds_from_the_stored_cublaslt_choices_after_the_baselines(tmp_path, monkeypatch):
