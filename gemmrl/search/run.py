@@ -365,7 +365,8 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
     # has no winner at all: a stored winner a race chose (in one session, beside the incumbent) is
     # not the search's best by reward, and a run that never reached the shape (a wall-clock
     # deadline) or found nothing better there must leave it as it is; writing the older search
-    # best back would undo the race, and a final timing cut short would leave it in the pack
+    # best back sent the shape to the final timing again (shapes_to_time: the stored winner differs from
+    # the verified one), with the older kernel compiled inside the timed step even under --built-only
     new = {id(t) for t in res.trials}
     for problem, t in res.best.items():
         if t.reward > 0 and t.status == "ok" and (id(t) in new or store.get_tuning(device, problem, TUNED) is None):
