@@ -409,3 +409,31 @@ def test_run_tune_sweeps_the_pool_with_the_exhaustive_policy_and_refuses_it_a_tr
     with pytest.raises(ValueError, match="the random policy takes no transfer"):
         run_tune([P1], store, "H100", fake_evaluate, candidates=5, layouts=("TN",), policy_name="random",
                  transfer_from="NVIDIA H200")
+
+
+def test_a_suggested_spec_that_cannot_serve_the_shape_is_skipped_not_rendered(tmp_path, monkeypatch):
+    # the forty-third session's band tune died here: a neighbour's split-K 3 winner (separate
+    # reduction) offered on K=16384, which 3 splits x 8 does not divide; the built-only filter
+    # rendered it to look in the build cache, and the render raised
+    from gemmrl.search.run import built_generic_only, policy_filter
+    from gemmrl.space.cutlass_sm90 import CutlassSpec, valid
+
+    monkeypatch.setenv("GEMMRL_CACHE", str(tmp_path / "cache"))
+    p = Problem(512, 1024, 16384)
+    bad = CutlassSpec(64, 64, 64, 4, 1, "pingpong", "splitk", 3, layout="NN", reduction="separate")
+    good = CutlassSpec(64, 64, 64, 4, 1, "pingpong", "splitk", 4, layout="NN", reduction="separate")
+    assert valid(bad, p) is not None and valid(good, p) is None
+    assert built_generic_only()("cutlass_sm90", bad, p) is False
+    assert built_generic_only()("cutlass_sm90", good, p) is False  # valid, but not in the empty cache
+
+    seen = []
+
+    def allow(family, spec, problem):
+        seen.append(spec.name)
+        return policy_filter(generic_built_only=True)(family, spec, problem) or spec.name == good.name
+
+    pol = ModelFreePolicy(families=("cutlass_sm90",), layouts=("NN",), seed=0, allow=allow)
+    pol.add_prior(p, [("cutlass_sm90", bad), ("cutlass_sm90", good)])
+    names = [c.name for c in pol.propose(p, 4)]
+    assert good.name in names and bad.name not in names
+    assert bad.name not in seen  # the filter was never asked about it

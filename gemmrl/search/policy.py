@@ -561,10 +561,13 @@ class ModelFreePolicy(_Tracking):
                 return
             if family not in self.families or getattr(spec, "layout", None) not in (None, *self.layouts):
                 return
+            # validity first: a filter may render the spec (built_generic_only), and a spec another
+            # shape suggests (prior, transfer) may not serve this one (a split-K that does not divide K)
+            if not checked and registry.get(family).valid(spec, problem) is not None:
+                return
             if self.allow is not None and not self.allow(family, spec, problem):
                 return
-            if checked or registry.get(family).valid(spec, problem) is None:
-                opts[key] = [family, spec, origin]
+            opts[key] = [family, spec, origin]
 
         # the prior's best lead a problem's first batch; then this GPU's own trials lead. On a shape
         # already searched here, the first `prior_top` of its own prior (not its neighbours') are

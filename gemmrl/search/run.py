@@ -217,6 +217,8 @@ def built_generic_only():
     def allow(family: str, spec, problem) -> bool:
         if not registry.get(family).generic:
             return True
+        if registry.get(family).valid(spec, problem) is not None:
+            return False  # it cannot serve this shape (and its source cannot be rendered for it)
         if spec.name not in known:  # a generic spec's source does not depend on the shape
             known[spec.name] = SpecImpl(spec).is_built(problem)
         return known[spec.name]
