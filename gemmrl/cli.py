@@ -767,6 +767,10 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
             click.echo(f"tuned {len(res.best)} shapes with {len(res.trials)} new candidates in {search_wall:.1f} s "
                        f"of wall time ({res.device_s:.0f} device s); faster than the best baseline on {won}"
                        + (f"; stopped: {res.stopped}" if res.stopped else ""), err=True)
+            if res.failed:
+                first = next(iter(res.failed.items()))
+                click.echo(f"the policy failed on {len(res.failed)} shape(s), left unsearched (their earlier "
+                           f"winners stand); first: {first[0].shape}: {first[1]}", err=True)
             if searched < len(problems):
                 click.echo(f"this run searched {searched} of its {len(problems)} shapes"
                            + (f" (the wall-clock deadline came {wall_s:g} s after the start, the baselines' "

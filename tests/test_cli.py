@@ -986,3 +986,23 @@ def test_a_reports_provenance_is_its_newest_measuring_run_not_the_devices_newest
     assert r.exit_code == 0, r.output
     prov = json.loads((out / "h100" / "torch_matmul_h100_F16F16F16F16_summary.json").read_text())["provenance"]
     assert prov["commit"] == "later"
+
+
+def test_tune_says_which_shapes_the_policy_failed_on(tmp_path, monkeypatch):
+    from gemmrl.bench import runner
+    from gemmrl.search import run as srun
+    from gemmrl.search.tune import TuneResult
+
+    _fake_gpu_for_tune(monkeypatch)
+    p, q = Problem(2048, 1024, 16384), Problem(512, 512, 512)
+
+    def fake_run_tune(problems, store, device, evaluate, **kw):
+        return TuneResult(problems=list(problems), trials=[], history=[], best={}, curve=[], device_s=0.0,
+                          failed={p: "ValueError: K=16384 is not a multiple of 3 splits x 8"})
+    monkeypatch.setattr(runner, "run_isolated", lambda *a, **kw: {"stopped": False})
+    monkeypatch.setattr(srun, "run_tune", fake_run_tune)
+    r = CliRunner().invoke(main, ["tune", "--shapes", f"{p.shape},{q.shape}", "--db", str(tmp_path / "s.sqlite"),
+                                  "--no-report"])
+    assert r.exit_code == 0, r.output
+    assert ("the policy failed on 1 shape(s), left unsearched (their earlier winners stand); "
+            "first: 2048x1024x16384: ValueError: K=16384 is not a multiple of 3 splits x 8") in r.output

@@ -437,3 +437,20 @@ def test_a_suggested_spec_that_cannot_serve_the_shape_is_skipped_not_rendered(tm
     names = [c.name for c in pol.propose(p, 4)]
     assert good.name in names and bad.name not in names
     assert bad.name not in seen  # the filter was never asked about it
+
+
+def test_a_policy_that_raises_on_one_shape_costs_only_that_shape(tmp_path):
+    # run 614: one shape's proposal raised, and the whole tune died before the final timing of the
+    # 54 shapes it had searched; now that shape is left, said in the result, and the others go on
+    class Flaky(ModelFreePolicy):
+        def propose(self, problem, k):
+            if problem == P1:
+                raise ValueError("a suggestion that does not serve this shape")
+            return super().propose(problem, k)
+
+    store = Store(tmp_path / "s.sqlite")
+    res = run_tune([P1, P2], store, "H100", fake_evaluate, candidates=3, batch=3, layouts=("TN",),
+                   policy=Flaky(layouts=("TN",), seed=0))
+    assert set(res.failed) == {P1} and "ValueError: a suggestion" in res.failed[P1]
+    assert {t.problem for t in res.trials} == {P2} and len(res.trials) == 3
+    assert store.get_tuning("H100", P2, TUNED) is not None and store.get_tuning("H100", P1, TUNED) is None

@@ -93,6 +93,10 @@ class TuneResult:
     stopped: str = ""  # '' or why the run ended early ('device budget')
     dropped: int = 0  # proposals tune refused: already tried, repeated in a batch, or invalid
     counts: dict = field(default_factory=dict)  # candidates per problem (history included)
+    # problem -> 'ErrorType: message' where the policy raised while proposing for it: that problem
+    # was left there and the run went on with the next (one shape's bad suggestion does not cost
+    # the other shapes' search and final timing)
+    failed: dict = field(default_factory=dict)
 
     def best_reward(self, problem: Problem) -> float:
         t = self.best.get(problem)
@@ -143,6 +147,7 @@ def tune(problems: Iterable[Problem], policy: Policy, evaluate: Evaluate, *, per
     trials: list[Trial] = []
     curve: list[tuple[int, float]] = []
     spent, dropped, stopped = 0.0, 0, ""
+    failed: dict[Problem, str] = {}
 
     def point():
         visited = [p for p in problems if counts[p]]
@@ -168,7 +173,12 @@ def tune(problems: Iterable[Problem], policy: Policy, evaluate: Evaluate, *, per
             if per > 0 and math.isfinite(remaining):
                 k = max(1, min(k, int(remaining / per)))
             fresh, keys = [], set()
-            for c in policy.propose(problem, k)[:k]:
+            try:
+                proposed = policy.propose(problem, k)[:k]
+            except Exception as e:  # noqa: BLE001 - a policy's bug on one shape; said in the result
+                failed[problem] = f"{type(e).__name__}: {e}"
+                break
+            for c in proposed:
                 key = c.key()
                 if key in tried[problem] or key in keys or registry.get(c.family).valid(c.spec, problem):
                     dropped += 1
@@ -195,7 +205,7 @@ def tune(problems: Iterable[Problem], policy: Policy, evaluate: Evaluate, *, per
                 break
         if stopped:
             break
-    return TuneResult(problems, trials, history, best, curve, spent, stopped, dropped, counts)
+    return TuneResult(problems, trials, history, best, curve, spent, stopped, dropped, counts, failed)
 
 
 # ---------------------------------------------------------------------------------------------
