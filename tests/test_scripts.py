@@ -1635,3 +1635,60 @@ def test_burst_only_lists_shapes_whose_burst_only_kernel_reads_over_the_final_ra
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "burst-only.py"), "--db", str(db), "--device", "H100",
                         "--results", str(tmp_path / "res")], capture_output=True, text=True, env=ENV)
     assert r.returncode == 0 and "1 shapes" in r.stdout, r.stderr
+
+
+def test_lt_untried_lists_the_shapes_in_a_ratio_band_whose_seeds_are_not_all_tried(tmp_path):
+    """scripts/lt-untried.py: a shape is listed where its report ratio lies in [low, high) and one of
+    its cuBLASLt-tile seeds has no trial on the device; lowest ratio first; --parts slices it."""
+    from gemmrl.core.problem import Problem
+    from gemmrl.runtime.pack import LT_IMPL
+    from gemmrl.store.db import Store
+
+    db = tmp_path / "s.sqlite"
+    st = Store(db)
+    dev = "NVIDIA H200"
+    info = "algo=66 tile=29 stages=35 splitk=1 reduction=0 swizzle=0 custom=1 inner=0 cluster=3"
+    shapes = {"open": Problem(16384, 4096, 4096), "half": Problem(8192, 4096, 4096),
+              "done": Problem(4096, 4096, 4096), "above": Problem(2048, 4096, 4096),
+              "no_choice": Problem(1024, 4096, 4096)}
+    for name, p in shapes.items():
+        if name != "no_choice":
+            st.put_tuning(dev, p, LT_IMPL.format("tn"), b"\x01" * 64, info, 800.0)
+    lt = _script("lt-untried.py")
+    from gemmrl.baselines.cublas import lt_enum_tables
+    tiles, clusters, _src = lt_enum_tables()
+    seeds = lt.untried(st, dev, [shapes["done"]], tiles, clusters)[shapes["done"]]
+    assert len(seeds) == 2  # the cooperative and ping-pong kernels of the one tile
+    run = st.start_run("gemmrl tune", dev, {}, {})
+    for name in seeds:
+        st.record_trial(run, dev, shapes["done"], name, "ok", 0.9, 10.0, {})
+    st.record_trial(run, dev, shapes["half"], seeds[0], "ok", 0.9, 10.0, {})
+    st.record_trial(run, dev, shapes["half"], seeds[0], "ok", 0.9, 10.0, {})  # twice: still one name
+    st.finish_run(run)
+
+    report = tmp_path / "speedup_kernel.csv"
+    ratios = {"open": 0.97, "half": 0.95, "done": 0.90, "above": 0.99, "no_choice": 0.93}
+    report.write_text("mnk,torch.matmul,cuBLASLt-auto-tuning-max\n" + "".join(
+        f"{shapes[n].M}_{shapes[n].N}_{shapes[n].K},1.0,{r}\n" for n, r in ratios.items()) + "64_64_64,1.0,\n")
+    out = tmp_path / "list.txt"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "lt-untried.py"), "--db", str(db), "--device", "H200",
+                        "--report", str(report), "--high", "0.98", "--out", str(out), "--parts", "2"],
+                       capture_output=True, text=True, env=ENV, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    lines = out.read_text().splitlines()
+    assert lines[0].startswith("# NVIDIA H200 fp16 acc fp32: the 2 shapes at 0-0.98")
+    assert lines[1:] == ["8192x4096x4096", "16384x4096x4096"]  # 0.95 before 0.97; 'done' and the others left out
+    assert "4 shapes at 0-0.98; 2 with untried seeds; the first 3 untried of each: 2 distinct kernels" in r.stderr
+    assert (tmp_path / "list-a.txt").read_text().splitlines()[1:] == ["8192x4096x4096"]
+    assert (tmp_path / "list-b.txt").read_text().splitlines()[1:] == ["16384x4096x4096"]
+    assert lt.split(list(range(234)), 4)[3] == list(range(177, 234))
+
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "lt-untried.py"), "--db", str(db), "--device", "H200",
+                          "--report", str(report), "--low", "1.0", "--high", "0.98", "--out", str(out)],
+                         capture_output=True, text=True, env=ENV, timeout=300)
+    assert bad.returncode == 2 and "--low 1.0 must be below --high 0.98" in bad.stderr
+    none = subprocess.run([sys.executable, str(ROOT / "scripts" / "lt-untried.py"), "--db", str(db), "--device", "H100",
+                           "--report", str(report), "--out", str(out)], capture_output=True, text=True, env=ENV,
+                          timeout=300)
+    assert none.returncode == 2 and "no cuBLASLt autotuned choice stored on 'H100'" in none.stderr
+    assert "it has them on NVIDIA H200" in none.stderr

@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""The shapes `tune --seed-from-lt` still has something to offer, from the store and a kernel
+report alone (no GPU): every shape whose ratio over cuBLASLt autotuned in the report lies in
+[--low, --high) and whose cuBLASLt-tile seeds (search/lt_seed.py: the CUTLASS kernels of the
+autotuned cuBLASLt choice stored on --device) are not all tried there yet. Lowest ratio first,
+one shape a line, a '#' header saying how they were chosen; with `--parts N` also N files of
+consecutive slices (OUT's stem + '-a', '-b', ...), one device call each. Says how many shapes and
+how many distinct seeds the next `tune --more K` would take (the first K untried of each shape).
+
+    python3 scripts/lt-untried.py --device H200 --acc fp32 --high 0.98 \\
+        --report results/h200/gemmrl-tuned_h200_F32F16F16F32_speedup_kernel.csv \\
+        --out results/shapes/h200-fp32-lt-third.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import string
+import sys
+from pathlib import Path
+
+COLUMN = "cuBLASLt-auto-tuning-max"
+
+
+def read_report(path: Path, column: str = COLUMN) -> dict[tuple[int, int, int], float]:
+    """(M, N, K) -> the report's ratio in `column` (rows where it is empty are left out)."""
+    out = {}
+    with open(path, newline="") as f:
+        rows = csv.DictReader(f)
+        if rows.fieldnames is None or "mnk" not in rows.fieldnames or column not in rows.fieldnames:
+            raise SystemExit(f"{path}: not a speedup report with columns 'mnk' and {column!r}")
+        for r in rows:
+            if r[column]:
+                out[tuple(int(x) for x in r["mnk"].split("_"))] = float(r[column])
+    return out
+
+
+def untried(store, device: str, problems, tiles: dict, clusters: dict, layouts=("NN", "TN")) -> dict:
+    """problem -> the names of its cuBLASLt-tile seeds with no trial on `device`, in the seed's order."""
+    from gemmrl.search.lt_seed import lt_prior
+
+    prior = lt_prior(store, device, problems, tiles, clusters, layouts)
+    tried: dict = {}
+    for r in store.trials(device, list(prior)):
+        tried.setdefault((r["M"], r["N"], r["K"], r["dtype"], r["acc"]), set()).add(r["candidate"])
+    out = {}
+    for p, seeds in prior.items():
+        names = list(dict.fromkeys(s.name for _f, s in seeds))
+        left = [n for n in names if n not in tried.get(p.key(), ())]
+        if left:
+            out[p] = left
+    return out
+
+
+def split(items: list, parts: int) -> list[list]:
+    """`items` in `parts` consecutive slices, the larger ones first (59, 59, 59, 57 of 234)."""
+    size = -(-len(items) // parts) if items else 0
+    return [items[i * size:(i + 1) * size] for i in range(parts)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--db", default="results/gemmrl.sqlite")
+    ap.add_argument("--device", required=True, help="a GPU of the store, or part of its name (H200)")
+    ap.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16")
+    ap.add_argument("--acc", choices=("fp32", "fp16"), default="fp32")
+    ap.add_argument("--report", required=True, type=Path, help="the kernel report's speedup CSV")
+    ap.add_argument("--low", type=float, default=0.0, help="lowest ratio taken (inclusive)")
+    ap.add_argument("--high", type=float, default=1.0, help="ratio taken below this (exclusive)")
+    ap.add_argument("--more", type=int, default=3, help="the untried seeds per shape the next tune takes")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--parts", type=int, default=1, help="also OUT-a, OUT-b, ...: consecutive slices")
+    a = ap.parse_args(argv)
+    if not a.low < a.high:
+        ap.error(f"--low {a.low} must be below --high {a.high}")
+    if not 1 <= a.parts <= 26:
+        ap.error("--parts must be 1-26")
+    if a.more < 1:
+        ap.error("--more must be 1 or more")
+
+    from gemmrl.baselines.cublas import lt_enum_tables
+    from gemmrl.core.problem import Problem
+    from gemmrl.store.db import Store, device_by_part
+
+    if not Path(a.db).exists() and not Path(str(a.db) + ".xz").exists():
+        ap.error(f"no store at {a.db}")
+    store = Store(a.db)
+    from gemmrl.runtime.pack import LT_IMPL
+
+    known = sorted({d for lay in ("nn", "tn") for d in store.tuned_devices(LT_IMPL.format(lay))})
+    try:
+        device = device_by_part(a.device, known, "GPUs")
+    except ValueError as e:
+        ap.error(str(e))
+    if device not in known:
+        ap.error(f"no cuBLASLt autotuned choice stored on {a.device!r} in {a.db}"
+                 + (f"; it has them on {', '.join(known)}" if known else ""))
+    ratio = read_report(a.report)
+    chosen = {mnk: r for mnk, r in ratio.items() if a.low <= r < a.high}
+    problems = [Problem(*mnk, dtype=a.dtype, acc=a.acc) for mnk in chosen]
+    tiles, clusters, source = lt_enum_tables(extra_roots=tuple(sorted(Path.cwd().glob(".ext/*/nvidia/cu13"))))
+    left = untried(store, device, problems, tiles, clusters)
+    rows = sorted(left, key=lambda p: (chosen[(p.M, p.N, p.K)], p.M * p.N * p.K, p.key()))
+    kernels = {n for p in rows for n in left[p][:a.more]}
+    head = (f"# {device} {a.dtype} acc {a.acc}: the {len(rows)} shapes at {a.low:g}-{a.high:g} of cuBLASLt "
+            f"autotuned ({a.report.name}) with cuBLASLt-tile seeds not yet tried (scripts/lt-untried.py; "
+            f"{source}); lowest first. tune --seed-from-lt --more {a.more}")
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(head + "\n" + "".join(p.shape + "\n" for p in rows))
+    print(f"{len(chosen)} shapes at {a.low:g}-{a.high:g}; {len(rows)} with untried seeds; the first {a.more} "
+          f"untried of each: {len(kernels)} distinct kernels -> {a.out}", file=sys.stderr)
+    if a.parts > 1:
+        for letter, part in zip(string.ascii_lowercase, split(rows, a.parts)):
+            path = a.out.with_name(f"{a.out.stem}-{letter}{a.out.suffix}")
+            path.write_text(f"# part {letter} ({len(part)} shapes) of {a.out.name}\n"
+                            + "".join(p.shape + "\n" for p in part))
+            print(f"  {path}: {len(part)} shapes", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
