@@ -1692,3 +1692,51 @@ def test_lt_untried_lists_the_shapes_in_a_ratio_band_whose_seeds_are_not_all_tri
                           timeout=300)
     assert none.returncode == 2 and "no cuBLASLt autotuned choice stored on 'H100'" in none.stderr
     assert "it has them on NVIDIA H200" in none.stderr
+
+
+def test_session_bias_compares_a_calls_ratios_with_the_same_kernels_elsewhere(tmp_path):
+    """scripts/session-bias.py: the ratio over the baseline in the named runs over that of the same
+    kernel's nearest session outside them, by kernel class; the shapes whose latest session is the
+    runs' (what the report reads), written for a retime with --out and --kind."""
+    from gemmrl.core.problem import Problem
+    from gemmrl.store.db import Store
+
+    db = tmp_path / "s.sqlite"
+    st = Store(db)
+    dev = "NVIDIA H200"
+    sr, plain, later = Problem(256, 1024, 8192), Problem(4096, 4096, 4096), Problem(512, 512, 8192)
+    names = {sr: "sm90_coop_128x128x64_c1x1_splitk8sr_s0_rh_sw1_nn_f16_f32",
+             plain: "sm90_pp_128x128x64_c1x1_persist_s0_rh_sw1_nn_f16_f32",
+             later: "sm90_pp_64x128x64_c1x1_splitk16sr_s0_rh_sw1_nn_f16_f32"}
+    # (run, tuned us, cuBLASLt autotuned nn us, tn us): run 2 is the call under suspicion
+    plan = {sr: [(1, 10.0, 9.0, 9.5), (2, 10.0, 9.9, 10.2)],
+            plain: [(1, 50.0, 50.0, 51.0), (2, 50.0, 50.5, 51.0), (3, 50.0, 51.0, 52.0)],
+            later: [(2, 8.0, 8.64, 9.0), (3, 8.0, 8.0, 8.2)]}
+    for run in (1, 2, 3):
+        rid = st.start_run("gemmrl bench", dev, {}, {})
+        assert rid == run
+        for p, rows in plan.items():
+            for r, t, nn, tn in rows:
+                if r != run:
+                    continue
+                st.record_session(rid, f"s{run}{p.M}", dev, p, "kernel", "kernel:v3",
+                                  {"gemmrl-tuned": {"median_us": t, "n": 5},
+                                   "cuBLASLt-auto-tuning-nn": {"median_us": nn, "n": 5},
+                                   "cuBLASLt-auto-tuning-tn": {"median_us": tn, "n": 5}})
+                st.record_verification(rid, dev, p, "gemmrl-tuned", True, "", {"impl": {"chosen": {"name": names[p]}}})
+        st.finish_run(rid)
+    out = tmp_path / "retime.txt"
+    cmd = [sys.executable, str(ROOT / "scripts" / "session-bias.py"), "--db", str(db), "--device", "H200"]
+    r = subprocess.run(cmd + ["--runs", "2", "--out", str(out), "--kind", "splitk-sr"], capture_output=True,
+                       text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr
+    # the faster of NN and TN over the tuned time: sr 0.99 in run 2 against 0.90 in run 1 (1.100), later 1.08
+    # against 1.00 in run 3 (1.080); plain 1.01 against run 3's 1.02, not run 1's 1.00 (a tie goes to the later)
+    assert "| splitk-sr | 2 | 1.100 | 1.080 | 1.100 | 1 |" in r.stdout
+    assert "| cutlass | 1 | 0.990 | 0.990 | 0.990 | 0 |" in r.stdout
+    assert out.read_text().splitlines()[1:] == ["256x1024x8192"]  # 512x512x8192's latest session is run 3's
+
+    bad = subprocess.run(cmd + ["--runs", "5-4"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert bad.returncode == 2 and "5-4 runs backwards" in bad.stderr
+    none = subprocess.run(cmd + ["--runs", "9"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert none.returncode == 2 and "runs 9 timed no verified gemmrl-tuned winner" in none.stderr

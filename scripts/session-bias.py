@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""Did some runs measure the tuned winners differently from the others? From the store alone (no
+GPU): for every (shape, kernel) timed both in `--runs` and outside them (the kernel a session timed
+is the one its run's passed verification of gemmrl-tuned names), the ratio over the baseline
+(`--baseline`, the faster of its NN and TN rows, divided by gemmrl-tuned's median, as in the
+reports) in the runs' last session over that in the nearest session outside them (by run id).
+Prints the factor's median, p10 and p90 by kernel class (split-K with a separate reduction, split-K,
+stream-K, other CUTLASS, raw), and how many shapes' latest session in the mode (what the report
+reads) comes from the runs, by class. `--out FILE --kind CLASS` writes those shapes of the classes
+named, smallest first: a retime list.
+
+    python3 scripts/session-bias.py --device H200 --acc fp32 --runs 288-291 \\
+        --out results/shapes/h200-fp32-sr-runs288-291.txt --kind splitk-sr
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sqlite3
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+SUBJECT = "gemmrl-tuned"
+CLASSES = ("splitk-sr", "splitk", "streamk", "cutlass", "raw", "other")
+
+
+def kernel_class(name: str) -> str:
+    """The class of a kernel by its name (space/cutlass_sm90.py's and space/raw's naming)."""
+    if name.startswith("sm90_"):
+        if "_splitk" in name:
+            return "splitk-sr" if "sr_" in name else "splitk"
+        return "streamk" if "_streamk" in name else "cutlass"
+    return "raw" if name.startswith("raw_") else "other"
+
+
+def parse_runs(text: str) -> set[int]:
+    """'288-291,300' -> {288, 289, 290, 291, 300}."""
+    out: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        try:
+            a, b = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ValueError(f"--runs {text!r}: give run ids and ranges, e.g. 288-291,300") from None
+        if b < a:
+            raise ValueError(f"--runs {text!r}: {part} runs backwards")
+        out.update(range(a, b + 1))
+    if not out:
+        raise ValueError("--runs names no run")
+    return out
+
+
+def ratios(db: sqlite3.Connection, device: str, acc: str, dtype: str, mode: str, baseline: str):
+    """[(run, M, N, K, kernel, ratio)] per session that timed gemmrl-tuned and the baseline, in
+    measurement order, where the run verified which kernel it timed."""
+    chosen = {}
+    for run, M, N, K, details in db.execute(
+            "SELECT run_id, M, N, K, details FROM verifications WHERE device=? AND acc=? AND dtype=? AND impl=? "
+            "AND passed=1 ORDER BY id", (device, acc, dtype, SUBJECT)):
+        name = (json.loads(details or "{}").get("impl") or {}).get("chosen", {}).get("name")
+        if name:
+            chosen[(run, M, N, K)] = name
+    sessions: dict = {}
+    for run, session, M, N, K, impl, med in db.execute(
+            "SELECT run_id, session, M, N, K, impl, median_us FROM measurements WHERE device=? AND acc=? AND "
+            "dtype=? AND mode=? AND status='ok' AND median_us > 0 AND (impl=? OR impl IN (?, ?)) ORDER BY id",
+            (device, acc, dtype, mode, SUBJECT, f"{baseline}-nn", f"{baseline}-tn")):
+        sessions.setdefault((run, session, M, N, K), {})[impl] = med
+    out = []
+    for (run, _s, M, N, K), got in sessions.items():
+        base = [v for k, v in got.items() if k != SUBJECT]
+        name = chosen.get((run, M, N, K))
+        if SUBJECT in got and base and name:
+            out.append((run, M, N, K, name, min(base) / got[SUBJECT]))
+    return out
+
+
+def bias(rows, runs: set[int]) -> dict[str, list[float]]:
+    """class -> [ratio in the runs / ratio nearest outside them] per (shape, kernel) with both."""
+    by: dict = defaultdict(list)
+    for r in rows:
+        by[r[1:5]].append((r[0], r[5]))
+    out: dict = defaultdict(list)
+    for (M, N, K, name), seen in by.items():
+        inside = [s for s in seen if s[0] in runs]
+        outside = [s for s in seen if s[0] not in runs]
+        if inside and outside:
+            last = inside[-1]
+            near = min(outside, key=lambda s: (abs(s[0] - last[0]), -s[0]))
+            out[kernel_class(name)].append(last[1] / near[1])
+    return out
+
+
+def latest_from(rows, runs: set[int]) -> dict[str, list[tuple[int, int, int]]]:
+    """class -> the shapes whose latest session (of those here) is one of the runs'."""
+    latest = {}
+    for run, M, N, K, name, _r in rows:
+        latest[(M, N, K)] = (run, name)
+    out: dict = defaultdict(list)
+    for shape, (run, name) in latest.items():
+        if run in runs:
+            out[kernel_class(name)].append(shape)
+    return out
+
+
+def quantile(a: list[float], q: float) -> float:
+    a = sorted(a)
+    return a[min(len(a) - 1, int(q * len(a)))]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--db", default="results/gemmrl.sqlite")
+    ap.add_argument("--device", required=True, help="a GPU of the store, or part of its name (H200)")
+    ap.add_argument("--acc", choices=("fp32", "fp16"), default="fp32")
+    ap.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16")
+    ap.add_argument("--mode", choices=("kernel", "offline", "server"), default="kernel")
+    ap.add_argument("--baseline", default="cuBLASLt-auto-tuning", help="a baseline with -nn and -tn rows")
+    ap.add_argument("--runs", required=True, help="run ids and ranges: 288-291,300")
+    ap.add_argument("--out", type=Path, help="write the shapes whose latest session is the runs'")
+    ap.add_argument("--kind", action="append", choices=CLASSES, help="with --out: only these classes")
+    a = ap.parse_args(argv)
+    try:
+        runs = parse_runs(a.runs)
+    except ValueError as e:
+        ap.error(str(e))
+    if a.kind and not a.out:
+        ap.error("--kind goes with --out")
+
+    from gemmrl.store.db import Store, device_by_part
+
+    if not Path(a.db).exists() and not Path(str(a.db) + ".xz").exists():
+        ap.error(f"no store at {a.db}")
+    store = Store(a.db)
+    try:
+        device = device_by_part(a.device, store.devices(), "GPUs")
+    except ValueError as e:
+        ap.error(str(e))
+    if device not in store.devices():
+        ap.error(f"no measurements on {a.device!r} in {a.db}")
+    rows = ratios(store.db, device, a.acc, a.dtype, a.mode, a.baseline)
+    if not any(r[0] in runs for r in rows):
+        ap.error(f"runs {a.runs} timed no verified {SUBJECT} winner on {device}, {a.dtype} acc {a.acc}, {a.mode} mode")
+    found = bias(rows, runs)
+    late = latest_from(rows, runs)
+    print(f"{device} {a.dtype} acc {a.acc}, {a.mode} mode: ratio over {a.baseline} in runs {a.runs} / the "
+          f"nearest session of the same kernel outside them")
+    print("| kernels | pairs | median | p10 | p90 | shapes whose latest session is the runs' |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for k in CLASSES:
+        f = found.get(k, [])
+        if f or late.get(k):
+            cells = (f"{math.exp(quantile([math.log(x) for x in f], q)):.3f}" for q in (0.5, 0.1, 0.9)) if f else \
+                iter(("-", "-", "-"))
+            print(f"| {k} | {len(f)} | {' | '.join(cells)} | {len(late.get(k, []))} |")
+    if a.out:
+        kinds = a.kind or list(CLASSES)
+        shapes = sorted((s for k in kinds for s in late.get(k, [])), key=lambda s: (s[0] * s[1] * s[2], s))
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(f"# {device} {a.dtype} acc {a.acc}: the {len(shapes)} shapes whose latest {a.mode}-mode "
+                         f"session of {SUBJECT} is one of runs {a.runs}, winners of {', '.join(kinds)} "
+                         "(scripts/session-bias.py)\n" + "".join(f"{M}x{N}x{K}\n" for M, N, K in shapes))
+        print(f"{len(shapes)} shapes -> {a.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
