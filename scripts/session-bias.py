@@ -3,7 +3,7 @@
 GPU): for every (shape, kernel) timed both in `--runs` and outside them (the kernel a session timed
 is the one its run's passed verification of gemmrl-tuned names), the ratio over the baseline
 (`--baseline`, the faster of its NN and TN rows, divided by gemmrl-tuned's median, as in the
-reports) in the runs' last session over that in the nearest session outside them (by run id).
+reports) in the runs' last session over the median of its sessions outside them.
 Prints the factor's median, p10 and p90 by kernel class (split-K with a separate reduction, split-K,
 stream-K, other CUTLASS, raw), and how many shapes' latest session in the mode (what the report
 reads) comes from the runs, by class. `--out FILE --kind CLASS` writes those shapes of the classes
@@ -16,24 +16,14 @@ named, smallest first: a retime list.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import sqlite3
 import sys
-from collections import defaultdict
 from pathlib import Path
 
-SUBJECT = "gemmrl-tuned"
-CLASSES = ("splitk-sr", "splitk", "streamk", "cutlass", "raw", "other")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-
-def kernel_class(name: str) -> str:
-    """The class of a kernel by its name (space/cutlass_sm90.py's and space/raw's naming)."""
-    if name.startswith("sm90_"):
-        if "_splitk" in name:
-            return "splitk-sr" if "sr_" in name else "splitk"
-        return "streamk" if "_streamk" in name else "cutlass"
-    return "raw" if name.startswith("raw_") else "other"
+from gemmrl.report.bias import (CLASSES, SUBJECT, bias, kernel_class, latest_from, quantile,  # noqa: E402,F401
+                                ratios)
 
 
 def parse_runs(text: str) -> set[int]:
@@ -54,64 +44,6 @@ def parse_runs(text: str) -> set[int]:
     if not out:
         raise ValueError("--runs names no run")
     return out
-
-
-def ratios(db: sqlite3.Connection, device: str, acc: str, dtype: str, mode: str, baseline: str):
-    """[(run, M, N, K, kernel, ratio)] per session that timed gemmrl-tuned and the baseline, in
-    measurement order, where the run verified which kernel it timed."""
-    chosen = {}
-    for run, M, N, K, details in db.execute(
-            "SELECT run_id, M, N, K, details FROM verifications WHERE device=? AND acc=? AND dtype=? AND impl=? "
-            "AND passed=1 ORDER BY id", (device, acc, dtype, SUBJECT)):
-        name = (json.loads(details or "{}").get("impl") or {}).get("chosen", {}).get("name")
-        if name:
-            chosen[(run, M, N, K)] = name
-    sessions: dict = {}
-    for run, session, M, N, K, impl, med in db.execute(
-            "SELECT run_id, session, M, N, K, impl, median_us FROM measurements WHERE device=? AND acc=? AND "
-            "dtype=? AND mode=? AND status='ok' AND median_us > 0 AND (impl=? OR impl IN (?, ?)) ORDER BY id",
-            (device, acc, dtype, mode, SUBJECT, f"{baseline}-nn", f"{baseline}-tn")):
-        sessions.setdefault((run, session, M, N, K), {})[impl] = med
-    out = []
-    for (run, _s, M, N, K), got in sessions.items():
-        base = [v for k, v in got.items() if k != SUBJECT]
-        name = chosen.get((run, M, N, K))
-        if SUBJECT in got and base and name:
-            out.append((run, M, N, K, name, min(base) / got[SUBJECT]))
-    return out
-
-
-def bias(rows, runs: set[int]) -> dict[str, list[float]]:
-    """class -> [ratio in the runs / ratio nearest outside them] per (shape, kernel) with both."""
-    by: dict = defaultdict(list)
-    for r in rows:
-        by[r[1:5]].append((r[0], r[5]))
-    out: dict = defaultdict(list)
-    for (M, N, K, name), seen in by.items():
-        inside = [s for s in seen if s[0] in runs]
-        outside = [s for s in seen if s[0] not in runs]
-        if inside and outside:
-            last = inside[-1]
-            near = min(outside, key=lambda s: (abs(s[0] - last[0]), -s[0]))
-            out[kernel_class(name)].append(last[1] / near[1])
-    return out
-
-
-def latest_from(rows, runs: set[int]) -> dict[str, list[tuple[int, int, int]]]:
-    """class -> the shapes whose latest session (of those here) is one of the runs'."""
-    latest = {}
-    for run, M, N, K, name, _r in rows:
-        latest[(M, N, K)] = (run, name)
-    out: dict = defaultdict(list)
-    for shape, (run, name) in latest.items():
-        if run in runs:
-            out[kernel_class(name)].append(shape)
-    return out
-
-
-def quantile(a: list[float], q: float) -> float:
-    a = sorted(a)
-    return a[min(len(a) - 1, int(q * len(a)))]
 
 
 def main(argv=None) -> int:
@@ -150,7 +82,7 @@ def main(argv=None) -> int:
     found = bias(rows, runs)
     late = latest_from(rows, runs)
     print(f"{device} {a.dtype} acc {a.acc}, {a.mode} mode: ratio over {a.baseline} in runs {a.runs} / the "
-          f"nearest session of the same kernel outside them")
+          f"median of the same kernel's sessions outside them")
     print("| kernels | pairs | median | p10 | p90 | shapes whose latest session is the runs' |")
     print("| --- | --- | --- | --- | --- | --- |")
     for k in CLASSES:

@@ -121,6 +121,35 @@ def test_report_notes_a_mode_whose_shapes_mix_measuring_protocols(tmp_path):
     assert summary["protocols"] == {"kernel": {"kernel:v1": 1, "kernel:v3:ci=0.005": 1}}
 
 
+def test_tuned_report_names_runs_whose_ratios_read_apart(tmp_path):
+    """gemmrl report --subject gemmrl-tuned: a run whose split-K kernels read 10% better over the
+    baseline than the same kernels' other sessions is named in the summary (report.bias.scan),
+    with how many report rows still come from it; the runs beside it, measured against the
+    median of the others, are not."""
+    db = tmp_path / "s.sqlite"
+    st = Store(db)
+    dev = "NVIDIA H100 80GB HBM3"
+    sr = "sm90_coop_128x128x64_c1x1_splitk8sr_s0_rh_sw1_nn_f16_f32"
+    shapes = [Problem(64 * (i + 1), 1024, 8192) for i in range(9)]
+    for run_no, lt_us in ((1, 9.0), (2, 9.0), (3, 9.0), (4, 9.9), (5, 9.0)):
+        run = st.start_run("gemmrl bench", dev, {}, {})
+        # run 5 times the first shape again only: 8 report rows stay run 4's
+        for p in (shapes if run_no < 5 else shapes[:1]):
+            st.record_session(run, f"s{run_no}", dev, p, "kernel", "kernel:v3", {
+                "gemmrl-tuned": {"median_us": 10.0, "n": 5, "status": "ok", "details": {}},
+                "cuBLASLt-auto-tuning-nn": {"median_us": lt_us, "n": 5, "status": "ok", "details": {}},
+                "cuBLASLt-auto-tuning-tn": {"median_us": lt_us + 0.5, "n": 5, "status": "ok", "details": {}}})
+            st.record_verification(run, dev, p, "gemmrl-tuned", True, "", {"impl": {"chosen": {"name": sr}}})
+        st.finish_run(run)
+    st.close()
+    out = tmp_path / "res"
+    r = CliRunner().invoke(main, ["report", "--db", str(db), "--out", str(out), "--subject", "gemmrl-tuned"])
+    assert r.exit_code == 0, r.output
+    summary = json.loads((out / "h100" / "gemmrl-tuned_h100_F32F16F16F32_summary.json").read_text())
+    assert summary["provenance"]["run_bias"] == [
+        {"run": 4, "class": "splitk-sr", "pairs": 9, "median": 1.1, "report_rows": 8}]
+
+
 def test_report_versus_writes_the_head_to_head_and_refuses_an_unknown_impl(tmp_path):
     db = tmp_path / "s.sqlite"
     _fill(Store(db))

@@ -184,7 +184,9 @@ def _report_dir(tmp_path):
                [["8192_8192_8192", 8192, 8192, 8192, "gemmrl-tuned", 1500, 733.0, 0.98, "compute"],
                 ["8192_8192_8192", 8192, 8192, 8192, "torch.matmul", 1600, 690.0, 0.92, "compute"]], gz=True)
     (d / f"{stem}_summary.json").write_text(json.dumps(
-        {"provenance": {"device": "NVIDIA H100 80GB HBM3", "commit": "abc"},
+        {"provenance": {"device": "NVIDIA H100 80GB HBM3", "commit": "abc",
+                        "run_bias": [{"run": 288, "class": "splitk-sr", "pairs": 29, "median": 1.0752, "report_rows": 17},
+                                     {"run": 35, "class": "splitk-sr", "pairs": 9, "median": 0.969, "report_rows": 0}]},
          "protocols": {"kernel": {"kernel:v1": 1, "kernel:v3": 1}}}))
     (d / "product-vs-torch-grid-latest-2026-01-01.json").write_text(json.dumps(_product(0.5, 0.01)))
     (d / "product-vs-torch-grid-latest-2026-02-01.json").write_text(json.dumps(_product(0.995, 0.01, "2026-02-01")))
@@ -203,6 +205,10 @@ def test_evaluate_reads_the_report_files(tmp_path):
     assert res["met"] == sum(x["met"] is True for x in res["targets"])
     md = markdown(res)
     assert "Mixed measuring protocols: kernel: 1 kernel:v1, 1 kernel:v3" in md
+    # a run whose ratios read apart is named where report rows still come from it (run 35's none)
+    assert [b["run"] for b in res["run_bias"]] == [288]
+    assert ("Kernel-mode rows from runs whose ratios read apart from the same kernels' other sessions (17 rows; "
+            "scripts/session-bias.py; retime their shapes): run 288 splitk-sr x1.075 over 29 pairs, 17 rows") in md
     assert md.count("\n| #") == len(res["targets"])
     with pytest.raises(FileNotFoundError):
         evaluate(tmp_path / "results", "h200")

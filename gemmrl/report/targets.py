@@ -375,6 +375,7 @@ def evaluate(results_dir: str | Path, gpu: str, subject: str = "gemmrl-tuned",
         "provenance": {k: (summary or {}).get("provenance", {}).get(k)
                        for k in ("device", "driver", "cuda", "torch", "commit", "date")},
         "protocols": (summary or {}).get("protocols"),
+        "run_bias": [b for b in ((summary or {}).get("provenance", {}).get("run_bias") or []) if b.get("report_rows")],
         "met": sum(t.met is True for t in targets), "targets": [asdict(t) | {"status": t.status} for t in targets],
     }
 
@@ -392,5 +393,12 @@ def markdown(result: Mapping) -> str:
     if mixed:
         lines += ["", "Mixed measuring protocols: " + "; ".join(
             f"{m}: " + ", ".join(f"{n} {k}" for k, n in p.items()) for m, p in mixed.items())]
+    shifted = result.get("run_bias") or []
+    if shifted:
+        rows = sum(b["report_rows"] for b in shifted)
+        lines += ["", f"Kernel-mode rows from runs whose ratios read apart from the same kernels' other sessions "
+                  f"({rows} rows; scripts/session-bias.py; retime their shapes): " + "; ".join(
+                      f"run {b['run']} {b['class']} x{b['median']:.3f} over {b['pairs']} pairs, "
+                      f"{b['report_rows']} rows" for b in shifted)]
     return "\n".join(lines) + "\n"
 

@@ -1,0 +1,112 @@
+"""Runs that measured the tuned winners apart from the rest: pure analysis of the store (no GPU).
+
+A report row is the ratio of one session (the latest that timed the shape), so a call whose
+yardstick moved, for the baseline or for one kind of kernel, carries that shift into the report
+until its shapes are timed again. Here, for every (shape, kernel) timed in a run and outside it
+(the kernel a session timed is the one its run's passed verification of gemmrl-tuned names), the
+ratio over the baseline (the faster of its NN and TN rows over gemmrl-tuned's median, as the
+reports take it) in the run over the median of its sessions outside it, by kernel class. The
+H200 fp32 grid's four-GPU retime (runs 288-291) read split-K kernels with a separate reduction
+8.5% high this way while every other class read within 0.2% (results/README.md, 2026-11-29).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+import statistics
+from collections import defaultdict
+
+SUBJECT = "gemmrl-tuned"
+BASELINE = "cuBLASLt-auto-tuning"
+CLASSES = ("splitk-sr", "splitk", "streamk", "cutlass", "raw", "other")
+
+
+def kernel_class(name: str) -> str:
+    """The class of a kernel by its name (space/cutlass_sm90.py's and space/raw's naming)."""
+    if name.startswith("sm90_"):
+        if "_splitk" in name:
+            return "splitk-sr" if "sr_" in name else "splitk"
+        return "streamk" if "_streamk" in name else "cutlass"
+    return "raw" if name.startswith("raw_") else "other"
+
+
+def ratios(db: sqlite3.Connection, device: str, acc: str, dtype: str = "fp16", mode: str = "kernel",
+           baseline: str = BASELINE) -> list[tuple]:
+    """[(run, M, N, K, kernel, ratio)] per session that timed gemmrl-tuned and the baseline, in
+    measurement order, where the session's run verified which kernel it timed."""
+    chosen = {}
+    for run, M, N, K, details in db.execute(
+            "SELECT run_id, M, N, K, details FROM verifications WHERE device=? AND acc=? AND dtype=? AND impl=? "
+            "AND passed=1 ORDER BY id", (device, acc, dtype, SUBJECT)):
+        name = ((json.loads(details or "{}").get("impl") or {}).get("chosen") or {}).get("name")
+        if name:
+            chosen[(run, M, N, K)] = name
+    sessions: dict = {}
+    for run, session, M, N, K, impl, med in db.execute(
+            "SELECT run_id, session, M, N, K, impl, median_us FROM measurements WHERE device=? AND acc=? AND "
+            "dtype=? AND mode=? AND status='ok' AND median_us > 0 AND impl IN (?, ?, ?) ORDER BY id",
+            (device, acc, dtype, mode, SUBJECT, f"{baseline}-nn", f"{baseline}-tn")):
+        sessions.setdefault((run, session, M, N, K), {})[impl] = med
+    out = []
+    for (run, _s, M, N, K), got in sessions.items():
+        base = [v for k, v in got.items() if k != SUBJECT]
+        name = chosen.get((run, M, N, K))
+        if SUBJECT in got and base and name:
+            out.append((run, M, N, K, name, min(base) / got[SUBJECT]))
+    return out
+
+
+def bias(rows, runs: set[int]) -> dict[str, list[float]]:
+    """class -> [ratio in the runs / the median ratio of the sessions outside them] per (shape,
+    kernel) timed in both (the runs' last session; the median, so that one other run's shift does
+    not stand in for the rest)."""
+    by: dict = defaultdict(list)
+    for r in rows:
+        by[r[1:5]].append((r[0], r[5]))
+    out: dict = defaultdict(list)
+    for (_M, _N, _K, name), seen in by.items():
+        inside = [s for s in seen if s[0] in runs]
+        outside = [s for s in seen if s[0] not in runs]
+        if inside and outside:
+            out[kernel_class(name)].append(inside[-1][1] / statistics.median(s[1] for s in outside))
+    return dict(out)
+
+
+def latest_from(rows, runs: set[int]) -> dict[str, list[tuple[int, int, int]]]:
+    """class -> the shapes whose latest session here (the one a report reads) is one of the runs'."""
+    latest = {}
+    for run, M, N, K, name, _r in rows:
+        latest[(M, N, K)] = (run, name)
+    out: dict = defaultdict(list)
+    for shape, (run, name) in latest.items():
+        if run in runs:
+            out[kernel_class(name)].append(shape)
+    return dict(out)
+
+
+def quantile(a: list[float], q: float) -> float:
+    a = sorted(a)
+    return a[min(len(a) - 1, int(q * len(a)))]
+
+
+def geo_median(factors: list[float]) -> float:
+    return math.exp(quantile([math.log(x) for x in factors], 0.5))
+
+
+def scan(rows, min_pairs: int = 8, threshold: float = 0.03) -> list[dict]:
+    """Every (run, class) whose median factor against the same kernels' other sessions is off 1 by
+    more than `threshold`, over `min_pairs` pairs or more: {run, class, pairs, median, report_rows}
+    (report_rows: the shapes whose latest session is that run's, with a kernel of that class),
+    by run."""
+    out = []
+    for run in sorted({r[0] for r in rows}):
+        found = bias(rows, {run})
+        late = latest_from(rows, {run})
+        for k in CLASSES:
+            f = found.get(k, [])
+            if len(f) >= min_pairs and abs(geo_median(f) - 1) > threshold:
+                out.append({"run": run, "class": k, "pairs": len(f), "median": round(geo_median(f), 4),
+                            "report_rows": len(late.get(k, []))})
+    return out
