@@ -1397,26 +1397,18 @@ def _build_transfer(tuned_db, transfer_texts, shape_spec, dtype, acc, top, fams,
             priors.append(store_prior(store, source, problems, source_acc if cross else None, acc if cross else None))
             names.append(f"{source}'s" + (f" {source_acc}" if source_acc else ""))
         if lt_gpu is not None:  # first, as tune ranks it
-            from gemmrl.runtime.pack import LT_IMPL
-            from gemmrl.search.lt_seed import lt_prior
+            from gemmrl.search.lt_seed import lt_devices, lt_prior, untried
 
-            lt_devices = sorted({d for lay in ("nn", "tn") for d in store.tuned_devices(LT_IMPL.format(lay))})
-            lt_device = _known_device(lt_gpu, lt_devices, f"{tuned_db} holds no autotuned cuBLASLt choices on "
-                                      f"{lt_gpu!r} (gemmrl bench --impl baselines stores them)")
+            lt_device = _known_device(lt_gpu, lt_devices(store), f"{tuned_db} holds no autotuned cuBLASLt choices "
+                                      f"on {lt_gpu!r} (gemmrl bench --impl baselines stores them)")
             tiles, clusters, _src = _lt_tables()
             priors.insert(0, lt_prior(store, lt_device, problems, tiles, clusters))
             names.insert(0, f"cuBLASLt autotuned's (on {lt_device})")
-            # the tune runs on that GPU: on a shape it has searched, it offers the first suggestions
-            # not tried there yet (policy._options), so those are what to compile
-            tried: dict = {}
-            for row in store.trials(lt_device, problems):
-                tried.setdefault((row["M"], row["N"], row["K"], row["dtype"], row["acc"]), set()).add(row["candidate"])
+        prior = merged_priors(priors)
+        if lt_gpu is not None:  # the tune runs on that GPU: it offers what it has not tried there yet
+            prior = untried(prior, store, lt_device)
     finally:
         store.close()
-    prior = merged_priors(priors)
-    if lt_gpu is not None:
-        prior = {p: left for p, sugg in prior.items()
-                 if (left := [(f, s) for f, s in sugg if s.name not in tried.get(p.key(), ())])}
     what = " and ".join(names)
     if not prior:
         raise click.ClickException(f"the tuning ({what}) suggests nothing for these {len(problems)} shapes"

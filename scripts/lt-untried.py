@@ -15,7 +15,6 @@ how many distinct seeds the next `tune --more K` would take (the first K untried
 from __future__ import annotations
 
 import argparse
-import csv
 import string
 import sys
 from pathlib import Path
@@ -25,32 +24,21 @@ COLUMN = "cuBLASLt-auto-tuning-max"
 
 def read_report(path: Path, column: str = COLUMN) -> dict[tuple[int, int, int], float]:
     """(M, N, K) -> the report's ratio in `column` (rows where it is empty are left out)."""
-    out = {}
-    with open(path, newline="") as f:
-        rows = csv.DictReader(f)
-        if rows.fieldnames is None or "mnk" not in rows.fieldnames or column not in rows.fieldnames:
-            raise SystemExit(f"{path}: not a speedup report with columns 'mnk' and {column!r}")
-        for r in rows:
-            if r[column]:
-                out[tuple(int(x) for x in r["mnk"].split("_"))] = float(r[column])
+    from gemmrl.report.targets import read_speedups
+
+    out = {tuple(int(x) for x in mnk.split("_")): row[column] for mnk, row in read_speedups(path).items()
+           if column in row}
+    if not out:
+        raise SystemExit(f"{path}: no ratio in column {column!r}: not a kernel report's speedup CSV")
     return out
 
 
 def untried(store, device: str, problems, tiles: dict, clusters: dict, layouts=("NN", "TN")) -> dict:
     """problem -> the names of its cuBLASLt-tile seeds with no trial on `device`, in the seed's order."""
-    from gemmrl.search.lt_seed import lt_prior
+    from gemmrl.search.lt_seed import lt_prior, untried as not_tried
 
-    prior = lt_prior(store, device, problems, tiles, clusters, layouts)
-    tried: dict = {}
-    for r in store.trials(device, list(prior)):
-        tried.setdefault((r["M"], r["N"], r["K"], r["dtype"], r["acc"]), set()).add(r["candidate"])
-    out = {}
-    for p, seeds in prior.items():
-        names = list(dict.fromkeys(s.name for _f, s in seeds))
-        left = [n for n in names if n not in tried.get(p.key(), ())]
-        if left:
-            out[p] = left
-    return out
+    left = not_tried(lt_prior(store, device, problems, tiles, clusters, layouts), store, device)
+    return {p: list(dict.fromkeys(s.name for _f, s in sugg)) for p, sugg in left.items()}
 
 
 def split(items: list, parts: int) -> list[list]:
@@ -86,9 +74,9 @@ def main(argv=None) -> int:
     if not Path(a.db).exists() and not Path(str(a.db) + ".xz").exists():
         ap.error(f"no store at {a.db}")
     store = Store(a.db)
-    from gemmrl.runtime.pack import LT_IMPL
+    from gemmrl.search.lt_seed import lt_devices
 
-    known = sorted({d for lay in ("nn", "tn") for d in store.tuned_devices(LT_IMPL.format(lay))})
+    known = lt_devices(store)
     try:
         device = device_by_part(a.device, known, "GPUs")
     except ValueError as e:

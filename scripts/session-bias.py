@@ -22,8 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from gemmrl.report.bias import (CLASSES, SUBJECT, bias, kernel_class, latest_from, quantile,  # noqa: E402,F401
-                                ratios)
+from gemmrl.report.bias import CLASSES, SUBJECT, bias, latest_from, quantile, ratios  # noqa: E402
 
 
 def parse_runs(text: str) -> set[int]:

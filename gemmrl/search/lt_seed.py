@@ -141,3 +141,21 @@ def lt_prior(store, device: str, problems, tiles: dict, clusters: dict, layouts=
         if suggestions:
             out[problem] = suggestions
     return out
+
+
+def lt_devices(store) -> list[str]:
+    """The GPUs with a stored autotuned cuBLASLt choice in either layout (what lt_prior reads)."""
+    from gemmrl.runtime.pack import LT_IMPL
+
+    return sorted({d for lay in ("nn", "tn") for d in store.tuned_devices(LT_IMPL.format(lay))})
+
+
+def untried(prior: dict, store, device: str) -> dict:
+    """{problem: suggestions} of `prior` less those `device` has a trial of on that problem, in
+    their order; problems with none left are left out. On a shape it has searched, tune offers
+    the first suggestions not tried there yet (policy._options): what to compile or list."""
+    tried: dict = {}
+    for row in store.trials(device, list(prior)):
+        tried.setdefault((row["M"], row["N"], row["K"], row["dtype"], row["acc"]), set()).add(row["candidate"])
+    return {p: left for p, sugg in prior.items()
+            if (left := [(f, s) for f, s in sugg if s.name not in tried.get(p.key(), ())])}
