@@ -129,6 +129,37 @@ def test_the_incumbent_winner_races_too(tmp_path):
     assert store.verified_choices(dev, Problem(64, 64, 64), TUNED) == []
 
 
+def test_a_stored_winner_the_top_k_leaves_out_still_races_the_incumbent(tmp_path):
+    """The search stores its new best as it goes. Where an older run's trial of the incumbent
+    reads faster than every new one, the top k is the incumbent alone; the new best must race it
+    in one session, not replace it untimed beside it (H200 fp32 runs 618-622: 9 of 58 new winners
+    were stored that way, 8192x128x8192 0.983 -> 0.931 of cuBLASLt autotuned)."""
+    import json
+    from dataclasses import asdict
+
+    store, dev = _store_with_search(tmp_path, [100.0, 104.0, 130.0])
+    run = store.start_run("gemmrl tune", dev, {}, {})
+    store.record_verification(run, dev, P, TUNED, True, "", {"impl": {"name": TUNED, "chosen": {
+        "family": "cutlass_sm90", "name": SPECS[0].name, "spec": asdict(SPECS[0])}}})  # the incumbent
+    # a later search's pick, slower in its own trial than the incumbent's older one, stored
+    store.put_tuning(dev, P, TUNED, json.dumps({"family": "cutlass_sm90", "spec": asdict(SPECS[2])}).encode(),
+                     "search", 130.0)
+    race = Race(store, dev, k=1)
+    assert race.specs(P) == [SPECS[0], SPECS[2]]
+    assert race._stored(P) is None  # two kernels: prepare races them
+    # a stored winner quarantined since does not race; the one kernel left is then timed and stored
+    # by prepare, not the quarantined stored one loaded
+    store.quarantine(dev, P, SPECS[2].name, "killed its worker")
+    race = Race(store, dev, k=1)
+    assert race.specs(P) == [SPECS[0]]
+    assert race._stored(P) is None
+    # where the stored winner is the incumbent, nothing changes: one kernel, loaded as stored
+    store.put_tuning(dev, P, TUNED, json.dumps({"family": "cutlass_sm90", "spec": asdict(SPECS[0])}).encode(),
+                     "raced", 100.0)
+    assert Race(store, dev, k=1).specs(P) == [SPECS[0]]
+    assert Race(store, dev, k=1)._stored(P) == SPECS[0]
+
+
 def test_twins_race_beside_their_kernels(tmp_path, monkeypatch):
     """race:K:pdl: each contender's programmatic-dependent-launch twin races too (after the
     contenders and the incumbent, each once); under built_only only twins already built."""
