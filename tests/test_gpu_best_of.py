@@ -62,3 +62,47 @@ def test_a_race_beside_the_baselines_picks_a_contender_and_passes_the_harness(tm
     r = verify(race, p, fn=fn)
     assert r.passed, r.reason
     assert race.chosen.spec.name in store.get_tuning("gpu", p, TUNED)["info"]
+
+
+def test_a_stored_winner_outside_the_top_k_races_the_incumbent_on_the_gpu(tmp_path):
+    """The race fix of 05026ec on the GPU: where the search stored a new best that the top k leaves
+    out (its own trial slower than the incumbent's older one), both kernels are timed in one race
+    beside the baselines, the faster is stored, and it passes the harness."""
+    import json
+    from dataclasses import asdict
+
+    from gemmrl.core.problem import Problem
+    from gemmrl.search.policy import Candidate, ModelFreePolicy, Trial
+    from gemmrl.search.race import Race
+    from gemmrl.search.run import TUNED, run_tune
+    from gemmrl.space import registry
+    from gemmrl.store.db import Store
+    from gemmrl.verify.checks import verify
+
+    store = Store(tmp_path / "s.sqlite")
+    p = Problem(256, 512, 1024)
+    specs = registry.get("raw").candidates(p, "TN", limit=2)
+    trials = [Trial(p, Candidate("raw", s), "ok", us, 1000.0 / us, {"device_s": 0.01})
+              for s, us in zip(specs, (20.0, 26.0))]
+
+    class Fixed(ModelFreePolicy):
+        def propose(self, problem, n, exclude=()):
+            return [t.candidate for t in trials if t.key() not in set(exclude)][:n]
+
+    run_tune([p], store, "gpu", lambda problem, cands: [t for t in trials if t.candidate in cands],
+             candidates=2, batch=2, layouts=("TN",), policy=Fixed(layouts=("TN",)))
+    run = store.start_run("gemmrl tune", "gpu", {}, {})
+    store.record_verification(run, "gpu", p, TUNED, True, "", {"impl": {"name": TUNED, "chosen": {
+        "family": "raw", "name": specs[0].name, "spec": asdict(specs[0])}}})  # the incumbent
+    store.put_tuning("gpu", p, TUNED, json.dumps({"family": "raw", "spec": asdict(specs[1])}).encode(),
+                     "search", 26.0)  # a later search's pick, stored untimed beside the incumbent
+    logs = []
+    race = Race(store, "gpu", k=1, log=logs.append)
+    assert race.specs(p) == [specs[0], specs[1]]
+    fn = race.prepare(p)
+    assert race.chosen.spec in specs
+    assert "beside" in next(m for m in logs if "candidates" in m)
+    r = verify(race, p, fn=fn)
+    assert r.passed, r.reason
+    stored = store.get_tuning("gpu", p, TUNED)
+    assert race.chosen.spec.name in stored["info"] and stored["info"] != "search"

@@ -347,6 +347,7 @@ def test_ncu_drops_unknown_metrics_and_retries(monkeypatch):
     assert got["dram__throughput.avg.pct_of_peak_sustained_elapsed"] == 71.25
     assert len(calls) == 2 and calls[0][0] == "/opt/fake/ncu"
     assert calls[0][-5:] == ["gemmrl.llm.ncu_target", "/x/kernel.so", "256", "384", "512"]
+    assert calls[0][calls[0].index("--clock-control") + 1] == "none"  # the clocks are left as timing sees them
     assert "--profile-from-start" in calls[0] and "sm__pipe_tensor_op_gmma" not in calls[1][calls[1].index("--metrics") + 1]
     # a failure that names no metric gives no metrics, not an endless retry
     assert ncu.profile("/x/kernel.so", 1, 1, 1, run=lambda cmd, **kw: subprocess.CompletedProcess(

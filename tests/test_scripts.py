@@ -1740,3 +1740,46 @@ def test_session_bias_compares_a_calls_ratios_with_the_same_kernels_elsewhere(tm
     assert bad.returncode == 2 and "5-4 runs backwards" in bad.stderr
     none = subprocess.run(cmd + ["--runs", "9"], capture_output=True, text=True, env=ENV, timeout=300)
     assert none.returncode == 2 and "runs 9 timed no verified gemmrl-tuned winner" in none.stderr
+
+
+LT_PROFILE_CSV = '''fp32 run: done
+==PROF== Connected to process 77 (/usr/bin/python3)
+==PROF== Profiling "sm90_xmma_gemm_f16f16_f32f32": 0%....50%....100% - 12 passes
+==PROF== Profiling "splitKreduce_kernel": 0%....50%....100% - 12 passes
+LT-PROFILE-DESCRIBE {"impl": "cuBLASLt-auto-tuning-nn", "device": "NVIDIA H200", "max_rel_err": 0.001}
+==PROF== Disconnected from process 77
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","dram__bytes_read.sum","gpu__time_duration.sum","launch__cluster_dim_x","launch__grid_size"
+"","","","","","","","byte","nsecond","","block"
+"1","77","python3","h","splitKreduce_kernel","1","7","1,048,576","2,304","1","64"
+"0","77","python3","h","sm90_xmma_gemm_f16f16_f32f32","1","7","34,603,008","12,288","2","132"
+'''
+
+
+def test_lt_profile_reads_every_kernel_in_launch_order_and_tables_them():
+    m = _script("lt-profile.py")
+    rows = m.parse_rows(LT_PROFILE_CSV)
+    # both kernels, in launch (ID) order, the units row and the target's own lines skipped
+    assert [r["name"] for r in rows] == ["sm90_xmma_gemm_f16f16_f32f32", "splitKreduce_kernel"]
+    assert rows[0]["dram__bytes_read.sum"] == 34603008.0 and rows[1]["gpu__time_duration.sum"] == 2304.0
+    assert rows[0]["launch__cluster_dim_x"] == 2.0
+    assert m.described(LT_PROFILE_CSV)["impl"] == "cuBLASLt-auto-tuning-nn"
+    assert m.parse_rows("==PROF== nothing profiled\n") == []
+    text = m.table({"64x2048x8192": {"cuBLASLt-auto-tuning-nn": {"kernels": rows},
+                                     "tuned": {"error": "ncu exit 1: no counters"}}})
+    body = text.splitlines()[2:]
+    assert len(body) == 3
+    # grid, cluster, cold microseconds and DRAM megabytes of the GEMM kernel; metrics not profiled show '-'
+    assert "| 132 | 2x- |" in body[0] and "| 12.29 |" in body[0] and "| 34.6/- |" in body[0]
+    assert "error: ncu exit 1" in body[2]
+
+
+def test_lt_profile_refuses_no_shapes_and_says_when_there_is_no_ncu(tmp_path, monkeypatch, capsys):
+    m = _script("lt-profile.py")
+    db = tmp_path / "s.sqlite"
+    db.write_bytes(b"")
+    with pytest.raises(SystemExit):
+        m.main(["--db", str(db)])
+    assert "no shapes" in capsys.readouterr().err
+    monkeypatch.setattr("gemmrl.llm.ncu.ncu_path", lambda: None)
+    assert m.main(["--db", str(db), "--shape", "64x64x64", "--out", str(tmp_path)]) == 2
+    assert "no ncu" in capsys.readouterr().err

@@ -83,7 +83,10 @@ def profile(so_path: str, M: int, N: int, K: int, *, timeout_s: float = 180.0,
         return None
     wanted = list(metrics)
     for _ in range(4):
-        cmd = [ncu, "--csv", "--page", "raw", "--profile-from-start", "off", "--target-processes", "all",
+        # --clock-control none: ncu otherwise locks the clocks at base, and the machines' measuring
+        # method (shared/, the device's METHOD.md) leaves them as the timing harness sees them
+        cmd = [ncu, "--csv", "--page", "raw", "--profile-from-start", "off", "--clock-control", "none",
+               "--target-processes", "all",
                "--metrics", ",".join(wanted), sys.executable, "-m", "gemmrl.llm.ncu_target",
                str(so_path), str(M), str(N), str(K)]
         try:
