@@ -13,7 +13,8 @@ writes OUT/lt-profile.json (every kernel's metrics, per shape and implementation
 One `ncu` process per shape and implementation; each profiles one call after three unprofiled ones,
 with --clock-control none (the clocks as the timing harness sees them) and ncu's default cache
 control (L2 flushed before each kernel, so durations are cold-cache ones, longer than the replayed
-medians the reports hold; compare kernels with each other, not with the reports). The child process
+medians the reports hold; compare kernels with each other, not with the reports); --cache-control
+none leaves L2 as the previous kernel left it. The child process
 (--child) builds implementations with gemmrl's own spec names: 'tuned' is the stored winner
 (compiled on the spot unless GEMMRL_CACHE holds it), 'cuBLASLt-auto-tuning-nn'/'-tn' the stored
 autotuned algorithm (picked again, outside the profiled call, where none is stored). Needs a GPU
@@ -127,7 +128,7 @@ def profile(ncu: str, a, spec: str, shape: str) -> dict:
     wanted = list(METRICS)
     for _ in range(len(METRICS)):
         cmd = [ncu, "--csv", "--page", "raw", "--profile-from-start", "off", "--clock-control", "none",
-               "--target-processes", "all", "--metrics", ",".join(wanted),
+               "--cache-control", a.cache_control, "--target-processes", "all", "--metrics", ",".join(wanted),
                sys.executable, str(Path(__file__).resolve()), "--db", a.db, "--acc", a.acc, "--dtype", a.dtype,
                "--child", spec, shape]
         t0 = time.time()
@@ -185,6 +186,9 @@ def main(argv=None) -> int:
     ap.add_argument("--impl", action="append", default=[],
                     help="implementation spec (default: tuned, cuBLASLt-auto-tuning-nn, cuBLASLt-auto-tuning-tn)")
     ap.add_argument("--out", help="folder for lt-profile.json (default: $OUT, else the current one)")
+    ap.add_argument("--cache-control", default="all", choices=("all", "none"),
+                    help="ncu's: 'all' flushes the caches before each kernel (cold, the default), 'none' leaves "
+                         "them (the GEMM's partials still in L2 when the reduction reads them, as in a replay)")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per ncu process")
     ap.add_argument("--child", nargs=2, metavar=("IMPL", "SHAPE"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
