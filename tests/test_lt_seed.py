@@ -11,7 +11,8 @@ from gemmrl.baselines.cublas import LT_CLUSTERS, LT_TILES
 from gemmrl.cli import main
 from gemmrl.core.problem import Problem
 from gemmrl.runtime.pack import LT_IMPL
-from gemmrl.search.lt_seed import lt_prior, lt_specs, lt_split_specs, parse_choice, parse_split_choice
+from gemmrl.search.lt_seed import (lt_prior, lt_specs, lt_split_specs, nearest_even_splits, parse_choice,
+                                   parse_split_choice)
 from gemmrl.store.db import Store
 
 DEV = "Fake H200"
@@ -69,9 +70,36 @@ def test_a_split_k_choice_becomes_our_split_k_kernels_of_its_tile():
     # the in-place scheme (1): the in-kernel reduction first, which no 64x64 form has; the separate one
     assert names(lt_split_specs((64, 64), (2, 1), 4, 1, "NN", problem=p)) == [
         "sm90_pp_64x64x64_c1x2_splitk4sr_s0_rh_sw1_nn_f16_f32"]
-    # K = 12296 splits into 4 chunks of 3074, not 16-byte aligned: no separate reduction
+    # K = 12296 splits into 4 chunks of 3074, not 16-byte aligned: no separate reduction, and no
+    # split count within a third of 4 (2, 3, 5, 6) cuts it evenly either
     got = names(lt_split_specs((64, 128), (2, 1), 4, 2, "TN", problem=Problem(256, 512, 12296)))
     assert got == ["sm90_coop_128x64x64_c1x2_splitk4_s0_rh_sw1_tn_f16_f32"]
+
+
+def test_an_uneven_split_choice_gets_the_nearest_even_splits_with_the_separate_reduction():
+    """cuBLASLt splits K = 4096 three ways (256x512x4096 on the H200, tile 64x64, cluster 4x2);
+    our separate reduction needs equal aligned chunks and the in-kernel one no 64-row tile, so
+    its tile and cluster had no twin at all. The nearest split counts that divide K, one each
+    side, take the separate reduction's form of its tile and cluster."""
+    assert nearest_even_splits(4096, 3) == [2, 4]
+    assert nearest_even_splits(16384, 5) == [4]  # 6 leaves 16384/6 uneven; 3 and 7 too
+    assert nearest_even_splits(12288, 9) == [8, 12]
+    assert nearest_even_splits(16384, 12) == [8, 16]
+    assert nearest_even_splits(8192, 4) == []  # 4 divides it: the exact twin exists
+    assert nearest_even_splits(12296, 4) == []  # nothing within reach
+    got = names(lt_split_specs((64, 64), (4, 2), 3, 2, "NN", problem=Problem(256, 512, 4096)))
+    assert got == ["sm90_pp_64x64x64_c2x4_splitk2sr_s0_rh_sw1_nn_f16_f32",
+                   "sm90_pp_64x64x64_c2x4_splitk4sr_s0_rh_sw1_nn_f16_f32"]
+    # where the exact split has a separate form, no runner-up of another split count
+    got = names(lt_split_specs((64, 64), (4, 2), 4, 2, "NN", problem=Problem(256, 512, 4096)))
+    assert got == ["sm90_pp_64x64x64_c2x4_splitk4sr_s0_rh_sw1_nn_f16_f32"]
+    # an in-kernel form of the exact split comes first; the runners-up follow it
+    got = names(lt_split_specs((64, 128), (2, 1), 3, 2, "TN", problem=Problem(256, 512, 4096)))
+    assert got[0] == "sm90_coop_128x64x64_c1x2_splitk3_s0_rh_sw1_tn_f16_f32"
+    assert got[1:] == ["sm90_coop_128x64x64_c1x2_splitk2sr_s0_rh_sw1_tn_f16_f32",
+                       "sm90_pp_128x64x64_c1x2_splitk2sr_s0_rh_sw1_tn_f16_f32",
+                       "sm90_coop_128x64x64_c1x2_splitk4sr_s0_rh_sw1_tn_f16_f32",
+                       "sm90_pp_128x64x64_c1x2_splitk4sr_s0_rh_sw1_tn_f16_f32"]
 
 
 def _store_with_choices(path) -> tuple[Store, Problem, Problem]:

@@ -56,7 +56,9 @@ def lt_split_specs(tile: tuple[int, int], cluster: tuple[int, int], splits: int,
     the separate reduction offers no swapped form), then the swapped twin where the family
     allows it; each schedule; first with the reduction of cuBLASLt's scheme (its compute-type
     out-of-place scheme, 2: our separate reduction; any other: the in-kernel one), then with
-    the other (where the first has no valid form, or as a runner-up). Not limited to the search
+    the other (where the first has no valid form, or as a runner-up); where K does not split into
+    `splits` equal aligned chunks, the separate reduction's forms at the nearest split counts that
+    do (nearest_even_splits) come last. Not limited to the search
     pool (it holds split-K for a few tiles only); the family's valid() decides, for `problem`
     when given. Pure."""
     from gemmrl.space import cutlass_sm90 as cs
@@ -64,20 +66,48 @@ def lt_split_specs(tile: tuple[int, int], cluster: tuple[int, int], splits: int,
     (m, n), (cm, cn) = tile, cluster
     reds = ("separate", "deterministic") if reduction == 2 else ("deterministic", "separate")
     out, seen = [], set()
-    for red in reds:
+
+    def add(red: str, n_splits: int) -> None:
         for swap in (False, True):
             tm, tn, clm, cln = (m, n, cm, cn) if swap else (n, m, cn, cm)
             for schedule in ("cooperative", "pingpong"):
                 try:
                     spec = cs.CutlassSpec(tile_m=tm, tile_n=tn, cluster_m=clm, cluster_n=cln, schedule=schedule,
-                                          scheduler="splitk", splits=splits, layout=layout, dtype=dtype, acc=acc,
+                                          scheduler="splitk", splits=n_splits, layout=layout, dtype=dtype, acc=acc,
                                           reduction=red, swap_ab=swap)
                 except (TypeError, ValueError):
                     continue
                 if spec.name not in seen and cs.valid(spec, problem) is None:
                     seen.add(spec.name)
                     out.append(spec)
+
+    for red in reds:
+        add(red, splits)
+    if problem is not None and not any(cs.separate(s) for s in out):
+        # the separate reduction cuts K into equal 16-byte-aligned chunks, so cuBLASLt's uneven
+        # splits (3, 5, 9 or 12 of K = 4096-16384: 82 of the 116 H200 fp32 shapes it runs split-K,
+        # 2026-11-29) have no twin of its tile and cluster with it: the nearest split counts that
+        # do divide K, one below and one above, within a third of S, follow as runners-up
+        for near in nearest_even_splits(problem.K, splits):
+            add("separate", near)
     return out
+
+
+def nearest_even_splits(K: int, splits: int) -> list[int]:
+    """The split counts nearest `splits` that cut K into equal chunks on 16-byte boundaries
+    (what the separate reduction needs), the nearest below and the nearest above, each within
+    ceil(splits / 3) of it and in 2..MAX_SEPARATE_SPLITS; none where `splits` itself does. Pure."""
+    from gemmrl.space import cutlass_sm90 as cs
+
+    align = cs.TMA_ALIGN_ELEMS
+    if K % (splits * align) == 0:
+        return []
+    reach = -(-splits // 3)
+    ok = [s for s in range(max(2, splits - reach), min(cs.MAX_SEPARATE_SPLITS, splits + reach) + 1)
+          if K % (s * align) == 0]
+    below = [s for s in ok if s < splits]
+    above = [s for s in ok if s > splits]
+    return ([below[-1]] if below else []) + ([above[0]] if above else [])
 
 
 def _parse(info: str, tiles: dict, clusters: dict) -> tuple | None:
