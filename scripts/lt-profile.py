@@ -116,8 +116,10 @@ def child(a) -> int:
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
     info = impl.describe() if hasattr(impl, "describe") else {}
-    print(MARK + json.dumps({"impl": impl.name, "device": device, "describe": info, "max_rel_err": err},
-                            default=str), flush=True)
+    from gemmrl.bench.env import provenance
+
+    print(MARK + json.dumps({"impl": impl.name, "device": device, "describe": info, "max_rel_err": err,
+                             "provenance": provenance()}, default=str), flush=True)
     store.close()
     return 0
 
@@ -216,6 +218,7 @@ def main(argv=None) -> int:
     out = Path(a.out or os.environ.get("OUT") or ".")
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {}
+    prov = None
     for i, shape in enumerate(shapes, 1):
         results[shape] = {}
         for spec in specs:
@@ -224,9 +227,12 @@ def main(argv=None) -> int:
             n = len(got.get("kernels", []))
             print(f"[{i}/{len(shapes)}] {shape} {spec}: " + (f"{n} kernel(s), {got['wall_s']} s" if n else got["error"][:300]),
                   flush=True)
+            # the first profile's provenance (device, driver, CUDA, torch, commit, date) for the file
+            prov = prov or got.get("child", {}).get("provenance")
             # written after each profile, so a cut call keeps what it measured
-            (out / "lt-profile.json").write_text(json.dumps({"acc": a.acc, "dtype": a.dtype, "results": results},
-                                                            indent=1))
+            (out / "lt-profile.json").write_text(json.dumps(
+                {"command": ["scripts/lt-profile.py", *sys.argv[1:]], "ncu": ncu, "cache_control": a.cache_control,
+                 "acc": a.acc, "dtype": a.dtype, "provenance": prov, "results": results}, indent=1))
     print(table(results))
     return 0
 

@@ -1783,3 +1783,31 @@ def test_lt_profile_refuses_no_shapes_and_says_when_there_is_no_ncu(tmp_path, mo
     monkeypatch.setattr("gemmrl.llm.ncu.ncu_path", lambda: None)
     assert m.main(["--db", str(db), "--shape", "64x64x64", "--out", str(tmp_path)]) == 2
     assert "no ncu" in capsys.readouterr().err
+
+
+def test_lt_profile_runs_ncu_per_shape_and_impl_and_writes_what_it_read(tmp_path, monkeypatch, capsys):
+    """The parent loop with a stand-in ncu (a script printing a recorded profile): one ncu
+    process per (shape, implementation), with the clocks left alone and the cache control asked
+    for, and the JSON holding every kernel and the child's provenance."""
+    m = _script("lt-profile.py")
+    fake = tmp_path / "ncu"
+    calls = tmp_path / "calls.txt"
+    csv_text = LT_PROFILE_CSV.replace('"max_rel_err": 0.001}', '"max_rel_err": 0.001, "provenance": {"device": "NVIDIA H200"}}')
+    (tmp_path / "out.txt").write_text(csv_text)
+    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\ncat {tmp_path / 'out.txt'}\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("GEMMRL_NCU_PATH", str(fake))
+    db = tmp_path / "s.sqlite"
+    db.write_bytes(b"")
+    out = tmp_path / "o"
+    assert m.main(["--db", str(db), "--shape", "64x2048x8192", "--shape", "256x512x4096", "--impl", "tuned",
+                   "--impl", "cuBLASLt-auto-tuning-nn", "--cache-control", "none", "--out", str(out)]) == 0
+    lines = calls.read_text().splitlines()
+    assert len(lines) == 4  # 2 shapes x 2 implementations
+    assert all("--clock-control none" in ln and "--cache-control none" in ln for ln in lines)
+    assert lines[0].endswith("--child tuned 64x2048x8192") and lines[3].endswith("--child cuBLASLt-auto-tuning-nn 256x512x4096")
+    doc = json.loads((out / "lt-profile.json").read_text())
+    assert doc["provenance"] == {"device": "NVIDIA H200"} and doc["cache_control"] == "none"
+    got = doc["results"]["256x512x4096"]["tuned"]
+    assert [k["name"] for k in got["kernels"]] == ["sm90_xmma_gemm_f16f16_f32f32", "splitKreduce_kernel"]
+    assert "| 64x2048x8192 | tuned | `sm90_xmma_gemm_f16f16_f32f32` |" in capsys.readouterr().out
