@@ -246,20 +246,51 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, h
         store.record_peaks(run_id, device, peaks["matrix_tflops"], peaks["bandwidth_gbs"])
         click.echo(f"peaks: {peaks['matrix_tflops']:.0f} TFLOP/s, {peaks['bandwidth_gbs']:.0f} GB/s "
                    f"(copy {peaks['copy_gbs']:.0f}, read {peaks['read_gbs']:.0f})", err=True)
-    for impl in impls:
-        if hasattr(impl, "prebuild"):
-            impl.prebuild(problems, log=lambda m: click.echo(m, err=True))
+    from gemmrl.build.pool import default_jobs
+
+    # compile, then time, a slice of the shapes at a time: a run cut early (a budget, a SIGTERM)
+    # keeps the slices it timed, where building every shape's kernels first could spend all its
+    # time compiling (the forty-fifth session: 119 kernels, 150 s, then the step's end: 0 sessions)
+    per_slice = default_jobs()  # one wave of parallel nvcc processes
+    slices = build_slices(impls, problems, per_slice=per_slice)
+    if len(slices) > 1:
+        click.echo(f"compiling and timing in {len(slices)} slices of the {len(problems)} shapes "
+                   f"(at most {per_slice} kernels to compile in each)", err=True)
     status = "partial"  # until the run comes to its end (an exception or SIGTERM leaves it so)
     try:
-        if isolate:
-            def run_fn(progress, log):
-                return runner.run_isolated(problems, impl_opts, store, cfg, device=device, run_id=run_id,
-                                           db_path=str(db), progress=progress, log=log)
-        else:
-            def run_fn(progress, log):
-                return runner.run(problems, impls, store, cfg, device=device, run_id=run_id,
-                                  progress=progress, log=log)
-        counts = _run_with_progress(run_fn, len(problems))
+        counts = {"problems": len(problems), "sessions": 0, "skipped": 0, "rejected": 0, "quarantined": 0,
+                  "errors": 0, "stopped": False}
+        done = 0
+        for part in slices:
+            if cfg.deadline is not None and time.monotonic() > cfg.deadline:
+                counts["stopped"] = True
+                click.echo(f"deadline reached after {done} of {len(problems)} problems; rerun to resume", err=True)
+                break
+            with runner.stop_on_sigterm() as stop:
+                for impl in impls:
+                    if hasattr(impl, "prebuild"):
+                        impl.prebuild(part, log=lambda m: click.echo(m, err=True))
+            if stop.stopped:
+                counts["stopped"] = True
+                click.echo("stopped while compiling; everything measured so far is in the store", err=True)
+                break
+            if isolate:
+                def run_fn(progress, log, part=part):
+                    return runner.run_isolated(part, impl_opts, store, cfg, device=device, run_id=run_id,
+                                               db_path=str(db), progress=progress, log=log)
+            else:
+                def run_fn(progress, log, part=part):
+                    return runner.run(part, impls, store, cfg, device=device, run_id=run_id,
+                                      progress=progress, log=log)
+            got = _run_with_progress(run_fn, len(part))
+            for k in ("sessions", "skipped", "rejected", "quarantined", "errors"):
+                counts[k] += got.get(k, 0)
+            if got.get("stopped"):
+                counts["stopped"] = True
+                if got.get("deadline_after") is not None:
+                    counts["deadline_after"] = done + got["deadline_after"]
+                break
+            done += len(part)
         status = "partial" if counts["stopped"] else "done"
         click.echo(f"measured {counts['sessions']} (shape, mode) sessions, skipped "
                    f"{counts['skipped']} already in the store, rejected {counts['rejected']}, "
@@ -275,6 +306,30 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, h
         paths = write_report(store, device, out, subject, dtype, acc)
         click.echo(f"wrote {len(paths)} files under {Path(paths[0]).parent if paths else out}", err=True)
     store.close()
+
+
+def build_slices(impls, problems, per_slice: int) -> list[list]:
+    """Consecutive slices of `problems` for bench to compile and then time in turn: each slice
+    has at most `per_slice` kernels left to compile (counting each kernel under the first shape
+    that needs it; a slice holds at least one shape), so that a run cut early has timed its
+    first slices. Implementations without prebuild's jobs need nothing compiled: one slice."""
+    from gemmrl.build.nvcc import is_built
+
+    todo = [0] * len(problems)
+    for impl in impls:
+        if hasattr(impl, "build_jobs"):
+            for i, jobs in enumerate(impl.build_jobs(problems)):
+                todo[i] += sum(1 for name, src, kw in jobs if not is_built(src, name=name, **kw))
+    out, cur, n = [], [], 0
+    for p, k in zip(problems, todo):
+        if cur and n + k > per_slice:
+            out.append(cur)
+            cur, n = [], 0
+        cur.append(p)
+        n += k
+    if cur:
+        out.append(cur)
+    return out
 
 
 def run_noise_lines(records: list[dict]) -> list[str]:

@@ -1035,3 +1035,119 @@ def test_tune_says_which_shapes_the_policy_failed_on(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     assert ("the policy failed on 1 shape(s), left unsearched (their earlier winners stand); "
             "first: 2048x1024x16384: ValueError: K=16384 is not a multiple of 3 splits x 8") in r.output
+
+
+def _bench_without_gpu(monkeypatch, impls, run_isolated):
+    """`gemmrl bench` on this GPU-less machine: the GPU, its provenance and peaks, the
+    implementations and the timing loop stood in for; what the command does around them is real."""
+    import torch
+
+    from gemmrl import cli
+    from gemmrl.bench import env, runner
+
+    monkeypatch.setattr(runner, "require_gpu", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
+    monkeypatch.setattr(env, "provenance", lambda cublas_version="": {"driver": "580", "cuda": "13.0",
+                                                                      "torch": "2.11"})
+    monkeypatch.setattr(env, "measure_peaks", lambda: {"matrix_tflops": 700.0, "bandwidth_gbs": 4000.0,
+                                                       "copy_gbs": 4000.0, "read_gbs": 4000.0})
+    monkeypatch.setattr(cli, "_cublas_version", lambda: "test")
+    monkeypatch.setattr(cli, "build_impls", lambda specs, store=None, device="", include_dirs=(): impls)
+    monkeypatch.setattr(runner, "run_isolated", run_isolated)
+
+
+class _Compiles:
+    """An implementation whose shapes each need kernels compiled (build_jobs), none built yet."""
+    name = "compiles"
+
+    def __init__(self, kernels_per_shape: int, on_prebuild=None):
+        self.k, self.built, self.on_prebuild = kernels_per_shape, [], on_prebuild
+
+    def build_jobs(self, problems):
+        return [[(f"{p.shape}-{i}", f"// {p.shape} {i}", {"arch": "sm_90a"}) for i in range(self.k)] for p in problems]
+
+    def prebuild(self, problems, jobs=None, log=print):
+        if self.on_prebuild:
+            self.on_prebuild(len(self.built))
+        self.built.append([p.shape for p in problems])
+
+
+def test_bench_compiles_and_times_a_slice_of_the_shapes_at_a_time(monkeypatch, tmp_path):
+    """A bench whose kernels are not built compiles one wave of them (as many as nvcc processes
+    run at once), times those shapes, and goes on: a step cut early keeps what it timed (the
+    forty-fifth session's offline retime compiled 119 kernels for 150 s and then timed nothing)."""
+    from gemmrl.build import nvcc, pool
+
+    monkeypatch.setattr(nvcc, "is_built", lambda src, **kw: False)
+    monkeypatch.setattr(pool, "default_jobs", lambda: 4)
+    impl = _Compiles(2)
+    timed = []
+
+    def run_isolated(problems, specs, store, cfg, **kw):
+        timed.append([p.shape for p in problems])
+        return {"sessions": len(problems), "skipped": 0, "rejected": 0, "stopped": len(timed) == 3}
+
+    _bench_without_gpu(monkeypatch, [impl], run_isolated)
+    shapes = tmp_path / "s.txt"
+    shapes.write_text("\n".join(f"64x64x{64 * (i + 1)}" for i in range(7)) + "\n")
+    r = CliRunner().invoke(main, ["bench", "--shapes", str(shapes), "--no-report", "--db", str(tmp_path / "s.sqlite")])
+    assert r.exit_code == 0, r.output
+    # 2 kernels a shape, at most 4 a slice: slices of 2 shapes, each compiled, then timed
+    assert impl.built == timed == [["64x64x64", "64x64x128"], ["64x64x192", "64x64x256"],
+                                   ["64x64x320", "64x64x384"]]  # the third slice's timing stopped
+    assert "in 4 slices of the 7 shapes" in r.output and "measured 6 (shape, mode) sessions" in r.output
+    from gemmrl.store.db import Store
+
+    store = Store(tmp_path / "s.sqlite")
+    assert store.runs()[-1]["status"] == "partial"
+    store.close()
+
+
+def test_a_sigterm_while_bench_compiles_ends_the_run_as_partial(monkeypatch, tmp_path):
+    import os
+    import signal
+
+    from gemmrl.build import nvcc, pool
+
+    monkeypatch.setattr(nvcc, "is_built", lambda src, **kw: False)
+    monkeypatch.setattr(pool, "default_jobs", lambda: 2)
+    impl = _Compiles(1, on_prebuild=lambda n: os.kill(os.getpid(), signal.SIGTERM) if n == 1 else None)
+    timed = []
+
+    def run_isolated(problems, specs, store, cfg, **kw):
+        timed.append([p.shape for p in problems])
+        return {"sessions": len(problems), "skipped": 0, "rejected": 0, "stopped": False}
+
+    _bench_without_gpu(monkeypatch, [impl], run_isolated)
+    prev = signal.getsignal(signal.SIGTERM)
+    try:
+        r = CliRunner().invoke(main, ["bench", "--shapes", "64x64x64,64x64x128,64x64x192,64x64x256", "--no-report",
+                                      "--db", str(tmp_path / "s.sqlite")])
+    finally:
+        signal.signal(signal.SIGTERM, prev)
+    assert r.exit_code == 0, r.output
+    assert timed == [["64x64x64", "64x64x128"]]  # the second slice was being compiled
+    assert "stopped while compiling" in r.output and "measured 2 (shape, mode) sessions" in r.output
+    from gemmrl.store.db import Store
+
+    store = Store(tmp_path / "s.sqlite")
+    assert store.runs()[-1]["status"] == "partial"
+    store.close()
+
+
+def test_build_slices_count_each_kernel_once_and_only_unbuilt_ones(monkeypatch):
+    from gemmrl.build import nvcc
+    from gemmrl.cli import build_slices
+    from gemmrl.core.problem import Problem
+
+    class Shared:  # a generic kernel every shape shares, and one of each shape's own
+        def build_jobs(self, problems):
+            return [([("generic", "// generic", {})] if i == 0 else []) + [(f"own{i}", f"// own {i}", {})]
+                    for i, _p in enumerate(problems)]
+
+    ps = [Problem(64, 64, 64 * (i + 1)) for i in range(5)]
+    monkeypatch.setattr(nvcc, "is_built", lambda src, **kw: src == "// own 1")
+    # needs: 2, 0 (built), 1, 1, 1 -> at most 2 a slice
+    assert build_slices([Shared()], ps, per_slice=2) == [ps[:2], ps[2:4], ps[4:]]
+    assert build_slices([object()], ps, per_slice=2) == [ps]  # nothing to compile: one slice
+    assert build_slices([Shared()], ps[:1], per_slice=1) == [ps[:1]]  # a slice holds one shape at least

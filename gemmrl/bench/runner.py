@@ -85,6 +85,31 @@ def _stoppable(counts: dict, log):
             signal.signal(signal.SIGTERM, prev)
 
 
+class StopFlag:
+    stopped = False
+
+
+@contextmanager
+def stop_on_sigterm():
+    """For work that writes nothing to the store (bench's compiling between its slices): a
+    SIGTERM or Ctrl-C inside cuts the block and sets the flag it yields, instead of killing the
+    process before the run's end is recorded. Like _stoppable, any later SIGTERM is ignored."""
+    flag = StopFlag()
+    prev = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise _Stop("SIGTERM")
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield flag
+    except (_Stop, KeyboardInterrupt):
+        flag.stopped = True
+    finally:
+        if not flag.stopped:
+            signal.signal(signal.SIGTERM, prev)
+
+
 def _until_deadline(problems, cfg, counts: dict, log, progress):
     """The problems in turn, until the deadline passes (checked before each, so none is cut)."""
     for idx, problem in enumerate(problems):

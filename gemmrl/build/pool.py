@@ -39,11 +39,18 @@ def build_many(jobs: list[tuple[str, str, dict]], workers: int | None = None,
                 progress(i + 1, len(jobs), j[0], out[-1])
         return out
     results: list[BuildResult | None] = [None] * len(jobs)
-    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as ex:
+    ex = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"))
+    try:
         futs = {ex.submit(_job, j): i for i, j in enumerate(jobs)}
         for done, fut in enumerate(as_completed(futs), 1):
             i = futs[fut]
             results[i] = fut.result()
             if progress:
                 progress(done, len(jobs), jobs[i][0], results[i])
+    except BaseException:
+        # stopped (a SIGTERM, Ctrl-C): the builds not started are dropped, not run to the end;
+        # those running finish into the cache
+        ex.shutdown(wait=True, cancel_futures=True)
+        raise
+    ex.shutdown(wait=True)
     return results  # type: ignore[return-value]

@@ -35,13 +35,14 @@ class BestOf(Impl):
                 out += [s for s in fam.candidates(problem, lay, self.top) if s.name not in bad]
         return out
 
-    def prebuild(self, problems, jobs: int | None = None, log=print) -> None:
-        """Compile every candidate the problems will try, in parallel, before any timing
-        (a generic family's spec builds once for all shapes: same source, same cache entry)."""
-        from gemmrl.build.pool import build_many
-
-        seen, work = set(), []
+    def build_jobs(self, problems) -> list[list[tuple[str, str, dict]]]:
+        """Per problem, in order, the (name, source, build options) of the kernels it will try
+        that no earlier problem of the list needs (a generic family's spec builds once for all
+        shapes: same source, same cache entry). Built or not: prebuild's work, or a caller's
+        plan of it (bench's slices)."""
+        seen, out = set(), []
         for p in problems:
+            mine = []
             stored = self._stored(p)
             for spec in ([stored] if stored is not None else [] if not self.search else self.specs(p)):
                 impl = SpecImpl(spec)
@@ -49,7 +50,15 @@ class BestOf(Impl):
                 if src in seen:
                     continue
                 seen.add(src)
-                work.append((spec.name, src, {"arch": impl.arch, **impl.family.build_kwargs()}))
+                mine.append((spec.name, src, {"arch": impl.arch, **impl.family.build_kwargs()}))
+            out.append(mine)
+        return out
+
+    def prebuild(self, problems, jobs: int | None = None, log=print) -> None:
+        """Compile every candidate the problems will try, in parallel, before any timing."""
+        from gemmrl.build.pool import build_many
+
+        work = [w for mine in self.build_jobs(problems) for w in mine]
         if not work:
             return
         log(f"{self.name}: building {len(work)} candidate kernels")
