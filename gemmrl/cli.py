@@ -318,7 +318,15 @@ def build_slices(impls, problems, per_slice: int) -> list[list]:
     todo = [0] * len(problems)
     for impl in impls:
         if hasattr(impl, "build_jobs"):
-            for i, jobs in enumerate(impl.build_jobs(problems)):
+            said = getattr(impl, "log", None)
+            if said is not None:  # prebuild says what it finds (a cut run's unverified choice) once, not here too
+                impl.log = lambda *a, **k: None
+            try:
+                plan = impl.build_jobs(problems)
+            finally:
+                if said is not None:
+                    impl.log = said
+            for i, jobs in enumerate(plan):
                 todo[i] += sum(1 for name, src, kw in jobs if not is_built(src, name=name, **kw))
     out, cur, n = [], [], 0
     for p, k in zip(problems, todo):
