@@ -439,6 +439,36 @@ def test_separate_reduction_renders_a_batched_gemm_and_a_deterministic_reduction
     assert "cutlass::bfloat16_t" in render(replace(SR, dtype="bf16"))
 
 
+def test_a_swapped_separate_reduction_writes_the_same_packed_partials():
+    """cuBLASLt's split-K tiles on a short M (64x2048x8192 on the H200: a 64x32 tile, 64 along N,
+    in a 1x2 cluster) are our swapped kernels: the batch of K chunks computes C^T = B^T A^T per
+    chunk, its column-major D is each [M,N] partial packed as the unswapped kernel packs it, so
+    the reduction kernel is the same one."""
+    from gemmrl.core.problem import Problem
+
+    for layout in ("NN", "TN"):
+        s = CutlassSpec(64, 32, 64, 1, 2, "pingpong", "splitk", 2, 0, "heuristic", 1, layout,
+                        reduction="separate", swap_ab=True)
+        assert s.name == f"sm90_pp_64x32x64_c1x2_splitk2sr_s0_rh_sw1_{layout.lower()}_f16_f32_xab"
+        assert valid(s, Problem(64, 2048, 8192)) is None
+        assert "the separate reduction cuts K" in valid(s, Problem(64, 2048, 8200))
+        src = render(s)
+        assert "args.problem_shape = cute::make_shape(N, M, K / kSplits, kSplits);" in src
+        assert "ptr_A = static_cast<ElementA const*>(B);" in src and "ptr_B = static_cast<ElementB const*>(A);" in src
+        assert "using LayoutD = cutlass::layout::ColumnMajor;" in src
+        # the kernel's D (N x M, column-major) is the [M,N] partial slice, slices M*N apart
+        assert "StrideD stride_d = cute::make_stride(cute::Int<1>{}, int64_t(N), int64_t(N) * M);" in src
+        # the kernel's B is A, one K chunk per batch; its A is B, stepping a chunk along K
+        assert "StrideB stride_b = cute::make_stride(int64_t(lda), cute::Int<1>{}, chunk);  // A [M,K]" in src
+        b_chunk = ("cute::make_stride(cute::Int<1>{}, int64_t(ldb), int64_t(ldb) * chunk)" if layout == "NN"
+                   else "cute::make_stride(int64_t(ldb), cute::Int<1>{}, chunk)")
+        assert f"StrideA stride_a = {b_chunk};  // B" in src
+        assert "splitk_reduce<cutlass::half_t, 2>" in src
+        assert CutlassSpec.from_name(s.name) == s
+    # the search pool's swapped twins still leave the separate reduction out
+    assert not any(t.swap_ab and cs.separate(t) for t in cs.swapped_twins(enumerate_specs("NN")))
+
+
 def test_separate_reduction_is_enumerated_and_modelled():
     from gemmrl.space.cutlass_sm90 import estimate_us
 
@@ -550,9 +580,12 @@ EPI = CutlassSpec(128, 192, 64, 2, 1, "pingpong", "persistent", epi_n=96)
 # the separate reduction (NN)
 WIDE = CutlassSpec(128, 128, 64, 2, 2, "cooperative", "splitk", 8, 0, "heuristic", 1, "NN", "fp16", "fp32",
                    "separate")
-# ... and the separate reduction of an fp16 accumulator (fp16 partials, NN ping-pong)
+# ... and the separate reduction of an fp16 accumulator (fp16 partials, NN ping-pong); and a swapped
+# kernel with the separate reduction (cuBLASLt's short-M split-K tile: 64x32, 1x2 cluster, NN)
+XSR = CutlassSpec(64, 32, 64, 1, 2, "pingpong", "splitk", 2, 0, "heuristic", 1, "NN", "fp16", "fp32", "separate",
+                  swap_ab=True)
 COMPILED = [GOLDEN_SPECS[0], GOLDEN_SPECS[1], SR, replace(NOSMEM, pdl=True), LEAN_WS, LEAN_TMA, EPI, WIDE,
-            GOLDEN_SPECS[4]]
+            GOLDEN_SPECS[4], XSR]
 THREADS = {"cooperative": 384, "pingpong": 384, "ws": 256, "tma": 128}
 
 
@@ -853,8 +886,6 @@ def test_swapped_kernels_compute_the_transpose_and_keep_every_other_source():
         # priced on the problem it runs: the transposed one
         p = Problem(12288, 256, 16384)
         assert estimate_us(s, p) == estimate_us(plain, Problem(256, 12288, 16384))
-    assert "swap_ab is not offered with the separate reduction" in valid(
-        replace(BASE, scheduler="splitk", splits=8, reduction="separate", swap_ab=True))
     assert "swap_ab" in valid(replace(BASE, epi_n=64, swap_ab=True))
     assert "swap_ab must be true or false" in valid(replace(BASE, swap_ab=1))
     root = Path(__file__).resolve().parents[1] / "packs"

@@ -82,6 +82,12 @@ SPECS = [
     CutlassSpec(64, 64, 64, 1, 1, "pingpong", "splitk", 16, 0, "heuristic", 1, "NN", "fp16", "fp16", "separate"),
     CutlassSpec(128, 128, 64, 1, 1, "cooperative", "splitk", 32, 0, "heuristic", 1, "TN", "fp16", "fp16",
                 "separate"),
+    # swapped with the separate reduction (cuBLASLt's short-M split-K tiles: 64 along N, a 1x2
+    # cluster; the column-major D packs each [M,N] partial): NN fp32 split 2; TN fp16 split 4
+    CutlassSpec(64, 32, 64, 1, 2, "pingpong", "splitk", 2, 0, "heuristic", 1, "NN", "fp16", "fp32", "separate",
+                swap_ab=True),
+    CutlassSpec(64, 32, 64, 1, 2, "pingpong", "splitk", 4, 0, "heuristic", 1, "TN", "fp16", "fp16", "separate",
+                swap_ab=True),
 ]
 PDL_SPECS = [s for s in SPECS if s.pdl]
 
@@ -155,7 +161,9 @@ def test_swapped_kernel_writes_c_row_major_within_its_leading_dimension(built, s
     b_arg = b if spec.layout == "NN" else b.t().contiguous()
     ldb = N if spec.layout == "NN" else K
     c = torch.full((M, ldc), 7.0, dtype=torch.float16, device="cuda")
-    status = impl.kernel.run(a.data_ptr(), b_arg.data_ptr(), c.data_ptr(), M, N, K, K, ldb, ldc, 0,
+    ws = torch.empty(max(impl.kernel.workspace_bytes(M, N, K), 1), dtype=torch.uint8, device="cuda")
+    status = impl.kernel.run(a.data_ptr(), b_arg.data_ptr(), c.data_ptr(), M, N, K, K, ldb, ldc,
+                             ws.data_ptr() if impl.kernel.workspace_bytes(M, N, K) else 0,
                              torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     assert status == 0

@@ -347,8 +347,6 @@ def valid(spec: CutlassSpec, problem=None) -> str | None:
         return f"pdl must be true or false, got {s.pdl!r}"
     if not isinstance(s.swap_ab, bool):
         return f"swap_ab must be true or false, got {s.swap_ab!r}"
-    if s.swap_ab and separate(s):
-        return "swap_ab is not offered with the separate reduction (its partials are packed [M,N] slices)"
     if s.swap_ab and s.epi_n:
         return "swap_ab writes a column-major D: an explicit epilogue subtile (epi_n) is not offered with it"
     if s.epi_n:
@@ -1209,14 +1207,24 @@ def render(spec: CutlassSpec, problem=None) -> str:
                           f"using ElementOut = {_CPP_ELEMENT[s.dtype]};  // the ABI's C, written by the reduction\n"
                           f"constexpr int kSplits = {s.splits};  // K chunks: the GEMM's batch, summed by splitk_reduce")
         kc = "int64_t(K / kSplits)"
-        strides = (
-            f"  const int64_t chunk = {kc};  // K per split: the batch stride of A and of B\n"
-            f"  StrideA stride_a = cute::make_stride(int64_t(lda), cute::Int<1>{{}}, chunk);\n"
-            f"  StrideB stride_b = "
-            + ("cute::make_stride(cute::Int<1>{}, int64_t(ldb), int64_t(ldb) * chunk);\n" if nn
-               else "cute::make_stride(int64_t(ldb), cute::Int<1>{}, chunk);\n")
-            + "  StrideD stride_d = cute::make_stride(int64_t(N), cute::Int<1>{}, int64_t(N) * M);  // packed partials\n")
-        problem_shape = "cute::make_shape(M, N, K / kSplits, kSplits)"
+        stride_b_chunk = ("cute::make_stride(cute::Int<1>{}, int64_t(ldb), int64_t(ldb) * chunk)" if nn
+                          else "cute::make_stride(int64_t(ldb), cute::Int<1>{}, chunk)")
+        if s.swap_ab:  # C^T = B^T A^T per K chunk: the kernel's D is each [M,N] partial column-major
+            strides = (
+                f"  const int64_t chunk = {kc};  // K per split: the batch stride of A and of B\n"
+                "  // swapped: the kernel's (M, N) are the problem's (N, M)\n"
+                f"  StrideA stride_a = {stride_b_chunk};  // B\n"
+                "  StrideB stride_b = cute::make_stride(int64_t(lda), cute::Int<1>{}, chunk);  // A [M,K]\n"
+                "  StrideD stride_d = cute::make_stride(cute::Int<1>{}, int64_t(N), int64_t(N) * M);"
+                "  // packed [M,N] partials\n")
+            problem_shape = "cute::make_shape(N, M, K / kSplits, kSplits)"
+        else:
+            strides = (
+                f"  const int64_t chunk = {kc};  // K per split: the batch stride of A and of B\n"
+                f"  StrideA stride_a = cute::make_stride(int64_t(lda), cute::Int<1>{{}}, chunk);\n"
+                f"  StrideB stride_b = {stride_b_chunk};\n"
+                "  StrideD stride_d = cute::make_stride(int64_t(N), cute::Int<1>{}, int64_t(N) * M);  // packed partials\n")
+            problem_shape = "cute::make_shape(M, N, K / kSplits, kSplits)"
         entry = _ENTRY_POINTS_SEPARATE
         prefix = ("// split-K with a separate reduction kernel: the GEMM signals its dependent launch early\n"
                   "#define CUTLASS_ENABLE_GDC_FOR_SM90 1\n#include <algorithm>\n")
