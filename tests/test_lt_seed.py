@@ -66,10 +66,11 @@ def test_a_split_k_choice_becomes_our_split_k_kernels_of_its_tile():
     assert names(lt_split_specs((64, 128), (2, 1), 4, 2, "TN", problem=p)) == [
         "sm90_coop_128x64x64_c1x2_splitk4sr_s0_rh_sw1_tn_f16_f32",
         "sm90_pp_128x64x64_c1x2_splitk4sr_s0_rh_sw1_tn_f16_f32",
+        "sm90_pp_64x128x64_c2x1_splitk4sr_s0_rh_sw1_tn_f16_f32_xab",  # the faithful (swapped) twin
         "sm90_coop_128x64x64_c1x2_splitk4_s0_rh_sw1_tn_f16_f32"]
     # the in-place scheme (1): the in-kernel reduction first, which no 64x64 form has; the separate one
     assert names(lt_split_specs((64, 64), (2, 1), 4, 1, "NN", problem=p)) == [
-        "sm90_pp_64x64x64_c1x2_splitk4sr_s0_rh_sw1_nn_f16_f32"]
+        "sm90_pp_64x64x64_c1x2_splitk4sr_s0_rh_sw1_nn_f16_f32", "sm90_pp_64x64x64_c2x1_splitk4sr_s0_rh_sw1_nn_f16_f32_xab"]
     # K = 12296 splits into 4 chunks of 3074, not 16-byte aligned: no separate reduction, and no
     # split count within a third of 4 (2, 3, 5, 6) cuts it evenly either
     got = names(lt_split_specs((64, 128), (2, 1), 4, 2, "TN", problem=Problem(256, 512, 12296)))
@@ -89,17 +90,26 @@ def test_an_uneven_split_choice_gets_the_nearest_even_splits_with_the_separate_r
     assert nearest_even_splits(12296, 4) == []  # nothing within reach
     got = names(lt_split_specs((64, 64), (4, 2), 3, 2, "NN", problem=Problem(256, 512, 4096)))
     assert got == ["sm90_pp_64x64x64_c2x4_splitk2sr_s0_rh_sw1_nn_f16_f32",
-                   "sm90_pp_64x64x64_c2x4_splitk4sr_s0_rh_sw1_nn_f16_f32"]
+                   "sm90_pp_64x64x64_c4x2_splitk2sr_s0_rh_sw1_nn_f16_f32_xab",
+                   "sm90_pp_64x64x64_c2x4_splitk4sr_s0_rh_sw1_nn_f16_f32",
+                   "sm90_pp_64x64x64_c4x2_splitk4sr_s0_rh_sw1_nn_f16_f32_xab"]
     # where the exact split has a separate form, no runner-up of another split count
     got = names(lt_split_specs((64, 64), (4, 2), 4, 2, "NN", problem=Problem(256, 512, 4096)))
-    assert got == ["sm90_pp_64x64x64_c2x4_splitk4sr_s0_rh_sw1_nn_f16_f32"]
+    assert got == ["sm90_pp_64x64x64_c2x4_splitk4sr_s0_rh_sw1_nn_f16_f32",
+                   "sm90_pp_64x64x64_c4x2_splitk4sr_s0_rh_sw1_nn_f16_f32_xab"]
     # an in-kernel form of the exact split comes first; the runners-up follow it
     got = names(lt_split_specs((64, 128), (2, 1), 3, 2, "TN", problem=Problem(256, 512, 4096)))
     assert got[0] == "sm90_coop_128x64x64_c1x2_splitk3_s0_rh_sw1_tn_f16_f32"
     assert got[1:] == ["sm90_coop_128x64x64_c1x2_splitk2sr_s0_rh_sw1_tn_f16_f32",
                        "sm90_pp_128x64x64_c1x2_splitk2sr_s0_rh_sw1_tn_f16_f32",
+                       "sm90_pp_64x128x64_c2x1_splitk2sr_s0_rh_sw1_tn_f16_f32_xab",
                        "sm90_coop_128x64x64_c1x2_splitk4sr_s0_rh_sw1_tn_f16_f32",
-                       "sm90_pp_128x64x64_c1x2_splitk4sr_s0_rh_sw1_tn_f16_f32"]
+                       "sm90_pp_128x64x64_c1x2_splitk4sr_s0_rh_sw1_tn_f16_f32",
+                       "sm90_pp_64x128x64_c2x1_splitk4sr_s0_rh_sw1_tn_f16_f32_xab"]
+    # a short M (64x2048x8192: cuBLASLt's 64x32 tile, 64 along our N, in a 1x2 cluster) has only the
+    # swapped twin: a 32-row plain tile is no wgmma tile
+    assert names(lt_split_specs((64, 32), (1, 2), 2, 2, "NN", problem=Problem(64, 2048, 8192))) == [
+        "sm90_pp_64x32x64_c1x2_splitk2sr_s0_rh_sw1_nn_f16_f32_xab"]
 
 
 def _store_with_choices(path) -> tuple[Store, Problem, Problem]:

@@ -52,9 +52,9 @@ def lt_specs(tile: tuple[int, int], cluster: tuple[int, int], layout: str, dtype
 def lt_split_specs(tile: tuple[int, int], cluster: tuple[int, int], splits: int, reduction: int, layout: str,
                    dtype: str = "fp16", acc: str = "fp32", problem=None) -> list:
     """The CUTLASS split-K specs twinning cuBLASLt's split-K choice of (m, n) tile, (m, n)
-    cluster and `splits`: the plain kernel of the same output tile (tile and cluster turned;
-    the separate reduction offers no swapped form), then the swapped twin where the family
-    allows it; each schedule; first with the reduction of cuBLASLt's scheme (its compute-type
+    cluster and `splits`: the plain kernel of the same output tile (tile and cluster turned),
+    then the swapped twin (its faithful one: cuBLASLt's m along our N) where the family allows
+    it; each schedule; first with the reduction of cuBLASLt's scheme (its compute-type
     out-of-place scheme, 2: our separate reduction; any other: the in-kernel one), then with
     the other (where the first has no valid form, or as a runner-up); where K does not split into
     `splits` equal aligned chunks, the separate reduction's forms at the nearest split counts that
