@@ -26,23 +26,20 @@ def test_best_of_both_families_passes_the_harness(tmp_path, shape):
     assert store.get_tuning("gpu", p, impl.name) is not None
 
 
-def test_a_race_beside_the_baselines_picks_a_contender_and_passes_the_harness(tmp_path):
-    """The race times its contenders in the baselines' rounds (bench's v3 protocol) and stores a
-    contender, never a baseline."""
+def _searched(tmp_path, times):
+    """A store after a tune of 256x512x1024 whose search timed two raw TN kernels at `times` (us,
+    stood in: the search's own timing is not what these tests are about): (store, problem, specs)."""
     from gemmrl.core.problem import Problem
     from gemmrl.search.policy import Candidate, ModelFreePolicy, Trial
-    from gemmrl.search.race import Race
-    from gemmrl.search.run import TUNED, run_tune
+    from gemmrl.search.run import run_tune
     from gemmrl.space import registry
     from gemmrl.store.db import Store
-    from gemmrl.verify.checks import verify
 
     store = Store(tmp_path / "s.sqlite")
     p = Problem(256, 512, 1024)
     specs = registry.get("raw").candidates(p, "TN", limit=2)
     assert len(specs) == 2
-    trials = [Trial(p, Candidate("raw", s), "ok", us, 1000.0 / us, {"device_s": 0.01})
-              for s, us in zip(specs, (20.0, 20.5))]
+    trials = [Trial(p, Candidate("raw", s), "ok", us, 1000.0 / us, {"device_s": 0.01}) for s, us in zip(specs, times)]
 
     class Fixed(ModelFreePolicy):
         def propose(self, problem, n, exclude=()):
@@ -50,6 +47,17 @@ def test_a_race_beside_the_baselines_picks_a_contender_and_passes_the_harness(tm
 
     run_tune([p], store, "gpu", lambda problem, cands: [t for t in trials if t.candidate in cands],
              candidates=2, batch=2, layouts=("TN",), policy=Fixed(layouts=("TN",)))
+    return store, p, specs
+
+
+def test_a_race_beside_the_baselines_picks_a_contender_and_passes_the_harness(tmp_path):
+    """The race times its contenders in the baselines' rounds (bench's v3 protocol) and stores a
+    contender, never a baseline."""
+    from gemmrl.search.race import Race
+    from gemmrl.search.run import TUNED
+    from gemmrl.verify.checks import verify
+
+    store, p, specs = _searched(tmp_path, (20.0, 20.5))
     logs = []
     race = Race(store, "gpu", k=2, log=logs.append)
     assert race.specs(p) == specs
@@ -71,26 +79,11 @@ def test_a_stored_winner_outside_the_top_k_races_the_incumbent_on_the_gpu(tmp_pa
     import json
     from dataclasses import asdict
 
-    from gemmrl.core.problem import Problem
-    from gemmrl.search.policy import Candidate, ModelFreePolicy, Trial
     from gemmrl.search.race import Race
-    from gemmrl.search.run import TUNED, run_tune
-    from gemmrl.space import registry
-    from gemmrl.store.db import Store
+    from gemmrl.search.run import TUNED
     from gemmrl.verify.checks import verify
 
-    store = Store(tmp_path / "s.sqlite")
-    p = Problem(256, 512, 1024)
-    specs = registry.get("raw").candidates(p, "TN", limit=2)
-    trials = [Trial(p, Candidate("raw", s), "ok", us, 1000.0 / us, {"device_s": 0.01})
-              for s, us in zip(specs, (20.0, 26.0))]
-
-    class Fixed(ModelFreePolicy):
-        def propose(self, problem, n, exclude=()):
-            return [t.candidate for t in trials if t.key() not in set(exclude)][:n]
-
-    run_tune([p], store, "gpu", lambda problem, cands: [t for t in trials if t.candidate in cands],
-             candidates=2, batch=2, layouts=("TN",), policy=Fixed(layouts=("TN",)))
+    store, p, specs = _searched(tmp_path, (20.0, 26.0))
     run = store.start_run("gemmrl tune", "gpu", {}, {})
     store.record_verification(run, "gpu", p, TUNED, True, "", {"impl": {"name": TUNED, "chosen": {
         "family": "raw", "name": specs[0].name, "spec": asdict(specs[0])}}})  # the incumbent
