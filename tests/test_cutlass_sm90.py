@@ -465,8 +465,17 @@ def test_a_swapped_separate_reduction_writes_the_same_packed_partials():
         assert f"StrideA stride_a = {b_chunk};  // B" in src
         assert "splitk_reduce<cutlass::half_t, 2>" in src
         assert CutlassSpec.from_name(s.name) == s
-    # the search pool's swapped twins still leave the separate reduction out
+    # the search pool's swapped twins still leave the separate reduction out, and so do its
+    # mutations (a swapped in-kernel split-K one step from it): only the cuBLASLt seed offers them
+    # until they are timed (seed_only)
     assert not any(t.swap_ab and cs.separate(t) for t in cs.swapped_twins(enumerate_specs("NN")))
+    from gemmrl.search.policy import mutations
+
+    inkernel = CutlassSpec.from_name("sm90_coop_128x64x64_c1x1_splitk2_s0_rh_sw1_nn_f16_f32_xab")
+    big = Problem(16384, 1024, 1024)
+    assert cs.seed_only(replace(inkernel, reduction="separate")) and not cs.seed_only(inkernel)
+    assert valid(replace(inkernel, reduction="separate"), big) is None
+    assert not any(m.swap_ab and cs.separate(m) for m in mutations("cutlass_sm90", inkernel, big, ("NN",)))
 
 
 def test_separate_reduction_is_enumerated_and_modelled():

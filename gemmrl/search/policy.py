@@ -242,11 +242,18 @@ def mutations(family: str, spec, problem: Problem, layouts: tuple = ("NN", "TN")
             for option in [m] + _repairs(family, m):
                 if option.name in seen:
                     continue
-                if fam.valid(option, problem) is None:
+                if fam.valid(option, problem) is None and not _seed_only(fam, option):
                     seen.add(option.name)
                     out.append(option)
                     break
     return tuple(out)
+
+
+def _seed_only(fam, spec) -> bool:
+    """Whether the family offers `spec` to seeds only (its module's seed_only), not to the
+    search's own moves."""
+    f = getattr(fam.mod(), "seed_only", None)
+    return bool(f is not None and f(spec))
 
 
 # ---------------------------------------------------------------------------------------------

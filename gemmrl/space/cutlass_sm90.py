@@ -707,6 +707,13 @@ def skinny_n(problem) -> bool:
     return problem.N <= 1024 and problem.M >= 8 * problem.N
 
 
+def seed_only(spec: CutlassSpec) -> bool:
+    """Kernels valid() accepts that only a seed proposes (search/lt_seed.py: cuBLASLt's own
+    choices), neither the search pool nor its mutations: the swapped kernels with the separate
+    reduction, cuBLASLt's short-M split-K twins (2026-11-29; not yet timed on a GPU)."""
+    return spec.swap_ab and separate(spec)
+
+
 def swapped_twins(specs) -> list[CutlassSpec]:
     """Each spec's swapped twin (swap_ab), where the swap is offered (not with an explicit
     epilogue subtile or the separate reduction) and not among `specs` already (enumerate_specs
