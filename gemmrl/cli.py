@@ -252,7 +252,8 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, h
     # keeps the slices it timed, where building every shape's kernels first could spend all its
     # time compiling (the forty-fifth session: 119 kernels, 150 s, then the step's end: 0 sessions)
     per_slice = default_jobs()  # one wave of parallel nvcc processes
-    slices = build_slices(impls, problems, per_slice=per_slice)
+    plans = build_plans(impls, problems)  # once: each slice compiles its share of them
+    slices = cut_slices(problems, unbuilt_counts(plans), per_slice)
     if len(slices) > 1:
         click.echo(f"compiling and timing in {len(slices)} slices of the {len(problems)} shapes "
                    f"(at most {per_slice} kernels to compile in each)", err=True)
@@ -260,16 +261,19 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, h
     try:
         counts = {"problems": len(problems), "sessions": 0, "skipped": 0, "rejected": 0, "quarantined": 0,
                   "errors": 0, "stopped": False}
-        done = 0
+        done = offset = 0
         for part in slices:
+            share = slice(offset, offset + len(part))
+            offset += len(part)
             if cfg.deadline is not None and time.monotonic() > cfg.deadline:
                 counts["stopped"] = True
                 click.echo(f"deadline reached after {done} of {len(problems)} problems; rerun to resume", err=True)
                 break
             with runner.stop_on_sigterm() as stop:
-                for impl in impls:
+                for impl, plan in zip(impls, plans):
                     if hasattr(impl, "prebuild"):
-                        impl.prebuild(part, log=lambda m: click.echo(m, err=True))
+                        impl.prebuild(part, log=lambda m: click.echo(m, err=True),
+                                      plan=None if plan is None else plan[share])
             if stop.stopped:
                 counts["stopped"] = True
                 click.echo("stopped while compiling; everything measured so far is in the store", err=True)
@@ -308,26 +312,26 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, h
     store.close()
 
 
-def build_slices(impls, problems, per_slice: int) -> list[list]:
-    """Consecutive slices of `problems` for bench to compile and then time in turn: each slice
-    has at most `per_slice` kernels left to compile (counting each kernel under the first shape
-    that needs it; a slice holds at least one shape), so that a run cut early has timed its
-    first slices. Implementations without prebuild's jobs need nothing compiled: one slice."""
+def build_plans(impls, problems) -> list:
+    """Per implementation, its build_jobs over the problems (None where it compiles nothing)."""
+    return [impl.build_jobs(problems) if hasattr(impl, "build_jobs") else None for impl in impls]
+
+
+def unbuilt_counts(plans) -> list[int]:
+    """Per problem, the kernels the plans list under it that the cache does not hold yet."""
     from gemmrl.build.nvcc import is_built
 
-    todo = [0] * len(problems)
-    for impl in impls:
-        if hasattr(impl, "build_jobs"):
-            said = getattr(impl, "log", None)
-            if said is not None:  # prebuild says what it finds (a cut run's unverified choice) once, not here too
-                impl.log = lambda *a, **k: None
-            try:
-                plan = impl.build_jobs(problems)
-            finally:
-                if said is not None:
-                    impl.log = said
-            for i, jobs in enumerate(plan):
-                todo[i] += sum(1 for name, src, kw in jobs if not is_built(src, name=name, **kw))
+    todo = [0] * max((len(p) for p in plans if p is not None), default=0)
+    for plan in plans:
+        for i, jobs in enumerate(plan or ()):
+            todo[i] += sum(1 for name, src, kw in jobs if not is_built(src, name=name, **kw))
+    return todo
+
+
+def cut_slices(problems, todo: list[int], per_slice: int) -> list[list]:
+    """Consecutive slices of `problems`, each with at most `per_slice` of `todo` (a slice holds
+    at least one problem)."""
+    todo = todo or [0] * len(problems)
     out, cur, n = [], [], 0
     for p, k in zip(problems, todo):
         if cur and n + k > per_slice:
@@ -338,6 +342,14 @@ def build_slices(impls, problems, per_slice: int) -> list[list]:
     if cur:
         out.append(cur)
     return out
+
+
+def build_slices(impls, problems, per_slice: int) -> list[list]:
+    """Consecutive slices of `problems` for bench to compile and then time in turn: each slice
+    has at most `per_slice` kernels left to compile (counting each kernel under the first shape
+    that needs it; a slice holds at least one shape), so that a run cut early has timed its
+    first slices. Implementations without prebuild's jobs need nothing compiled: one slice."""
+    return cut_slices(problems, unbuilt_counts(build_plans(impls, problems)), per_slice)
 
 
 def run_noise_lines(records: list[dict]) -> list[str]:

@@ -1066,7 +1066,8 @@ class _Compiles:
     def build_jobs(self, problems):
         return [[(f"{p.shape}-{i}", f"// {p.shape} {i}", {"arch": "sm_90a"}) for i in range(self.k)] for p in problems]
 
-    def prebuild(self, problems, jobs=None, log=print):
+    def prebuild(self, problems, jobs=None, log=print, plan=None):
+        assert plan == self.build_jobs(problems)  # bench's plan of this slice, not another's
         if self.on_prebuild:
             self.on_prebuild(len(self.built))
         self.built.append([p.shape for p in problems])

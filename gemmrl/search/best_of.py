@@ -54,11 +54,12 @@ class BestOf(Impl):
             out.append(mine)
         return out
 
-    def prebuild(self, problems, jobs: int | None = None, log=print) -> None:
-        """Compile every candidate the problems will try, in parallel, before any timing."""
+    def prebuild(self, problems, jobs: int | None = None, log=print, plan=None) -> None:
+        """Compile every candidate the problems will try, in parallel, before any timing; `plan`:
+        their build_jobs, where the caller has them already."""
         from gemmrl.build.pool import build_many
 
-        work = [w for mine in self.build_jobs(problems) for w in mine]
+        work = [w for mine in (self.build_jobs(problems) if plan is None else plan) for w in mine]
         if not work:
             return
         log(f"{self.name}: building {len(work)} candidate kernels")
