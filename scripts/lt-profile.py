@@ -124,29 +124,20 @@ def child(a) -> int:
     return 0
 
 
-def profile(ncu: str, a, spec: str, shape: str) -> dict:
-    from gemmrl.llm.ncu import _UNKNOWN
+def profile(ncu: str, a, spec: str, shape: str, run=subprocess.run) -> dict:
+    from gemmrl.llm.ncu import command, run_dropping_unknown
 
-    wanted = list(METRICS)
-    for _ in range(len(METRICS)):
-        cmd = [ncu, "--csv", "--page", "raw", "--profile-from-start", "off", "--clock-control", "none",
-               "--cache-control", a.cache_control, "--target-processes", "all", "--metrics", ",".join(wanted),
-               sys.executable, str(Path(__file__).resolve()), "--db", a.db, "--acc", a.acc, "--dtype", a.dtype,
-               "--child", spec, shape]
-        t0 = time.time()
-        try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
-        except subprocess.TimeoutExpired:
-            return {"error": f"ncu ran past {a.timeout} s"}
-        rows = parse_rows(p.stdout)
-        if rows:
-            return {"kernels": rows, "child": described(p.stdout), "wall_s": round(time.time() - t0, 1),
-                    "dropped_metrics": [m for m in METRICS if m not in wanted]}
-        bad = set(_UNKNOWN.findall(p.stdout + p.stderr)) & set(wanted)
-        if not bad:
-            return {"error": f"ncu exit {p.returncode}: " + (p.stderr or p.stdout)[-1500:]}
-        wanted = [m for m in wanted if m not in bad]
-    return {"error": "no metric left"}
+    target = [str(Path(__file__).resolve()), "--db", a.db, "--acc", a.acc, "--dtype", a.dtype, "--child", spec, shape]
+    t0 = time.time()
+    rows, wanted, p = run_dropping_unknown(
+        lambda w: command(ncu, w, target, "--cache-control", a.cache_control), METRICS,
+        lambda out, _w: parse_rows(out), timeout_s=a.timeout, tries=len(METRICS), run=run)
+    if rows:
+        return {"kernels": rows, "child": described(p.stdout), "wall_s": round(time.time() - t0, 1),
+                "dropped_metrics": [m for m in METRICS if m not in wanted]}
+    if p is None:
+        return {"error": f"ncu ran past {a.timeout} s or could not start"}
+    return {"error": f"ncu exit {p.returncode}: " + (p.stderr or p.stdout)[-1500:]}
 
 
 def _num(k: dict, metric: str, scale: float = 1.0, digits: int = 0) -> str:

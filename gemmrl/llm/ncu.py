@@ -74,6 +74,38 @@ def parse_csv(text: str, metrics=tuple(METRICS)) -> dict[str, float]:
 _UNKNOWN = re.compile(r"(?:Failed to find metric|Unknown metric|invalid metric)[^A-Za-z_]*([A-Za-z0-9_.]+)", re.I)
 
 
+def command(ncu: str, metrics, target: list[str], *extra: str) -> list[str]:
+    """The ncu command line that profiles `target` (a Python argv after the interpreter) between
+    its cudaProfilerStart and Stop, for `metrics`, as CSV. --clock-control none: ncu otherwise
+    locks the clocks at base, and the machines' measuring method (shared/, the device's
+    METHOD.md) leaves them as the timing harness sees them."""
+    return [ncu, "--csv", "--page", "raw", "--profile-from-start", "off", "--clock-control", "none", *extra,
+            "--target-processes", "all", "--metrics", ",".join(metrics), sys.executable, *target]
+
+
+def run_dropping_unknown(cmd_for, metrics, parse, *, timeout_s: float, tries: int, run=subprocess.run):
+    """Run ncu (`cmd_for(metrics)` -> argv) until `parse(stdout, metrics)` gives something; a metric this
+    ncu does not know is dropped and the run retried, `tries` times at most. Returns (what parse
+    gave or None, the metrics asked for last, the last process or None where it timed out or
+    could not start)."""
+    wanted, p = list(metrics), None
+    for _ in range(tries):
+        try:
+            p = run(cmd_for(wanted), capture_output=True, text=True, timeout=timeout_s)
+        except (subprocess.TimeoutExpired, OSError):
+            return None, wanted, None
+        got = parse(p.stdout, wanted)
+        if got:
+            return got, wanted, p
+        bad = set(_UNKNOWN.findall(p.stdout + p.stderr)) & set(wanted)
+        if not bad:
+            break
+        wanted = [m for m in wanted if m not in bad]
+        if not wanted:
+            break
+    return None, wanted, p
+
+
 def profile(so_path: str, M: int, N: int, K: int, *, timeout_s: float = 180.0,
             metrics=tuple(METRICS), run=subprocess.run) -> dict[str, float] | None:
     """Metrics of one call of the ABI kernel in `so_path` at (M, N, K), or None without ncu or
@@ -81,28 +113,10 @@ def profile(so_path: str, M: int, N: int, K: int, *, timeout_s: float = 180.0,
     ncu = ncu_path()
     if ncu is None:
         return None
-    wanted = list(metrics)
-    for _ in range(4):
-        # --clock-control none: ncu otherwise locks the clocks at base, and the machines' measuring
-        # method (shared/, the device's METHOD.md) leaves them as the timing harness sees them
-        cmd = [ncu, "--csv", "--page", "raw", "--profile-from-start", "off", "--clock-control", "none",
-               "--target-processes", "all",
-               "--metrics", ",".join(wanted), sys.executable, "-m", "gemmrl.llm.ncu_target",
-               str(so_path), str(M), str(N), str(K)]
-        try:
-            p = run(cmd, capture_output=True, text=True, timeout=timeout_s)
-        except (subprocess.TimeoutExpired, OSError):
-            return None
-        got = parse_csv(p.stdout, wanted)
-        if got:
-            return got
-        bad = set(_UNKNOWN.findall(p.stdout + p.stderr)) & set(wanted)
-        if not bad:
-            return None
-        wanted = [m for m in wanted if m not in bad]
-        if not wanted:
-            return None
-    return None
+    target = ["-m", "gemmrl.llm.ncu_target", str(so_path), str(M), str(N), str(K)]
+    got, _wanted, _p = run_dropping_unknown(lambda w: command(ncu, w, target), metrics, parse_csv,
+                                            timeout_s=timeout_s, tries=4, run=run)
+    return got
 
 
 def describe(metrics: dict[str, float]) -> dict[str, str]:
