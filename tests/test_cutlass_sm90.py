@@ -476,6 +476,18 @@ def test_a_swapped_separate_reduction_writes_the_same_packed_partials():
     assert cs.seed_only(replace(inkernel, reduction="separate")) and not cs.seed_only(inkernel)
     assert valid(replace(inkernel, reduction="separate"), big) is None
     assert not any(m.swap_ab and cs.separate(m) for m in mutations("cutlass_sm90", inkernel, big, ("NN",)))
+    # ... while a swapped separate kernel (a seed that won: run 634's 64x1024x12288) mutates within
+    # its region: other split counts and clusters, still swapped with the separate reduction
+    won = CutlassSpec.from_name("sm90_pp_128x64x64_c4x1_splitk8sr_s0_rh_sw1_nn_f16_f32_xab")
+    short = Problem(64, 1024, 12288)
+    assert valid(won, short) is None and cs.seed_only(won)
+    near = mutations("cutlass_sm90", won, short, ("NN",))
+    region = {m.name for m in near if cs.seed_only(m)}
+    assert {"sm90_pp_128x64x64_c4x1_splitk6sr_s0_rh_sw1_nn_f16_f32_xab",
+            "sm90_pp_128x64x64_c4x1_splitk12sr_s0_rh_sw1_nn_f16_f32_xab",
+            "sm90_pp_128x64x64_c2x1_splitk8sr_s0_rh_sw1_nn_f16_f32_xab"} <= region, sorted(region)
+    assert "sm90_pp_128x64x64_c4x1_splitk8sr_s0_rh_sw1_nn_f16_f32" in {m.name for m in near}  # unswapped
+    assert all(valid(m, short) is None for m in near)
 
 
 def test_separate_reduction_is_enumerated_and_modelled():

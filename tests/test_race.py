@@ -315,6 +315,16 @@ def test_variants_move_one_field_the_built_only_search_never_moved():
     assert [x.epi_n for x in variants(e[0], p, ("epi",))] == [0, 128, 256]
     assert [x.epi_n for x in variants(replace(spec, tile_n=192), p, ("epi",))] == [64, 96, 192]
     assert variants(replace(spec, epilogue="nosmem"), p, ("epi",)) == []
+    assert variants(spec, p, ("splits",)) == []  # not split-K
+    # a split-K kernel's nearest counts down and up that the problem takes: with the separate
+    # reduction K must be a multiple of 8 x splits, and 8192 is not of 8 x 6 or 8 x 12 (nor 8 x 3)
+    sep = cs.CutlassSpec(64, 64, 64, 1, 4, "pingpong", "splitk", 8, layout="NN", reduction="separate", swap_ab=True)
+    short = Problem(512, 64, 8192)
+    assert cs.valid(sep, short) is None
+    assert [x.splits for x in variants(sep, short, ("splits",))] == [4, 16]
+    assert all(replace(x, splits=8) == sep for x in variants(sep, short, ("splits",)))
+    assert [x.splits for x in variants(replace(sep, splits=2), short, ("splits",))] == [4]
+    assert [x.splits for x in variants(sep, Problem(512, 64, 12288), ("splits",))] == [6, 12]
     n_all = 9 + len(v) + len(e)
     assert len(variants(spec, p)) == n_all and len({x.name for x in variants(spec, p)}) == n_all
     assert variants(raw.heuristic_specs(Problem(64, 1024, 4096), "TN")[0], p) == []  # per-shape family: none

@@ -103,7 +103,11 @@ def entries(jobs: list[BuildJob]) -> list[str]:
 # ... and 'lean': the one-tile-per-CTA kernel with the spec's tile (cutlass_sm90.lean_twins), which
 # the search's pool holds for seven small tiles only
 # ... and 'epi': the TMA epilogue's subtile width (spec field epi_n), which the pool never sets
-VARIANT_FIELDS = ("raster", "swizzle", "stages", "epilogue", "pdl", "cluster", "lean", "epi")
+# ... and 'splits': a split-K kernel's neighbouring split counts (cutlass_sm90.SPLIT_COUNTS). The
+# cuBLASLt seeds' winners (H200, run 634) took the autotuned choice's tile and cluster with its
+# split count or the nearest that divides K, untried beside them: cuBLASLt picks 2-12 splits where
+# our earlier winners had 8-16 (results/h200/lt-profile-splitk-2026-11-29d.md)
+VARIANT_FIELDS = ("raster", "swizzle", "stages", "epilogue", "pdl", "cluster", "lean", "epi", "splits")
 EPI_WIDTHS = (64, 96, 128, 192, 256)  # the 'epi' variants: those that divide the tile's width
 
 
@@ -112,8 +116,10 @@ def variants(spec, problem, fields=VARIANT_FIELDS) -> list:
     other swizzle sizes, one or two stages fewer than fit (explicit counts), and the other
     epilogue (TMA store or registers to global), the other launch (programmatic dependent or
     not), the other cluster shapes, the lean one-tile-per-CTA kernels of the same tile, the TMA
-    epilogue's wider subtiles (EPI_WIDTHS that divide the tile, and auto); only those the family
-    accepts for `problem`.
+    epilogue's wider subtiles (EPI_WIDTHS that divide the tile, and auto), a split-K kernel's
+    nearest split counts down and up that `problem` takes (SPLIT_COUNTS, more than one: the
+    separate reduction needs K in multiples of 8 x splits); only those the family accepts for
+    `problem`.
     Other families: none."""
     from dataclasses import replace
 
@@ -144,6 +150,10 @@ def variants(spec, problem, fields=VARIANT_FIELDS) -> list:
     if "epi" in fields and spec.epilogue == "tma":
         out += [replace(spec, epi_n=w) for w in (0,) + EPI_WIDTHS
                 if w != spec.epi_n and (w == 0 or spec.tile_n % w == 0)]
+    if "splits" in fields and spec.scheduler == "splitk":
+        for side in ([k for k in reversed(cs.SPLIT_COUNTS) if 1 < k < spec.splits],
+                     [k for k in cs.SPLIT_COUNTS if k > spec.splits]):
+            out += [v for v in (replace(spec, splits=k) for k in side) if cs.valid(v, problem) is None][:1]
     return [v for v in out if cs.valid(v, problem) is None]
 
 

@@ -151,7 +151,7 @@ _LADDERS = {
     "cutlass_sm90": {
         "tile_m": (64, 128, 192, 256), "tile_n": (16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 224, 256),
         "tile_k": (32, 64, 128), "cluster_m": (1, 2), "cluster_n": (1, 2),
-        "splits": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), "stages": (0, 2, 3, 4, 5, 6, 7, 8), "swizzle": cutlass_sm90.SWIZZLES,
+        "splits": cutlass_sm90.SPLIT_COUNTS, "stages": (0, 2, 3, 4, 5, 6, 7, 8), "swizzle": cutlass_sm90.SWIZZLES,
         "raster": cutlass_sm90.RASTERS,  # the pool has CUTLASS's heuristic order only
         "epi_n": (0, 64, 96, 128, 192, 256)},  # the TMA epilogue's subtile width (0: CUTLASS's 32)
     "raw": {
@@ -226,9 +226,11 @@ def _string_values(family: str, problem: Problem, layouts: tuple) -> dict:
 def mutations(family: str, spec, problem: Problem, layouts: tuple = ("NN", "TN")) -> tuple:
     """Every spec one field away from `spec` (a neighbouring value on the field's ladder, with a
     coupled repair where the plain change is illegal) that the family's valid() accepts for
-    `problem`."""
+    `problem`. Specs the family offers to seeds only (seed_only) are among them only where
+    `spec` is one itself: a seed that won leads the search into its own region, nothing else does."""
     fam = registry.get(family)
     layouts = tuple(layouts)
+    own_region = _seed_only(fam, spec)
     pool_values = _string_values(family, problem, layouts)
     out, seen = [], {spec.name}
     for f in fields(spec):
@@ -242,7 +244,7 @@ def mutations(family: str, spec, problem: Problem, layouts: tuple = ("NN", "TN")
             for option in [m] + _repairs(family, m):
                 if option.name in seen:
                     continue
-                if fam.valid(option, problem) is None and not _seed_only(fam, option):
+                if fam.valid(option, problem) is None and (own_region or not _seed_only(fam, option)):
                     seen.add(option.name)
                     out.append(option)
                     break

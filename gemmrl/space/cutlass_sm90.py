@@ -54,6 +54,9 @@ RASTERS = ("heuristic", "along_m", "along_n")
 # staging, no TMA store, and the epilogue's shared memory goes to the mainloop's stages)
 EPILOGUES = ("tma", "nosmem")
 SWIZZLES = (1, 2, 4, 8)
+# the split-K counts the search steps along (search.policy's ladder) and a race's 'splits'
+# variants (build.ahead.variants) take the neighbours of
+SPLIT_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 LAYOUTS = ("NN", "TN")
 DTYPES = ("fp16", "bf16")
 ACCS = ("fp32", "fp16")
@@ -709,8 +712,11 @@ def skinny_n(problem) -> bool:
 
 def seed_only(spec: CutlassSpec) -> bool:
     """Kernels valid() accepts that only a seed proposes (search/lt_seed.py: cuBLASLt's own
-    choices), neither the search pool nor its mutations: the swapped kernels with the separate
-    reduction, cuBLASLt's short-M split-K twins (2026-11-29; not yet timed on a GPU)."""
+    choices), neither the search pool nor the mutations of other kernels: the swapped kernels
+    with the separate reduction, cuBLASLt's short-M split-K twins. Timed on the H200 since
+    (run 634: 20 of the 28 new winners of 47 shapes below 0.98), so a mutation of one of them
+    (search.policy.mutations) may stay swapped and separate: the region is searched from a seed
+    that won it."""
     return spec.swap_ab and separate(spec)
 
 
