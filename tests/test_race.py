@@ -255,6 +255,8 @@ def test_race_is_an_implementation_the_cli_names(tmp_path):
     # any variant field races: e.g. the epilogue subtile and the cluster, in VARIANT_FIELDS' order
     (r,) = impls_from_specs(["race:1:built:epi:cluster:lean"], store, "NVIDIA H200")
     assert r.k == 1 and r.built_only and r.twins == ("cluster", "lean", "epi")
+    (r,) = impls_from_specs(["race:2:built:splits:cluster"], store, "NVIDIA H200")
+    assert r.twins == ("cluster", "splits")
     (r,) = impls_from_specs(["race:1:built:former3:swizzle"], store, "NVIDIA H200")
     assert r.k == 1 and r.built_only and r.former == 3 and r.twins == ("swizzle",) and r.exclude is None
     (r,) = impls_from_specs(["race:1:built:former2:not=_128x144x"], store, "NVIDIA H200")
