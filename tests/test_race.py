@@ -327,6 +327,9 @@ def test_variants_move_one_field_the_built_only_search_never_moved():
     assert all(replace(x, splits=8) == sep for x in variants(sep, short, ("splits",)))
     assert [x.splits for x in variants(replace(sep, splits=2), short, ("splits",))] == [4]
     assert [x.splits for x in variants(sep, Problem(512, 64, 12288), ("splits",))] == [6, 12]
+    # a split-K kernel's clusters: the wide ones (cs.WIDE_CLUSTERS) too
+    got = {(x.cluster_m, x.cluster_n) for x in variants(sep, short, ("cluster",))}
+    assert got == set(cs.CLUSTERS + cs.WIDE_CLUSTERS) - {(1, 4)}, got
     n_all = 9 + len(v) + len(e)
     assert len(variants(spec, p)) == n_all and len({x.name for x in variants(spec, p)}) == n_all
     assert variants(raw.heuristic_specs(Problem(64, 1024, 4096), "TN")[0], p) == []  # per-shape family: none

@@ -115,8 +115,9 @@ def variants(spec, problem, fields=VARIANT_FIELDS) -> list:
     """A CUTLASS spec's neighbours one field away, in `fields`: the other raster orders, the
     other swizzle sizes, one or two stages fewer than fit (explicit counts), and the other
     epilogue (TMA store or registers to global), the other launch (programmatic dependent or
-    not), the other cluster shapes, the lean one-tile-per-CTA kernels of the same tile, the TMA
-    epilogue's wider subtiles (EPI_WIDTHS that divide the tile, and auto), a split-K kernel's
+    not), the other cluster shapes (a split-K kernel's wide ones too), the lean one-tile-per-CTA
+    kernels of the same tile, the TMA epilogue's wider subtiles (EPI_WIDTHS that divide the
+    tile, and auto), a split-K kernel's
     nearest split counts down and up that `problem` takes (SPLIT_COUNTS, more than one: the
     separate reduction needs K in multiples of 8 x splits); only those the family accepts for
     `problem`.
@@ -142,8 +143,10 @@ def variants(spec, problem, fields=VARIANT_FIELDS) -> list:
         out += [replace(spec, epilogue=e) for e in cs.EPILOGUES if e != spec.epilogue]
     if "pdl" in fields:
         out.append(replace(spec, pdl=not spec.pdl))
-    if "cluster" in fields:
-        out += [replace(spec, cluster_m=cm, cluster_n=cn) for cm, cn in cs.CLUSTERS
+    if "cluster" in fields:  # split-K kernels: the wide clusters too (cuBLASLt's 2-8 CTA clusters won
+        # as seeds on the H200's split-K shapes, run 634: 4x1, 1x4, 2x4 and 4x2 among them)
+        shapes = cs.CLUSTERS + (cs.WIDE_CLUSTERS if spec.scheduler == "splitk" else ())
+        out += [replace(spec, cluster_m=cm, cluster_n=cn) for cm, cn in shapes
                 if (cm, cn) != (spec.cluster_m, spec.cluster_n)]
     if "lean" in fields:
         out += cs.lean_twins(spec)
