@@ -344,14 +344,6 @@ def cut_slices(problems, todo: list[int], per_slice: int) -> list[list]:
     return out
 
 
-def build_slices(impls, problems, per_slice: int) -> list[list]:
-    """Consecutive slices of `problems` for bench to compile and then time in turn: each slice
-    has at most `per_slice` kernels left to compile (counting each kernel under the first shape
-    that needs it; a slice holds at least one shape), so that a run cut early has timed its
-    first slices. Implementations without prebuild's jobs need nothing compiled: one slice."""
-    return cut_slices(problems, unbuilt_counts(build_plans(impls, problems)), per_slice)
-
-
 def run_noise_lines(records: list[dict]) -> list[str]:
     """What a bench run says about its own noise at the end, per mode, from the report's own
     summary of the run's records: how many shapes' repeat timing agreed within 2% (by the ratio

@@ -1138,8 +1138,11 @@ def test_a_sigterm_while_bench_compiles_ends_the_run_as_partial(monkeypatch, tmp
 
 def test_build_slices_count_each_kernel_once_and_only_unbuilt_ones(monkeypatch):
     from gemmrl.build import nvcc
-    from gemmrl.cli import build_slices
+    from gemmrl.cli import build_plans, cut_slices, unbuilt_counts
     from gemmrl.core.problem import Problem
+
+    def build_slices(impls, problems, per_slice):  # as bench cuts them
+        return cut_slices(problems, unbuilt_counts(build_plans(impls, problems)), per_slice)
 
     class Shared:  # a generic kernel every shape shares, and one of each shape's own
         def build_jobs(self, problems):

@@ -61,39 +61,18 @@ def _fp16_acc_reference():
     return ref
 
 
-@contextmanager
-def _stoppable(counts: dict, log):
-    """SIGTERM or Ctrl-C ends the loop inside between problems' store writes, never mid-write:
-    everything finished is in the store and a rerun resumes."""
-    prev = signal.getsignal(signal.SIGTERM)
-
-    def on_term(signum, frame):
-        # the first one stops the loop; any more are ignored, so the stop's own logging and the
-        # command's summary are not cut (coreutils `timeout` signals the command and then its
-        # whole process group, so the command gets SIGTERM twice)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise _Stop("SIGTERM")
-    signal.signal(signal.SIGTERM, on_term)
-    stopped = False
-    try:
-        yield
-    except (_Stop, KeyboardInterrupt) as e:
-        stopped = counts["stopped"] = True
-        log(f"stopped ({type(e).__name__}); everything measured so far is in the store")
-    finally:
-        if not stopped:
-            signal.signal(signal.SIGTERM, prev)
-
-
 class StopFlag:
     stopped = False
+    reason = ""  # the exception's type name: _Stop (a SIGTERM) or KeyboardInterrupt
 
 
 @contextmanager
 def stop_on_sigterm():
-    """For work that writes nothing to the store (bench's compiling between its slices): a
-    SIGTERM or Ctrl-C inside cuts the block and sets the flag it yields, instead of killing the
-    process before the run's end is recorded. Like _stoppable, any later SIGTERM is ignored."""
+    """A SIGTERM or Ctrl-C inside cuts the block and sets the flag it yields, instead of killing
+    the process before the run's end is recorded (bench's compiling between its slices, and
+    _stoppable's loop). The first SIGTERM stops; any more are ignored, so the stop's own logging
+    and the command's summary are not cut (coreutils `timeout` signals the command and then its
+    whole process group, so the command gets SIGTERM twice)."""
     flag = StopFlag()
     prev = signal.getsignal(signal.SIGTERM)
 
@@ -103,11 +82,22 @@ def stop_on_sigterm():
     signal.signal(signal.SIGTERM, on_term)
     try:
         yield flag
-    except (_Stop, KeyboardInterrupt):
-        flag.stopped = True
+    except (_Stop, KeyboardInterrupt) as e:
+        flag.stopped, flag.reason = True, type(e).__name__
     finally:
         if not flag.stopped:
             signal.signal(signal.SIGTERM, prev)
+
+
+@contextmanager
+def _stoppable(counts: dict, log):
+    """SIGTERM or Ctrl-C ends the loop inside between problems' store writes, never mid-write:
+    everything finished is in the store and a rerun resumes."""
+    with stop_on_sigterm() as flag:
+        yield
+    if flag.stopped:
+        counts["stopped"] = True
+        log(f"stopped ({flag.reason}); everything measured so far is in the store")
 
 
 def _until_deadline(problems, cfg, counts: dict, log, progress):

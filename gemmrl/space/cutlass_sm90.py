@@ -1222,10 +1222,10 @@ def render(spec: CutlassSpec, problem=None) -> str:
         kc = "int64_t(K / kSplits)"
         stride_b_chunk = ("cute::make_stride(cute::Int<1>{}, int64_t(ldb), int64_t(ldb) * chunk)" if nn
                           else "cute::make_stride(int64_t(ldb), cute::Int<1>{}, chunk)")
+        chunk = f"  const int64_t chunk = {kc};  // K per split: the batch stride of A and of B\n"
         if s.swap_ab:  # C^T = B^T A^T per K chunk: the kernel's D is each [M,N] partial column-major
             strides = (
-                f"  const int64_t chunk = {kc};  // K per split: the batch stride of A and of B\n"
-                "  // swapped: the kernel's (M, N) are the problem's (N, M)\n"
+                chunk + "  // swapped: the kernel's (M, N) are the problem's (N, M)\n"
                 f"  StrideA stride_a = {stride_b_chunk};  // B\n"
                 "  StrideB stride_b = cute::make_stride(int64_t(lda), cute::Int<1>{}, chunk);  // A [M,K]\n"
                 "  StrideD stride_d = cute::make_stride(cute::Int<1>{}, int64_t(N), int64_t(N) * M);"
@@ -1233,8 +1233,7 @@ def render(spec: CutlassSpec, problem=None) -> str:
             problem_shape = "cute::make_shape(N, M, K / kSplits, kSplits)"
         else:
             strides = (
-                f"  const int64_t chunk = {kc};  // K per split: the batch stride of A and of B\n"
-                f"  StrideA stride_a = cute::make_stride(int64_t(lda), cute::Int<1>{{}}, chunk);\n"
+                chunk + f"  StrideA stride_a = cute::make_stride(int64_t(lda), cute::Int<1>{{}}, chunk);\n"
                 f"  StrideB stride_b = {stride_b_chunk};\n"
                 "  StrideD stride_d = cute::make_stride(int64_t(N), cute::Int<1>{}, int64_t(N) * M);  // packed partials\n")
             problem_shape = "cute::make_shape(M, N, K / kSplits, kSplits)"
