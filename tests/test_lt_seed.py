@@ -12,7 +12,7 @@ from gemmrl.cli import main
 from gemmrl.core.problem import Problem
 from gemmrl.runtime.pack import LT_IMPL
 from gemmrl.search.lt_seed import (lt_prior, lt_specs, lt_split_specs, nearest_even_splits, parse_choice,
-                                   parse_split_choice)
+                                   parse_split_choice, unclustered)
 from gemmrl.store.db import Store
 
 DEV = "Fake H200"
@@ -112,6 +112,23 @@ def test_an_uneven_split_choice_gets_the_nearest_even_splits_with_the_separate_r
         "sm90_pp_64x32x64_c1x2_splitk2sr_s0_rh_sw1_nn_f16_f32_xab"]
 
 
+def test_a_wide_cluster_split_k_twin_gets_its_1x1_cluster_twin_after_it():
+    """A split-K kernel of a 1x2 (or wider) cluster has a 1x1 twin of the same tile, schedule,
+    split count, reduction and swap (run 644: 15 of 16 split-K winners that changed only their
+    cluster went to 1x1); kernels already 1x1, and those not split-K, have none; no twin twice."""
+    p = Problem(256, 512, 12288)
+    split = lt_split_specs((64, 128), (2, 1), 4, 2, "TN", problem=p)
+    assert names(unclustered(split, p)) == [
+        "sm90_coop_128x64x64_c1x1_splitk4sr_s0_rh_sw1_tn_f16_f32",
+        "sm90_pp_128x64x64_c1x1_splitk4sr_s0_rh_sw1_tn_f16_f32",
+        "sm90_pp_64x128x64_c1x1_splitk4sr_s0_rh_sw1_tn_f16_f32_xab",
+        "sm90_coop_128x64x64_c1x1_splitk4_s0_rh_sw1_tn_f16_f32"]
+    assert unclustered(unclustered(split, p), p) == []  # 1x1 already
+    assert unclustered(split + unclustered(split, p), p) == []  # each twin once: already offered
+    persistent = lt_specs((128, 160), (2, 1), "TN", problem=Problem(16384, 4096, 4096))
+    assert persistent and unclustered(persistent) == []  # only split-K kernels
+
+
 def _store_with_choices(path) -> tuple[Store, Problem, Problem]:
     """A store where the autotuned baseline chose tile 128x160 on TN and 128x128 on NN of one
     shape, and nothing on another."""
@@ -138,8 +155,11 @@ def test_the_prior_reads_the_stored_choices_of_each_layout(tmp_path):
         r = Problem(256, 512, 12288)
         store.put_tuning(DEV, r, LT_IMPL.format("tn"), b"\x03" * 64, INFO.replace("tile=29", "tile=17").replace(
             "splitk=1", "splitk=4").replace("reduction=0", "reduction=2"), 12.0)
-        assert names(s for _f, s in lt_prior(store, DEV, [r], LT_TILES, LT_CLUSTERS)[r])[0] == \
-            "sm90_coop_128x64x64_c1x2_splitk4sr_s0_rh_sw1_tn_f16_f32"
+        got = names(s for _f, s in lt_prior(store, DEV, [r], LT_TILES, LT_CLUSTERS)[r])
+        assert got[0] == "sm90_coop_128x64x64_c1x2_splitk4sr_s0_rh_sw1_tn_f16_f32"
+        # cuBLASLt's own cluster first, then the 1x1 twins of those forms
+        assert got[4:] == names(unclustered(lt_split_specs((64, 128), (2, 1), 4, 2, "TN", problem=r), r))
+        assert got.index("sm90_coop_128x64x64_c1x1_splitk4sr_s0_rh_sw1_tn_f16_f32") == 4
     finally:
         store.close()
 

@@ -17,10 +17,13 @@ A split-K choice (`splitk=S`) has its own twins (lt_split_specs): our split-K ke
 output tile and cluster with S splits. cuBLASLt's `reduction=2` (CUBLASLT_REDUCTION_SCHEME_
 COMPUTE_TYPE: the partials in fp32 in a workspace, then a reduction kernel) is our separate
 reduction (`splitkSsr`); any other scheme, our in-kernel reduction (`splitkS`). On the H200's fp32
-shapes below 0.98 of it (2026-11-28), 56 of the 494 (shape, layout) choices were split-K ones."""
+shapes below 0.98 of it (2026-11-28), 56 of the 494 (shape, layout) choices were split-K ones.
+Those twins come with cuBLASLt's cluster, then again with a 1x1 cluster (unclustered): on the
+H200 our split-K kernels ran faster unclustered."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 FAMILY = "cutlass_sm90"
@@ -93,6 +96,29 @@ def lt_split_specs(tile: tuple[int, int], cluster: tuple[int, int], splits: int,
     return out
 
 
+def unclustered(specs, problem=None) -> list:
+    """The 1x1-cluster twins of the split-K specs among `specs` whose cluster is wider (the same
+    tile, schedule, split count, reduction and swap), in their order, each once and none already
+    in `specs`; the family's valid() decides, for `problem` when given. A split-K CTA does one
+    K-slice of its tile, and sharing operand loads across a cluster did not pay for it on the
+    H200: in run 644's race of split-K winners against their cluster shapes, 15 of the 16 winners
+    that changed only their cluster went from 1x2, 2x1 or 4x1 to 1x1 (geomean 1.064x). cuBLASLt's
+    split-K choices name wide clusters, so their twins (lt_split_specs) follow them: lt_prior
+    offers these after them. Pure."""
+    from gemmrl.space import cutlass_sm90 as cs
+
+    seen = {s.name for s in specs}
+    out = []
+    for spec in specs:
+        if spec.scheduler != "splitk" or (spec.cluster_m, spec.cluster_n) == (1, 1):
+            continue
+        twin = dataclasses.replace(spec, cluster_m=1, cluster_n=1)
+        if twin.name not in seen and cs.valid(twin, problem) is None:
+            seen.add(twin.name)
+            out.append(twin)
+    return out
+
+
 def nearest_even_splits(K: int, splits: int) -> list[int]:
     """The split counts nearest `splits` that cut K into equal chunks on 16-byte boundaries
     (what the separate reduction needs), the nearest below and the nearest above, each within
@@ -151,7 +177,8 @@ def lt_prior(store, device: str, problems, tiles: dict, clusters: dict, layouts=
     """{problem: [(family, spec), ...]} for tune's policy (add_prior): per problem, the specs of
     the autotuned cuBLASLt choice stored on `device` for each of `layouts` (lt_specs; the
     choices are fp32-accumulator ones, as the baseline runs, and the specs take the problem's
-    accumulator). Problems with no usable stored choice are left out."""
+    accumulator; a split-K choice's twins, then their 1x1-cluster twins). Problems with no usable
+    stored choice are left out."""
     from gemmrl.runtime.pack import LT_IMPL
 
     out: dict = {}
@@ -165,9 +192,9 @@ def lt_prior(store, device: str, problems, tiles: dict, clusters: dict, layouts=
             got = _parse(row[0], tiles, clusters) if row else None
             if got is not None and got[2] <= 1:
                 suggestions += [(FAMILY, s) for s in lt_specs(*got[:2], layout, problem.dtype, problem.acc, problem)]
-            elif got is not None:  # a split-K choice
-                suggestions += [(FAMILY, s) for s in lt_split_specs(*got, layout, problem.dtype, problem.acc,
-                                                                    problem)]
+            elif got is not None:  # a split-K choice, then the 1x1-cluster twins of its forms
+                split = lt_split_specs(*got, layout, problem.dtype, problem.acc, problem)
+                suggestions += [(FAMILY, s) for s in split + unclustered(split, problem)]
         if suggestions:
             out[problem] = suggestions
     return out
