@@ -1263,7 +1263,7 @@ def store_cmd(db, compress, small, merge_from, since_run, release, release_shape
                    "part of the name: H200)")
 @click.option("--variants", "variant_opt", default=None, metavar="FIELDS",
               help="with --tuned-in: also each CUTLASS winner's neighbours in these fields (comma-separated: "
-                   "raster, swizzle, stages, epilogue, pdl, cluster, lean, epi, splits), for a --built-only search "
+                   "raster, swizzle, stages, epilogue, pdl, cluster, lean, epi, splits, resident), for a --built-only search "
                    "around the winners or a race of them (bench --impl race:K:built:FIELD)")
 @click.option("--acc-only", "acc_only", default=None, type=click.Choice(["fp32", "fp16"]),
               help="with --tuned-in: only the winners of this accumulator")

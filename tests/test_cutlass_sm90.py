@@ -99,6 +99,36 @@ def test_lean_kernels_names_and_rules():
     assert not any(s.schedule == "tma" or (s.schedule == "ws" and s.epilogue == "nosmem") for s in pool)
 
 
+def test_resident_twins_take_few_stages_so_two_blocks_share_an_sm():
+    """The lean kernels of a winner's tile and its halves with the most stages up to K's k-blocks
+    (4 at most) that leave shared memory for two blocks on an SM; 2 stages at least."""
+    from gemmrl.build.ahead import variants
+
+    half = cs.SM_SMEM_BYTES // 2 - cs.SM_SMEM_RESERVED
+    win = CutlassSpec(128, 128, 64, 2, 1, "pingpong", "persistent", epi_n=64)
+    got = cs.resident_twins(win, Problem(2048, 2048, 128))  # K = 128: two k-blocks
+    assert [t.name for t in got] == ["sm90_ws_128x128x64_c2x1_tile_s2_rh_sw1_tn_f16_f32",
+                                     "sm90_ws_64x128x64_c2x1_tile_s2_rh_sw1_tn_f16_f32",
+                                     "sm90_ws_128x64x64_c2x1_tile_s2_rh_sw1_tn_f16_f32"]
+    assert all(cs.smem_bytes(t) <= half and valid(t, Problem(2048, 2048, 128)) is None for t in got)
+    # K = 256 has four k-blocks: the halves take 4 stages, the whole tile 3 (4 would not fit twice)
+    got = cs.resident_twins(win, Problem(256, 16384, 256))
+    assert [(t.tile_m, t.tile_n, t.stages) for t in got] == [(128, 128, 3), (64, 128, 4), (128, 64, 4)]
+    assert cs.smem_bytes(replace(got[0], stages=4)) > half
+    # K = 64, one k-block: still two stages; a tile under 128x128 has no halves
+    got = cs.resident_twins(replace(win, tile_m=64), Problem(512, 8192, 64))
+    assert [(t.tile_m, t.tile_n, t.stages) for t in got] == [(64, 128, 2)]
+    # a swapped winner keeps its swap; split-K and stream-K winners give plain one-tile kernels
+    sw = cs.resident_twins(CutlassSpec(128, 96, 64, 2, 1, "cooperative", "persistent", swap_ab=True),
+                           Problem(12288, 256, 256))
+    assert [t.name for t in sw] == ["sm90_ws_128x96x64_c2x1_tile_s3_rh_sw1_tn_f16_f32_xab"]
+    sk = cs.resident_twins(replace(win, scheduler="splitk", splits=4, reduction="separate", epi_n=0),
+                           Problem(256, 512, 12288))
+    assert sk and all(t.scheduler == "tile" and t.splits == 1 and t.reduction == "deterministic" for t in sk)
+    # build --variants resident / bench --impl race:K:built:resident
+    assert variants(win, Problem(2048, 2048, 128), ("resident",)) == cs.resident_twins(win, Problem(2048, 2048, 128))
+
+
 def test_key_is_a_stable_content_hash():
     assert BASE.key() == CutlassSpec().key()
     # fields added later are left out at their default, so older specs keep key, source and builds
@@ -597,6 +627,8 @@ LEAN_WS = CutlassSpec(64, 64, 64, 1, 2, "ws", "tile", layout="NN")
 LEAN_TMA = CutlassSpec(128, 64, 64, 2, 1, "tma", "tile", epilogue="nosmem")
 # ... and a wider TMA epilogue subtile (CUTLASS's EpilogueTileType override): ping-pong 128x192, 64x96
 EPI = CutlassSpec(128, 192, 64, 2, 1, "pingpong", "persistent", epi_n=96)
+# ... and a lean kernel with few stages (cutlass_sm90.resident_twins): two blocks to an SM
+RESIDENT = CutlassSpec(64, 128, 64, 2, 1, "ws", "tile", stages=2)
 # ... and a 2x2 cluster (TMA multicast over two rows and two columns of tiles) with split-K 8 and
 # the separate reduction (NN)
 WIDE = CutlassSpec(128, 128, 64, 2, 2, "cooperative", "splitk", 8, 0, "heuristic", 1, "NN", "fp16", "fp32",
@@ -606,7 +638,7 @@ WIDE = CutlassSpec(128, 128, 64, 2, 2, "cooperative", "splitk", 8, 0, "heuristic
 XSR = CutlassSpec(64, 32, 64, 1, 2, "pingpong", "splitk", 2, 0, "heuristic", 1, "NN", "fp16", "fp32", "separate",
                   swap_ab=True)
 COMPILED = [GOLDEN_SPECS[0], GOLDEN_SPECS[1], SR, replace(NOSMEM, pdl=True), LEAN_WS, LEAN_TMA, EPI, WIDE,
-            GOLDEN_SPECS[4], XSR]
+            GOLDEN_SPECS[4], XSR, RESIDENT]
 THREADS = {"cooperative": 384, "pingpong": 384, "ws": 256, "tma": 128}
 
 
@@ -654,6 +686,16 @@ def test_build_is_clean(builds, spec):
     assert r.spills == 0
     print(f"\n{spec.name}: {r.seconds:.0f} s, {kernels[0].registers} registers, "
           f"{kernels[0].smem_bytes} bytes static smem")
+
+
+def test_a_resident_kernel_leaves_registers_and_shared_memory_for_two_blocks(builds):
+    """What resident_twins promises, from ptxas: two blocks of the lean 64x128 kernel with two
+    stages fit an SM's 64K registers (256 threads each) and its shared memory."""
+    r = builds[RESIDENT.name]
+    assert r.ok, r.log[-4000:]
+    k = next(k for k in r.resources if "GemmUniversal" in k.name)
+    assert 2 * THREADS[RESIDENT.schedule] * k.registers <= 65536, k.registers
+    assert 2 * (cs.smem_bytes(RESIDENT) + k.smem_bytes + cs.SM_SMEM_RESERVED) <= cs.SM_SMEM_BYTES
 
 
 @pytest.mark.parametrize("spec", COMPILED, ids=lambda s: s.name)

@@ -257,6 +257,8 @@ def test_race_is_an_implementation_the_cli_names(tmp_path):
     assert r.k == 1 and r.built_only and r.twins == ("cluster", "lean", "epi")
     (r,) = impls_from_specs(["race:2:built:splits:cluster"], store, "NVIDIA H200")
     assert r.twins == ("cluster", "splits")
+    (r,) = impls_from_specs(["race:1:built:resident"], store, "NVIDIA H200")
+    assert r.twins == ("resident",)
     (r,) = impls_from_specs(["race:1:built:former3:swizzle"], store, "NVIDIA H200")
     assert r.k == 1 and r.built_only and r.former == 3 and r.twins == ("swizzle",) and r.exclude is None
     (r,) = impls_from_specs(["race:1:built:former2:not=_128x144x"], store, "NVIDIA H200")
@@ -330,7 +332,13 @@ def test_variants_move_one_field_the_built_only_search_never_moved():
     # a split-K kernel's clusters: the wide ones (cs.WIDE_CLUSTERS) too
     got = {(x.cluster_m, x.cluster_n) for x in variants(sep, short, ("cluster",))}
     assert got == set(cs.CLUSTERS + cs.WIDE_CLUSTERS) - {(1, 4)}, got
-    n_all = 9 + len(v) + len(e)
+    # the lean kernels with few stages: 128x256 has none of its own (one warpgroup's accumulators),
+    # its halves do, with as many stages as leave room for two blocks (K = 4096: four wanted)
+    r = variants(spec, p, ("resident",))
+    assert [(x.tile_m, x.tile_n, x.schedule, x.scheduler) for x in r] == [(64, 256, "ws", "tile"),
+                                                                         (128, 128, "ws", "tile")]
+    assert [x.stages for x in r] == [2, 3] and variants(spec, None, ("resident",)) == []
+    n_all = 9 + len(v) + len(e) + len(r)
     assert len(variants(spec, p)) == n_all and len({x.name for x in variants(spec, p)}) == n_all
     assert variants(raw.heuristic_specs(Problem(64, 1024, 4096), "TN")[0], p) == []  # per-shape family: none
     with pytest.raises(ValueError, match="variant fields"):

@@ -107,7 +107,10 @@ def entries(jobs: list[BuildJob]) -> list[str]:
 # cuBLASLt seeds' winners (H200, run 634) took the autotuned choice's tile and cluster with its
 # split count or the nearest that divides K, untried beside them: cuBLASLt picks 2-12 splits where
 # our earlier winners had 8-16 (results/h200/lt-profile-splitk-2026-11-29d.md)
-VARIANT_FIELDS = ("raster", "swizzle", "stages", "epilogue", "pdl", "cluster", "lean", "epi", "splits")
+# ... and 'resident': the lean kernels with few stages, two or more blocks to an SM
+# (cutlass_sm90.resident_twins), which no search or race had tried: every lean kernel took as
+# many stages as fit
+VARIANT_FIELDS = ("raster", "swizzle", "stages", "epilogue", "pdl", "cluster", "lean", "epi", "splits", "resident")
 EPI_WIDTHS = (64, 96, 128, 192, 256)  # the 'epi' variants: those that divide the tile's width
 
 
@@ -119,7 +122,8 @@ def variants(spec, problem, fields=VARIANT_FIELDS) -> list:
     kernels of the same tile, the TMA epilogue's wider subtiles (EPI_WIDTHS that divide the
     tile, and auto), a split-K kernel's
     nearest split counts down and up that `problem` takes (SPLIT_COUNTS, more than one: the
-    separate reduction needs K in multiples of 8 x splits); only those the family accepts for
+    separate reduction needs K in multiples of 8 x splits), the lean kernels with as few stages
+    as K needs, two or more blocks to an SM (resident); only those the family accepts for
     `problem`.
     Other families: none."""
     from dataclasses import replace
@@ -153,6 +157,8 @@ def variants(spec, problem, fields=VARIANT_FIELDS) -> list:
     if "epi" in fields and spec.epilogue == "tma":
         out += [replace(spec, epi_n=w) for w in (0,) + EPI_WIDTHS
                 if w != spec.epi_n and (w == 0 or spec.tile_n % w == 0)]
+    if "resident" in fields and problem is not None:  # its stage count follows the problem's K
+        out += cs.resident_twins(spec, problem)
     if "splits" in fields and spec.scheduler == "splitk":
         for side in ([k for k in reversed(cs.SPLIT_COUNTS) if 1 < k < spec.splits],
                      [k for k in cs.SPLIT_COUNTS if k > spec.splits]):

@@ -540,6 +540,44 @@ def lean_twins(spec: CutlassSpec, problem=None, forms=None) -> list[CutlassSpec]
     return out
 
 
+SM_SMEM_BYTES = 233472  # shared memory of one sm90 SM (228 KiB), of which each resident block reserves 1 KiB
+SM_SMEM_RESERVED = 1024
+RESIDENT_MAX_STAGES = 4
+
+
+def resident_twins(spec: CutlassSpec, problem) -> list[CutlassSpec]:
+    """The lean one-tile-per-CTA 'ws' kernels (TMA epilogue) of a spec's tile, and of its halves
+    where the tile is 128x128 or larger (half the rows, then half the columns), each with the
+    most mainloop stages up to the problem's k-blocks (RESIDENT_MAX_STAGES at most) that leave
+    room for two blocks on an SM, 2 at least; those valid() accepts for `problem`.
+    The lean kernels raced so far (lean_twins) took as many stages as fit, 206-231 KiB of shared
+    memory, so one block ran on an SM at a time: on the H200's fp32 shapes with K <= 256 the lean
+    kernel won where the output has about one wave of 128x128 tiles (4.2 MB: 0.98-1.05 of
+    cuBLASLt autotuned) and was never tried on two (8.4 MB), where the persistent winners ran
+    at 0.89-0.95. With two or more blocks on an SM, one block's epilogue overlaps the next one's
+    loads. Registers decide the rest: the lean 128x64 and 64x64 kernels took 90 and 58 per thread
+    (two blocks fit), the lean 128x128 one 154 (one). Raced against a winner (build.ahead.variants
+    field 'resident')."""
+    tiles = [(spec.tile_m, spec.tile_n)]
+    if spec.tile_m * spec.tile_n >= 128 * 128:
+        tiles += [(spec.tile_m // 2, spec.tile_n), (spec.tile_m, spec.tile_n // 2)]
+    most = max(2, min(RESIDENT_MAX_STAGES, -(-problem.K // spec.tile_k)))
+    half = SM_SMEM_BYTES // 2 - SM_SMEM_RESERVED
+    out = []
+    for tm, tn in tiles:
+        for stages in range(most, 1, -1):  # the most stages that still leave room for two blocks
+            try:
+                twin = replace(spec, tile_m=tm, tile_n=tn, schedule="ws", scheduler="tile", splits=1,
+                               raster="heuristic", swizzle=1, reduction="deterministic", epilogue="tma",
+                               pdl=False, stages=stages, epi_n=0)
+            except (TypeError, ValueError):
+                break
+            if smem_bytes(twin) <= half:
+                if twin != spec and twin not in out and valid(twin, problem) is None:
+                    out.append(twin)
+                break
+    return out
+
 # Tiles narrower than _TILE_N's 64, for outputs with fewer 64x64 tiles than SMs: on the grid's
 # 2^27-2^30 FLOPs shapes (64x2048x1024, 128x512x2048, ...) every CUTLASS trial used 64x64 or
 # wider tiles and ran 13-16% behind cuBLASLt autotuned, which chose small-tile kernels without
