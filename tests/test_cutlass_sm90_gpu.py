@@ -88,6 +88,11 @@ SPECS = [
                 swap_ab=True),
     CutlassSpec(64, 32, 64, 1, 2, "pingpong", "splitk", 4, 0, "heuristic", 1, "TN", "fp16", "fp16", "separate",
                 swap_ab=True),
+    # the lean kernels with few stages, two blocks to an SM (cutlass_sm90.resident_twins): 64x128
+    # with 2 stages and a 2x1 cluster, TN; 128x96 swapped with 3, NN (K of many k-blocks through
+    # a short ring)
+    CutlassSpec(64, 128, 64, 2, 1, "ws", "tile", 1, 2, "heuristic", 1, "TN", "fp16", "fp32"),
+    CutlassSpec(128, 96, 64, 2, 1, "ws", "tile", 1, 3, "heuristic", 1, "NN", "fp16", "fp32", swap_ab=True),
 ]
 PDL_SPECS = [s for s in SPECS if s.pdl]
 
@@ -190,7 +195,7 @@ def test_unaligned_shapes_are_refused_without_launching(built, spec):
     assert bool((c == 7).all()), "C changed although the call was refused"
 
 
-@pytest.mark.parametrize("spec", [SPECS[0], SPECS[2], SPECS[4], SPECS[5], SPECS[10], SPECS[13], SPECS[14], SPECS[-1]],
+@pytest.mark.parametrize("spec", [SPECS[0], SPECS[2], SPECS[4], SPECS[5], SPECS[10], SPECS[13], SPECS[14], SPECS[-3]],
                          ids=lambda s: s.name)
 def test_cuda_graph_capture_and_replay(built, spec):
     """The call is capturable (stream-K's workspace clear is a memset node; the separate
