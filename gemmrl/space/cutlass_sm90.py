@@ -578,6 +578,7 @@ def resident_twins(spec: CutlassSpec, problem) -> list[CutlassSpec]:
                 break
     return out
 
+
 # Tiles narrower than _TILE_N's 64, for outputs with fewer 64x64 tiles than SMs: on the grid's
 # 2^27-2^30 FLOPs shapes (64x2048x1024, 128x512x2048, ...) every CUTLASS trial used 64x64 or
 # wider tiles and ran 13-16% behind cuBLASLt autotuned, which chose small-tile kernels without
