@@ -1,8 +1,8 @@
-// sm90_coop_128x64x64_c1x1_splitk16sr_s0_rh_sw1_tn_f16_f32: a CUTLASS 3.x sm90 GEMM behind the gemmrl kernel ABI (gemmrl/runtime/abi.py).
+// sm90_pp_64x64x64_c1x4_splitk2sr_s0_rh_sw1_nn_f16_f32_xab: a CUTLASS 3.x sm90 GEMM behind the gemmrl kernel ABI (gemmrl/runtime/abi.py).
 // Rendered by gemmrl.space.cutlass_sm90 (render version 1) from the spec
-//   {"acc":"fp32","cluster_m":1,"cluster_n":1,"dtype":"fp16","layout":"TN","raster":"heuristic","reduction":"separate","schedule":"cooperative","scheduler":"splitk","splits":16,"stages":0,"swizzle":1,"tile_k":64,"tile_m":128,"tile_n":64}
+//   {"acc":"fp32","cluster_m":1,"cluster_n":4,"dtype":"fp16","layout":"NN","raster":"heuristic","reduction":"separate","schedule":"pingpong","scheduler":"splitk","splits":2,"stages":0,"swap_ab":true,"swizzle":1,"tile_k":64,"tile_m":64,"tile_n":64}
 // Do not edit: change the spec or the renderer. Generic over M, N, K; residues are handled by
-// TMA (out-of-bounds loads read zeros, stores are clipped). C = A @ B^T, C is not read.
+// TMA (out-of-bounds loads read zeros, stores are clipped). C = A @ B, C is not read.
 // split-K with a separate reduction kernel: the GEMM signals its dependent launch early
 #define CUTLASS_ENABLE_GDC_FOR_SM90 1
 #include <algorithm>
@@ -38,18 +38,18 @@ using ElementA = cutlass::half_t;
 using ElementB = cutlass::half_t;
 using ElementD = float;  // the GEMM's output: fp32 partials, an [M,N] slice per K chunk
 using ElementOut = cutlass::half_t;  // the ABI's C, written by the reduction
-constexpr int kSplits = 16;  // K chunks: the GEMM's batch, summed by splitk_reduce
+constexpr int kSplits = 2;  // K chunks: the GEMM's batch, summed by splitk_reduce
 using ElementAccumulator = float;
 using ElementCompute = float;
-using LayoutA = cutlass::layout::RowMajor;  // A [M,K] row-major: K-contiguous
-using LayoutB = cutlass::layout::ColumnMajor;  // TN: B given as [N,K] row-major, K-contiguous
-using LayoutD = cutlass::layout::RowMajor;  // C [M,N] row-major
+using LayoutA = cutlass::layout::ColumnMajor;  // swapped: the kernel's A is B^T [N,K], N-contiguous (B [K,N] row-major)
+using LayoutB = cutlass::layout::ColumnMajor;  // swapped: the kernel's B is A^T, K-contiguous (A [M,K] row-major)
+using LayoutD = cutlass::layout::ColumnMajor;  // swapped: the kernel's D is C^T [N,M] column-major, that is C [M,N] row-major
 constexpr int kAlignment = 8;  // elements: 16 bytes, TMA's minimum
 
-using TileShape = cute::Shape<cute::_128, cute::_64, cute::_64>;
-using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
-using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
-using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
+using TileShape = cute::Shape<cute::_64, cute::_64, cute::_64>;
+using ClusterShape = cute::Shape<cute::_1, cute::_4, cute::_1>;
+using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
 using TileSchedulerTag = cutlass::gemm::PersistentScheduler;
 
 using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -77,7 +77,7 @@ static_assert(CollectiveMainloop::DispatchPolicy::Stages >= 2, "the mainloop nee
 enum Status : int {
   kOk = 0,
   kBadSize = 1,           // M, N or K not positive
-  kBadLeadingDim = 2,     // lda < K, ldb < K, or ldc < N
+  kBadLeadingDim = 2,     // lda < K, ldb < N, or ldc < N
   kMisalignedExtent = 3,  // K, N, lda, ldb or ldc not a multiple of 8 elements (16 bytes)
   kBadPointer = 4,        // A, B or C null or not 16-byte aligned
   kNoDevice = 5,          // the current device or its SM count could not be queried
@@ -149,16 +149,17 @@ typename Gemm::Arguments make_arguments(const void* A, const void* B, void* C, i
   using StrideB = typename GemmKernel::StrideB;
   using StrideD = typename GemmKernel::StrideD;
   const int64_t chunk = int64_t(K / kSplits);  // K per split: the batch stride of A and of B
-  StrideA stride_a = cute::make_stride(int64_t(lda), cute::Int<1>{}, chunk);
-  StrideB stride_b = cute::make_stride(int64_t(ldb), cute::Int<1>{}, chunk);
-  StrideD stride_d = cute::make_stride(int64_t(N), cute::Int<1>{}, int64_t(N) * M);  // packed partials
+  // swapped: the kernel's (M, N) are the problem's (N, M)
+  StrideA stride_a = cute::make_stride(cute::Int<1>{}, int64_t(ldb), int64_t(ldb) * chunk);  // B
+  StrideB stride_b = cute::make_stride(int64_t(lda), cute::Int<1>{}, chunk);  // A [M,K]
+  StrideD stride_d = cute::make_stride(cute::Int<1>{}, int64_t(N), int64_t(N) * M);  // packed [M,N] partials
 
   typename Gemm::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
-  args.problem_shape = cute::make_shape(M, N, K / kSplits, kSplits);
-  args.mainloop.ptr_A = static_cast<ElementA const*>(A);
+  args.problem_shape = cute::make_shape(N, M, K / kSplits, kSplits);
+  args.mainloop.ptr_A = static_cast<ElementA const*>(B);
   args.mainloop.dA = stride_a;
-  args.mainloop.ptr_B = static_cast<ElementB const*>(B);
+  args.mainloop.ptr_B = static_cast<ElementB const*>(A);
   args.mainloop.dB = stride_b;
   args.epilogue.thread.alpha = ElementCompute(1);
   args.epilogue.thread.beta = ElementCompute(0);
@@ -216,7 +217,7 @@ namespace {
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) const char* gemmrl_meta(void) {
-  return "{\"layout\": \"TN\", \"dtype\": \"fp16\", \"acc\": \"fp32\", \"name\": \"sm90_coop_128x64x64_c1x1_splitk16sr_s0_rh_sw1_tn_f16_f32\", \"family\": \"cutlass_sm90\", \"key\": \"01146fc054f4baf7\"}";
+  return "{\"layout\": \"NN\", \"dtype\": \"fp16\", \"acc\": \"fp32\", \"name\": \"sm90_pp_64x64x64_c1x4_splitk2sr_s0_rh_sw1_nn_f16_f32_xab\", \"family\": \"cutlass_sm90\", \"key\": \"a5f2c31c5181ad16\"}";
 }
 
 // Resources CUTLASS chose, for people and tests: {"smem_bytes", "stages", "threads"}.
@@ -242,7 +243,7 @@ extern "C" __attribute__((visibility("default"))) size_t gemmrl_workspace_bytes(
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
   int sms = sm_count(device);
   if (sms <= 0) return 0;
-  size_t own = Gemm::get_workspace_size(make_arguments(nullptr, nullptr, nullptr, M, N, K, K, K, N,
+  size_t own = Gemm::get_workspace_size(make_arguments(nullptr, nullptr, nullptr, M, N, K, K, N, N,
                                                        device, sms));
   return partials_offset(own) + size_t(kSplits) * size_t(M) * size_t(N) * sizeof(float);
 }
@@ -254,7 +255,7 @@ extern "C" __attribute__((visibility("default"))) int gemmrl_run(
     const void* A, const void* B, void* C, int M, int N, int K, int lda, int ldb, int ldc,
     void* workspace, cudaStream_t stream) {
   if (M <= 0 || N <= 0 || K <= 0) return kBadSize;
-  if (lda < K || ldb < K || ldc < N) return kBadLeadingDim;
+  if (lda < K || ldb < N || ldc < N) return kBadLeadingDim;
   if (K % kAlignment || N % kAlignment || lda % kAlignment || ldb % kAlignment || ldc % kAlignment)
     return kMisalignedExtent;
   if (K % (kSplits * kAlignment)) return kCannotImplement;  // equal K chunks on 16-byte boundaries
@@ -289,7 +290,7 @@ extern "C" __attribute__((visibility("default"))) int gemmrl_run(
   config.attrs = attribute;
   config.numAttrs = 1;
   // the element type spelled out: nvcc's host stub cannot name an alias from an anonymous namespace
-  if (cudaLaunchKernelEx(&config, gemmrl_separate::splitk_reduce<cutlass::half_t, 16>,
+  if (cudaLaunchKernelEx(&config, gemmrl_separate::splitk_reduce<cutlass::half_t, 2>,
                          static_cast<const float*>(partials), static_cast<cutlass::half_t*>(C), M, N, ldc) != cudaSuccess)
     return kLaunchFailed;
   return kOk;

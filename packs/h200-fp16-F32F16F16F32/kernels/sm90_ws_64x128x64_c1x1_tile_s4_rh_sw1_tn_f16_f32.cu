@@ -1,11 +1,8 @@
-// sm90_pp_64x128x64_c1x1_splitk16sr_s0_rh_sw1_tn_f16_f32: a CUTLASS 3.x sm90 GEMM behind the gemmrl kernel ABI (gemmrl/runtime/abi.py).
+// sm90_ws_64x128x64_c1x1_tile_s4_rh_sw1_tn_f16_f32: a CUTLASS 3.x sm90 GEMM behind the gemmrl kernel ABI (gemmrl/runtime/abi.py).
 // Rendered by gemmrl.space.cutlass_sm90 (render version 1) from the spec
-//   {"acc":"fp32","cluster_m":1,"cluster_n":1,"dtype":"fp16","layout":"TN","raster":"heuristic","reduction":"separate","schedule":"pingpong","scheduler":"splitk","splits":16,"stages":0,"swizzle":1,"tile_k":64,"tile_m":64,"tile_n":128}
+//   {"acc":"fp32","cluster_m":1,"cluster_n":1,"dtype":"fp16","layout":"TN","raster":"heuristic","schedule":"ws","scheduler":"tile","splits":1,"stages":4,"swizzle":1,"tile_k":64,"tile_m":64,"tile_n":128}
 // Do not edit: change the spec or the renderer. Generic over M, N, K; residues are handled by
 // TMA (out-of-bounds loads read zeros, stores are clipped). C = A @ B^T, C is not read.
-// split-K with a separate reduction kernel: the GEMM signals its dependent launch early
-#define CUTLASS_ENABLE_GDC_FOR_SM90 1
-#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -36,9 +33,7 @@ namespace {
 
 using ElementA = cutlass::half_t;
 using ElementB = cutlass::half_t;
-using ElementD = float;  // the GEMM's output: fp32 partials, an [M,N] slice per K chunk
-using ElementOut = cutlass::half_t;  // the ABI's C, written by the reduction
-constexpr int kSplits = 16;  // K chunks: the GEMM's batch, summed by splitk_reduce
+using ElementD = cutlass::half_t;  // the ABI's C
 using ElementAccumulator = float;
 using ElementCompute = float;
 using LayoutA = cutlass::layout::RowMajor;  // A [M,K] row-major: K-contiguous
@@ -48,9 +43,9 @@ constexpr int kAlignment = 8;  // elements: 16 bytes, TMA's minimum
 
 using TileShape = cute::Shape<cute::_64, cute::_128, cute::_64>;
 using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
-using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecialized;
 using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
-using TileSchedulerTag = cutlass::gemm::PersistentScheduler;
+using TileSchedulerTag = void;
 
 using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -61,8 +56,7 @@ using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBui
 using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA, kAlignment, ElementB,
     LayoutB, kAlignment, ElementAccumulator, TileShape, ClusterShape,
-    cutlass::gemm::collective::StageCountAutoCarveout<
-        static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+    cutlass::gemm::collective::StageCount<4>,
     MainloopSchedule>::CollectiveOp;
 
 using GemmKernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
@@ -148,14 +142,13 @@ typename Gemm::Arguments make_arguments(const void* A, const void* B, void* C, i
   using StrideA = typename GemmKernel::StrideA;
   using StrideB = typename GemmKernel::StrideB;
   using StrideD = typename GemmKernel::StrideD;
-  const int64_t chunk = int64_t(K / kSplits);  // K per split: the batch stride of A and of B
-  StrideA stride_a = cute::make_stride(int64_t(lda), cute::Int<1>{}, chunk);
-  StrideB stride_b = cute::make_stride(int64_t(ldb), cute::Int<1>{}, chunk);
-  StrideD stride_d = cute::make_stride(int64_t(N), cute::Int<1>{}, int64_t(N) * M);  // packed partials
+  StrideA stride_a = cute::make_stride(int64_t(lda), cute::Int<1>{}, int64_t(lda) * M);
+  StrideB stride_b = cute::make_stride(int64_t(ldb), cute::Int<1>{}, int64_t(ldb) * N);
+  StrideD stride_d = cute::make_stride(int64_t(ldc), cute::Int<1>{}, int64_t(ldc) * M);
 
   typename Gemm::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
-  args.problem_shape = cute::make_shape(M, N, K / kSplits, kSplits);
+  args.problem_shape = cute::make_shape(M, N, K, 1);
   args.mainloop.ptr_A = static_cast<ElementA const*>(A);
   args.mainloop.dA = stride_a;
   args.mainloop.ptr_B = static_cast<ElementB const*>(B);
@@ -175,48 +168,8 @@ typename Gemm::Arguments make_arguments(const void* A, const void* B, void* C, i
 
 }  // namespace
 
-// (a kernel in a named namespace: nvcc's host stubs cannot name one in an anonymous namespace)
-namespace gemmrl_separate {
-
-// The separate reduction: C[m][n] = the sum over K chunks s = 0..Splits-1, in that order, of the
-// fp32 partials P[s][m][n], rounded once to C's type. Deterministic: no atomics, one order.
-// Four consecutive n per thread (N % 8 == 0): float4 loads, one 8-byte store.
-constexpr int kReduceThreads = 128;
-
-template <typename Out, int Splits>
-__global__ void __launch_bounds__(kReduceThreads)
-splitk_reduce(const float* __restrict__ partials, Out* __restrict__ C, int M, int N, int ldc) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the GEMM has finished and its writes are visible
-#endif
-  const int64_t quads_per_row = N / 4, quads = int64_t(M) * quads_per_row;
-  const int64_t slice = quads;  // float4 per [M,N] partial
-  const float4* p4 = reinterpret_cast<const float4*>(partials);
-  for (int64_t i = int64_t(blockIdx.x) * kReduceThreads + threadIdx.x; i < quads;
-       i += int64_t(gridDim.x) * kReduceThreads) {
-    const int64_t m = i / quads_per_row, n = (i - m * quads_per_row) * 4;
-    float4 acc = __ldcs(p4 + i);
-#pragma unroll 8
-    for (int s = 1; s < Splits; ++s) {
-      const float4 v = __ldcs(p4 + i + s * slice);
-      acc.x += v.x;
-      acc.y += v.y;
-      acc.z += v.z;
-      acc.w += v.w;
-    }
-    alignas(8) Out out[4] = {Out(acc.x), Out(acc.y), Out(acc.z), Out(acc.w)};
-    *reinterpret_cast<uint2*>(C + m * ldc + n) = *reinterpret_cast<const uint2*>(out);
-  }
-}
-
-}  // namespace gemmrl_separate
-
-namespace {
-
-}  // namespace
-
 extern "C" __attribute__((visibility("default"))) const char* gemmrl_meta(void) {
-  return "{\"layout\": \"TN\", \"dtype\": \"fp16\", \"acc\": \"fp32\", \"name\": \"sm90_pp_64x128x64_c1x1_splitk16sr_s0_rh_sw1_tn_f16_f32\", \"family\": \"cutlass_sm90\", \"key\": \"d5c1be7035587d09\"}";
+  return "{\"layout\": \"TN\", \"dtype\": \"fp16\", \"acc\": \"fp32\", \"name\": \"sm90_ws_64x128x64_c1x1_tile_s4_rh_sw1_tn_f16_f32\", \"family\": \"cutlass_sm90\", \"key\": \"19f674c618ba1001\"}";
 }
 
 // Resources CUTLASS chose, for people and tests: {"smem_bytes", "stages", "threads"}.
@@ -232,24 +185,16 @@ extern "C" __attribute__((visibility("default"))) const char* gemmrl_cutlass_inf
   return text;
 }
 
-// The workspace: CUTLASS's own bytes (if any), then the fp32 partials [kSplits][M][N] from a
-// 256-byte boundary.
-static size_t partials_offset(size_t cutlass_bytes) { return (cutlass_bytes + 255) / 256 * 256; }
-
 extern "C" __attribute__((visibility("default"))) size_t gemmrl_workspace_bytes(int M, int N, int K) {
-  if (M <= 0 || N <= 0 || K <= 0 || K % (kSplits * kAlignment)) return 0;
+  if (M <= 0 || N <= 0 || K <= 0) return 0;
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
   int sms = sm_count(device);
   if (sms <= 0) return 0;
-  size_t own = Gemm::get_workspace_size(make_arguments(nullptr, nullptr, nullptr, M, N, K, K, K, N,
-                                                       device, sms));
-  return partials_offset(own) + size_t(kSplits) * size_t(M) * size_t(N) * sizeof(float);
+  return Gemm::get_workspace_size(make_arguments(nullptr, nullptr, nullptr, M, N, K, K, K, N,
+                                                 device, sms));
 }
 
-// Two launches on `stream`: the GEMM, then the reduction gemmrl_separate::splitk_reduce (programmatic dependent launch: it may be
-// scheduled early and waits in griddepcontrol.wait until the GEMM's writes are visible). A
-// return of kLaunchFailed after the GEMM launched means the reduction did not: C is not written.
 extern "C" __attribute__((visibility("default"))) int gemmrl_run(
     const void* A, const void* B, void* C, int M, int N, int K, int lda, int ldb, int ldc,
     void* workspace, cudaStream_t stream) {
@@ -257,40 +202,24 @@ extern "C" __attribute__((visibility("default"))) int gemmrl_run(
   if (lda < K || ldb < K || ldc < N) return kBadLeadingDim;
   if (K % kAlignment || N % kAlignment || lda % kAlignment || ldb % kAlignment || ldc % kAlignment)
     return kMisalignedExtent;
-  if (K % (kSplits * kAlignment)) return kCannotImplement;  // equal K chunks on 16-byte boundaries
   if (!A || !B || !C || (reinterpret_cast<uintptr_t>(A) | reinterpret_cast<uintptr_t>(B) |
                          reinterpret_cast<uintptr_t>(C)) % 16)
     return kBadPointer;
-  if (!workspace || reinterpret_cast<uintptr_t>(workspace) % 16) return kBadWorkspace;
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return kNoDevice;
   int sms = sm_count(device);
   if (sms <= 0) return kNoDevice;
-  typename Gemm::Arguments args = make_arguments(A, B, nullptr, M, N, K, lda, ldb, ldc, device, sms);
-  size_t own = Gemm::get_workspace_size(args);
-  float* partials = reinterpret_cast<float*>(static_cast<char*>(workspace) + partials_offset(own));
-  args.epilogue.ptr_D = partials;
+  typename Gemm::Arguments args = make_arguments(A, B, C, M, N, K, lda, ldb, ldc, device, sms);
   if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return kCannotImplement;
+  size_t need = Gemm::get_workspace_size(args);
+  if (need > 0 && (!workspace || reinterpret_cast<uintptr_t>(workspace) % 16)) return kBadWorkspace;
   if (!kernel_ready(device)) return kInitFailed;
-  if (GemmKernel::initialize_workspace(args, own > 0 ? workspace : nullptr, stream) != cutlass::Status::kSuccess)
+  // what Gemm::initialize() and run() do, less their per-call attribute calls: clear the
+  // stream-K/split-K workspace (cudaMemsetAsync on `stream`: stream ordered, capturable), encode
+  // the TMA descriptors on the host, launch
+  if (GemmKernel::initialize_workspace(args, need > 0 ? workspace : nullptr, stream) != cutlass::Status::kSuccess)
     return kInitFailed;
-  typename GemmKernel::Params params = GemmKernel::to_underlying_arguments(args, own > 0 ? workspace : nullptr);
+  typename GemmKernel::Params params = GemmKernel::to_underlying_arguments(args, need > 0 ? workspace : nullptr);
   if (!launch_gemm(params, stream)) return kLaunchFailed;
-  const int64_t quads = int64_t(M) * (N / 4);
-  cudaLaunchConfig_t config = {};
-  constexpr int threads = gemmrl_separate::kReduceThreads;
-  config.gridDim = dim3(unsigned(std::min<int64_t>((quads + threads - 1) / threads, int64_t(sms) * 16)));
-  config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = 0;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  // the element type spelled out: nvcc's host stub cannot name an alias from an anonymous namespace
-  if (cudaLaunchKernelEx(&config, gemmrl_separate::splitk_reduce<cutlass::half_t, 16>,
-                         static_cast<const float*>(partials), static_cast<cutlass::half_t*>(C), M, N, ldc) != cudaSuccess)
-    return kLaunchFailed;
   return kOk;
 }
