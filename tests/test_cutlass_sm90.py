@@ -129,6 +129,38 @@ def test_resident_twins_take_few_stages_so_two_blocks_share_an_sm():
     assert variants(win, Problem(2048, 2048, 128), ("resident",)) == cs.resident_twins(win, Problem(2048, 2048, 128))
 
 
+def test_resident_blocks_from_shared_memory_and_registers():
+    """Blocks an SM holds at once: one for the persistent kernels and a lean kernel with every
+    stage that fits; the lean kernels with few stages as many as their shared memory and
+    registers (accumulators + LEAN_EXTRA_REGISTERS, in 8s) leave room for."""
+    lean64x128 = CutlassSpec(64, 128, 64, 2, 1, "ws", "tile", stages=2)
+    assert cs.resident_blocks(lean64x128) == 2  # 96 registers x 256 threads: two, not three
+    assert 3 * (cs.smem_bytes(lean64x128) + cs.SM_SMEM_RESERVED) <= cs.SM_SMEM_BYTES  # registers decide
+    assert cs.resident_blocks(replace(lean64x128, stages=4)) == 2
+    assert cs.resident_blocks(CutlassSpec(128, 128, 64, 2, 1, "ws", "tile", stages=2)) == 1  # 154 registers
+    assert cs.resident_blocks(CutlassSpec(64, 64, 64, 1, 1, "ws", "tile", stages=2)) == 4  # 64 x 256 each
+    assert cs.resident_blocks(CutlassSpec(64, 64, 64, 1, 2, "ws", "tile")) == 1  # every stage that fits
+    # fp16 accumulators take half the registers
+    assert cs.resident_blocks(replace(lean64x128, acc="fp16")) == 3
+    # the 'tma' lean kernel is one warpgroup of 128 threads
+    assert cs.resident_blocks(CutlassSpec(128, 64, 64, 2, 1, "tma", "tile", epilogue="nosmem", stages=2)) == 4
+    for sched, n in (("persistent", 1), ("streamk", 1), ("splitk", 2)):
+        assert cs.resident_blocks(CutlassSpec(64, 64, 64, 1, 1, "pingpong", sched, n, stages=2)) == 1
+
+
+def test_estimate_prices_a_resident_kernel_by_its_launch_waves():
+    """A lean kernel relaunches its blocks each wave the SMs cannot hold at once: two blocks an
+    SM make two waves of tiles one launch (H200 run 656: the lean kernels with 2-4 stages won 25
+    of 108 shapes with K <= 512 from persistent kernels). Within one wave nothing changes."""
+    full = CutlassSpec(64, 128, 64, 2, 1, "ws", "tile")
+    two = replace(full, stages=2)
+    assert cs.resident_blocks(full) == 1 and cs.resident_blocks(two) == 2
+    p = Problem(128, 16384, 128)  # 2 x 128 = 256 tiles: two waves of 132 SMs, one launch of two blocks each
+    assert estimate_us(two, p) < estimate_us(full, p) - 0.4
+    one_wave = Problem(128, 8192, 128)  # 128 tiles
+    assert estimate_us(two, one_wave) == pytest.approx(estimate_us(full, one_wave))
+
+
 def test_key_is_a_stable_content_hash():
     assert BASE.key() == CutlassSpec().key()
     # fields added later are left out at their default, so older specs keep key, source and builds
@@ -696,6 +728,11 @@ def test_a_resident_kernel_leaves_registers_and_shared_memory_for_two_blocks(bui
     k = next(k for k in r.resources if "GemmUniversal" in k.name)
     assert 2 * THREADS[RESIDENT.schedule] * k.registers <= 65536, k.registers
     assert 2 * (cs.smem_bytes(RESIDENT) + k.smem_bytes + cs.SM_SMEM_RESERVED) <= cs.SM_SMEM_BYTES
+    # resident_blocks' register count, for this kernel and the full-stage lean one
+    assert k.registers == cs.accumulator_registers(RESIDENT) + cs.LEAN_EXTRA_REGISTERS
+    assert cs.resident_blocks(RESIDENT) == 2
+    lean = next(k for k in builds[LEAN_WS.name].resources if "GemmUniversal" in k.name)
+    assert lean.registers == cs.accumulator_registers(LEAN_WS) + cs.LEAN_EXTRA_REGISTERS
 
 
 @pytest.mark.parametrize("spec", COMPILED, ids=lambda s: s.name)

@@ -48,10 +48,11 @@ def true_us(family: str, spec, problem: Problem) -> float:
     if family == "cutlass_sm90" and spec.schedule in ("ws", "tma"):
         # the lean one-tile-per-CTA kernels, as measured on the H100 (run 158): the ping-pong
         # twin's time less half a microsecond of fixed cost while the tiles fit one wave; 1.2x
-        # its time on two waves, 1.45x on more
+        # its time on two waves, 1.45x on more. A wave is what the SMs hold at once: with few
+        # stages two or more blocks share an SM (the H200's resident kernels, run 656)
         twin = replace(spec, schedule="pingpong", scheduler="persistent")
         tiles = -(-problem.M // spec.tile_m) * -(-problem.N // spec.tile_n)
-        waves = -(-tiles // 132)
+        waves = -(-tiles // (132 * registry.get(family).mod().resident_blocks(spec)))
         slower = 1.0 if waves == 1 else 1.2 if waves == 2 else 1.45
         return true_us(family, twin, problem) * slower - (0.5 if waves == 1 else 0.0)
     nd = getattr(spec, "reduction", "deterministic") == "nondeterministic"
@@ -241,6 +242,30 @@ def test_pool_and_mutations_are_legal_and_local():
 # ---------------------------------------------------------------------------------------------
 # the cost model
 
+def test_the_pool_holds_resident_twins_where_k_is_short():
+    """For K <= 512 the CUTLASS pool holds the lean kernels with few stages (two or more blocks an
+    SM, cutlass_sm90.resident_pool) beside the enumerated specs; none for a longer K."""
+    from gemmrl.space import cutlass_sm90 as cs
+
+    def resident(p):
+        return {s.name for f, s in candidate_pool(p, ("NN", "TN"))
+                if f == "cutlass_sm90" and s.scheduler == "tile" and s.stages and cs.resident_blocks(s) > 1}
+
+    short = Problem(128, 12288, 128)
+    got = resident(short)
+    # the H200's winners there and on two neighbours (run 656; all 25 resident winners of its
+    # fp32 grid are in their shapes' pools)
+    assert "sm90_ws_64x64x64_c1x1_tile_s2_rh_sw1_tn_f16_f32" in got
+    assert "sm90_ws_64x128x64_c1x1_tile_s2_rh_sw1_tn_f16_f32" in resident(Problem(128, 12288, 64))
+    assert "sm90_ws_64x128x64_c2x1_tile_s4_rh_sw1_nn_f16_f32" in resident(Problem(128, 16384, 256))
+    assert len(got) >= 150  # both layouts
+    # stages up to K's k-blocks: two for K = 128 with tile_k 64
+    assert all(cs.CutlassSpec.from_name(n).stages == 2 for n in got if "x64_c" in n)
+    assert not resident(Problem(128, 12288, 1024))
+    # a narrow N over many rows: their swapped twins too (run 656's winner there)
+    assert "sm90_ws_128x96x64_c2x1_tile_s3_rh_sw1_tn_f16_f32_xab" in resident(Problem(12288, 256, 256))
+
+
 def test_cost_model_ranking_improves_with_trials():
     train, held_out = PROBLEMS[::2], PROBLEMS[1::2]
     model = CostModel()
@@ -306,12 +331,14 @@ def test_transfer_from_a_tuned_neighbour_saves_candidates():
         cold_n.append(candidates_to_reach(cold, p, target, 48))
         warm_n.append(candidates_to_reach(warm, p, target, 48))
         assert any(t.candidate.origin == "transfer" for t in warm.trials if t.problem == p)
-    # measured: cold [1, 15, 49, 6, 6, 49, 6, 17], after the neighbour [3, 3, 49, 1, 5, 49, 4, 1]:
+    # measured: cold [5, 49, 25, 4, 49, 49, 7, 49], after the neighbour [1, 49, 5, 5, 49, 49, 5, 1]:
     # the neighbour's winners are not always this shape's; shapes where neither run reached the
-    # target within 48 candidates say nothing about transfer
+    # target within 48 candidates say nothing about transfer. (512x1024x512 reached it in 35
+    # and 7 before the pool held the resident twins: its optimum is now one of them, lean
+    # 64x144 with 4 stages, 5% faster than the lean 64x112 both runs find)
     reached = [(c, w) for c, w in zip(cold_n, warm_n) if min(c, w) < 49]
     print("cold", cold_n, "warm", warm_n)
-    assert len(reached) >= 6, (cold_n, warm_n)
+    assert len(reached) >= 5, (cold_n, warm_n)
     assert sum(w <= c for c, w in reached) >= len(reached) - 2, (cold_n, warm_n)
     assert sum(w for _, w in reached) * 1.5 <= sum(c for c, _ in reached), (cold_n, warm_n)
 
@@ -359,11 +386,14 @@ def test_a_prior_from_another_gpu_saves_candidates():
             cold_n.append(candidates_to_reach(cold, p, target, 32))
             warm_n.append(candidates_to_reach(warm, p, target, 32))
     # (33: not reached within 32) the other GPU's winner is often this one's; where it is not,
-    # the three slots it takes in the first batch can cost a few candidates
+    # the three slots it takes in the first batch can cost a few candidates. Measured with the
+    # resident twins in the pool (K <= 512): warm reached at once on 13 of 24, no later than cold
+    # on 17, 287 candidates against cold's 383; before them cold took 468 (it never reached
+    # 512x512x512's target, which it now reaches in 6) and warm the same 287
     print("cold", cold_n, "warm", warm_n)
     assert sum(w == 1 for w in warm_n) >= 9, (cold_n, warm_n)
-    assert sum(w <= c for c, w in zip(cold_n, warm_n)) >= 18, (cold_n, warm_n)
-    assert sum(warm_n) * 1.5 <= sum(cold_n), (cold_n, warm_n)
+    assert sum(w <= c for c, w in zip(cold_n, warm_n)) >= 16, (cold_n, warm_n)
+    assert sum(warm_n) * 1.25 <= sum(cold_n), (cold_n, warm_n)
 
 
 class Checked:

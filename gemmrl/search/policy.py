@@ -119,6 +119,8 @@ def _family_pool(name: str, problem: Problem, layout: str) -> list:
         return _raw_pool(problem, layout)
     if hasattr(registry.get(name).mod(), "enumerate_specs"):
         specs = list(_enumerated(name, layout, problem.dtype, problem.acc))
+        if name == "cutlass_sm90":  # a short K: the resident twins (two or more blocks an SM)
+            specs += cutlass_sm90.resident_pool(specs, problem)
         if name == "cutlass_sm90" and cutlass_sm90.skinny_n(problem):  # and their swapped twins
             specs += cutlass_sm90.swapped_twins(specs)
         return specs
@@ -130,8 +132,8 @@ def candidate_pool(problem: Problem, layouts: tuple = ("NN", "TN"),
                    families: tuple = DEFAULT_FAMILIES) -> tuple:
     """The fixed pool: (family, spec) for every valid spec of every family and layout, in a
     fixed order (family, layout, the family's enumeration order). CUTLASS: enumerate_specs
-    (787 specs per layout; with their swapped twins for a narrow N over many rows,
-    cutlass_sm90.skinny_n); raw: every tile of the family's warp table x block_k 32/64/128 x
+    (787 specs per layout; for K <= 512 their resident twins, cutlass_sm90.resident_pool; with
+    their swapped twins for a narrow N over many rows, cutlass_sm90.skinny_n); raw: every tile of the family's warp table x block_k 32/64/128 x
     stages 3/4 x split_k 1..16 (powers of 2) x swap_ab, those valid() accepts."""
     out, seen = [], set()
     for name in families:

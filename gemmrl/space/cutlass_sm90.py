@@ -543,6 +543,30 @@ def lean_twins(spec: CutlassSpec, problem=None, forms=None) -> list[CutlassSpec]
 SM_SMEM_BYTES = 233472  # shared memory of one sm90 SM (228 KiB), of which each resident block reserves 1 KiB
 SM_SMEM_RESERVED = 1024
 RESIDENT_MAX_STAGES = 4
+SM_REGISTERS = 65536  # 32-bit registers of one sm90 SM
+SM_MAX_THREADS = 2048
+LEAN_THREADS = {"ws": 256, "tma": 128}  # a lean block: producer and MMA warpgroups ('ws'), or one doing both
+# Registers a lean ('ws', 'tma') kernel's thread takes beyond its accumulators: ptxas gave
+# accumulator_registers + 26 for all 20 lean (tile, precision) builds in the local cache, 34 to
+# 218 registers (64x32 fp16 to 128x192 fp32; 'tma' 128x64: 27); the persistent kernels take 168
+# (setmaxnreg), one block an SM
+LEAN_EXTRA_REGISTERS = 26
+
+
+def resident_blocks(spec: CutlassSpec) -> int:
+    """Blocks of `spec` one SM holds at once: the persistent, stream-K and split-K kernels (168
+    registers a thread, a grid of one block an SM) 1; a lean one-tile-per-CTA kernel as many as
+    its shared memory (smem_bytes and the 1 KiB each block reserves) and its registers
+    (accumulator_registers + LEAN_EXTRA_REGISTERS a thread, allocated in 8s) leave room for, 1 at
+    least. Two blocks of the lean 64x128 fp32 kernel with 2-4 stages (90 registers) share an SM;
+    the 128x128 one (154) runs alone whatever its stages (ptxas, tests/test_cutlass_sm90.py)."""
+    if spec.scheduler != "tile":
+        return 1
+    by_smem = SM_SMEM_BYTES // (smem_bytes(spec) + SM_SMEM_RESERVED)
+    regs = _round_up(accumulator_registers(spec) + LEAN_EXTRA_REGISTERS, 8)
+    threads = LEAN_THREADS.get(spec.schedule, 256)
+    by_regs = SM_REGISTERS // (regs * threads)
+    return max(1, min(by_smem, by_regs, SM_MAX_THREADS // threads))
 
 
 def resident_twins(spec: CutlassSpec, problem) -> list[CutlassSpec]:
@@ -577,6 +601,28 @@ def resident_twins(spec: CutlassSpec, problem) -> list[CutlassSpec]:
                     out.append(twin)
                 break
     return out
+
+
+# The K up to which the search's pool holds the resident twins (resident_pool): run 656 raced
+# them on the H200's fp32 shapes with K <= 512 only, and they won there on 25 of 108
+RESIDENT_POOL_MAX_K = 512
+
+
+def resident_pool(specs, problem) -> list[CutlassSpec]:
+    """The resident twins (resident_twins) of `specs` for `problem`, each once and none already
+    among `specs`, where K is at most RESIDENT_POOL_MAX_K (else none): the search's pool
+    (search.policy.candidate_pool) takes them beside the enumerated specs, 111 a layout on
+    128x12288x128. Before, only a race of a stored winner (build.ahead.variants 'resident')
+    offered them, so a new shape's search could not find one."""
+    if problem.K > RESIDENT_POOL_MAX_K:
+        return []
+    have = set(specs)
+    out: dict = {}
+    for s in specs:
+        for t in resident_twins(s, problem):
+            if t not in have:
+                out.setdefault(t.name, t)
+    return list(out.values())
 
 
 # Tiles narrower than _TILE_N's 64, for outputs with fewer 64x64 tiles than SMs: on the grid's
@@ -725,9 +771,14 @@ def estimate_us(spec: CutlassSpec, problem, tflops_per_sm: float = 5.5, gbs: flo
                 + subtile_us(spec, waves))
     if spec.scheduler == "tile":
         # the lean one-tile-per-CTA kernels (run 158, H100): about 0.5 us less fixed cost than a
-        # persistent kernel within one wave of tiles; each further wave launches its CTAs again
-        slower = 1 + LEAN_WAVE_COST * min(waves - 1, 2)
-        return (max(compute, memory) * slower + 3.0 - (LEAN_SAVING_US if waves == 1 else 0.0)
+        # persistent kernel within one wave of tiles; each further wave launches its CTAs again,
+        # where the SMs hold one block at a time (run 158's lean kernels took every stage that
+        # fit). With resident_blocks blocks on an SM, a launch wave is that many waves of tiles,
+        # whose loads and epilogues overlap (H200 fp32, run 656: the lean kernels with 2-4 stages
+        # won 25 of 108 shapes with K <= 512 from persistent kernels, 1.07x)
+        launches = -(-units // (usable * resident_blocks(spec)))
+        slower = 1 + LEAN_WAVE_COST * min(launches - 1, 2)
+        return (max(compute, memory) * slower + 3.0 - (LEAN_SAVING_US if launches == 1 else 0.0)
                 + subtile_us(spec, waves))
     if spec.scheduler == "streamk" and splits == 1 and tiles % usable:
         reduce = 2.0 + 8 * usable * spec.tile_m * spec.tile_n / (gbs * 1e3)  # the split last wave
