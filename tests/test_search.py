@@ -388,12 +388,12 @@ def test_a_prior_from_another_gpu_saves_candidates():
     # (33: not reached within 32) the other GPU's winner is often this one's; where it is not,
     # the three slots it takes in the first batch can cost a few candidates. Measured with the
     # resident twins in the pool (K <= 512): warm reached at once on 13 of 24, no later than cold
-    # on 17, 287 candidates against cold's 383; before them cold took 468 (it never reached
-    # 512x512x512's target, which it now reaches in 6) and warm the same 287
+    # on 17, 267 candidates against cold's 383; before them warm took 282 and cold 462 (it never
+    # reached 512x512x512's target in 32, which it now reaches in 6)
     print("cold", cold_n, "warm", warm_n)
     assert sum(w == 1 for w in warm_n) >= 9, (cold_n, warm_n)
     assert sum(w <= c for c, w in zip(cold_n, warm_n)) >= 16, (cold_n, warm_n)
-    assert sum(warm_n) * 1.25 <= sum(cold_n), (cold_n, warm_n)
+    assert sum(warm_n) * 1.3 <= sum(cold_n), (cold_n, warm_n)
 
 
 class Checked:

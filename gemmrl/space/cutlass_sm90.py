@@ -547,9 +547,9 @@ SM_REGISTERS = 65536  # 32-bit registers of one sm90 SM
 SM_MAX_THREADS = 2048
 LEAN_THREADS = {"ws": 256, "tma": 128}  # a lean block: producer and MMA warpgroups ('ws'), or one doing both
 # Registers a lean ('ws', 'tma') kernel's thread takes beyond its accumulators: ptxas gave
-# accumulator_registers + 26 for all 20 lean (tile, precision) builds in the local cache, 34 to
-# 218 registers (64x32 fp16 to 128x192 fp32; 'tma' 128x64: 27); the persistent kernels take 168
-# (setmaxnreg), one block an SM
+# accumulator_registers + 26 for all 23 lean 'ws' (tile, precision) builds in the local cache, 34
+# to 218 registers (64x32 fp16 to 128x192 fp32), + 27 for the one 'tma' build (128x64 fp32); the
+# persistent kernels take 168 (setmaxnreg), one block an SM
 LEAN_EXTRA_REGISTERS = 26
 
 
