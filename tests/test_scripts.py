@@ -1811,3 +1811,61 @@ def test_lt_profile_runs_ncu_per_shape_and_impl_and_writes_what_it_read(tmp_path
     got = doc["results"]["256x512x4096"]["tuned"]
     assert [k["name"] for k in got["kernels"]] == ["sm90_xmma_gemm_f16f16_f32f32", "splitKreduce_kernel"]
     assert "| 64x2048x8192 | tuned | `sm90_xmma_gemm_f16f16_f32f32` |" in capsys.readouterr().out
+
+
+def test_session_diff_compares_lists_before_and_after(tmp_path):
+    """scripts/session-diff.py: per list and over the grid, the ratio over cuBLASLt autotuned
+    before and after (speedup CSVs), the winners that changed (tuning tables) and which spec
+    fields they changed."""
+    import sqlite3
+
+    def speedups(path, rows):
+        path.write_text("mnk,torch.matmul,cuBLASLt-auto-tuning-max\n"
+                        + "".join(f"{m.replace('x', '_')},1.0,{r}\n" for m, r in rows.items()))
+
+    def store(path, winners):
+        con = sqlite3.connect(path)
+        con.execute("CREATE TABLE tuning (device TEXT, M INTEGER, N INTEGER, K INTEGER, dtype TEXT, acc TEXT, "
+                    "impl TEXT, choice BLOB, info TEXT, time_us REAL, created REAL)")
+        for shape, name in winners.items():
+            m, n, k = map(int, shape.split("x"))
+            con.execute("INSERT INTO tuning VALUES ('NVIDIA H200', ?, ?, ?, 'fp16', 'fp32', 'gemmrl-tuned', '', ?, 1, 0)",
+                        (m, n, k, f"{name} (best of 3/3)"))
+            con.execute("INSERT INTO tuning VALUES ('NVIDIA H200', ?, ?, ?, 'fp16', 'fp16', 'gemmrl-tuned', '', "
+                        "'other_acc', 1, 0)", (m, n, k))
+        con.commit()
+        con.close()
+
+    pp = "sm90_pp_64x128x64_c2x1_persist_s0_rh_sw1_tn_f16_f32"
+    resident = "sm90_ws_64x128x64_c2x1_tile_s2_rh_sw1_tn_f16_f32"
+    speedups(tmp_path / "before.csv", {"128x12288x128": 0.85, "512x512x512": 1.0, "64x64x64": 0.9})
+    speedups(tmp_path / "after.csv", {"128x12288x128": 1.02, "512x512x512": 0.99, "64x64x64": 0.9})
+    store(tmp_path / "before.sqlite", {"128x12288x128": pp, "512x512x512": "raw_a", "64x64x64": "raw_b"})
+    store(tmp_path / "after.sqlite", {"128x12288x128": resident, "512x512x512": "raw_a", "64x64x64": "raw_c"})
+    lst = tmp_path / "small.txt"
+    lst.write_text("# a list\n128x12288x128\n512x512x512 note\n\n4096x4096x4096\n")
+    out = tmp_path / "d.json"
+    cmd = [sys.executable, str(ROOT / "scripts" / "session-diff.py"), "--device", "h200", "--acc", "fp32",
+           "--before-csv", str(tmp_path / "before.csv"), "--before-db", str(tmp_path / "before.sqlite"),
+           "--csv", str(tmp_path / "after.csv"), "--db", str(tmp_path / "after.sqlite")]
+    r = subprocess.run(cmd + ["--list", str(lst), "--json", str(out)], capture_output=True, text=True, env=ENV)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["rows"]
+    small = rows["small"]
+    assert (small["shapes"], small["missing"], small["winners_changed"], small["up"], small["down"]) == (2, 1, 1, 1, 1)
+    assert small["changed_after_over_before"] == pytest.approx(1.02 / 0.85)
+    assert small["kept_after_over_before"] == pytest.approx(0.99)
+    assert (small["at_threshold_before"], small["at_threshold_after"]) == (1, 2)
+    assert small["largest_drops"] == [{"shape": "512x512x512", "before": 1.0, "after": 0.99}]
+    assert small["fields"] == {"schedule+scheduler+stages": 1}
+    every = rows["all"]
+    assert (every["shapes"], every["winners_changed"]) == (3, 2)
+    assert every["fields"] == {"schedule+scheduler+stages": 1, "family": 1}
+    assert "below 0.98: 2 -> 1; winners changed 2" in r.stdout
+    # a device the store does not hold, and the before side given twice or half
+    r = subprocess.run(cmd[:2] + ["--device", "H100"] + cmd[4:], capture_output=True, text=True, env=ENV)
+    assert r.returncode == 2 and "names 0 of the store's devices" in r.stderr
+    r = subprocess.run(cmd + ["--before-rev", "HEAD"], capture_output=True, text=True, env=ENV)
+    assert r.returncode == 2 and "give --before-rev, or" in r.stderr
+    r = subprocess.run(cmd[:8] + cmd[10:], capture_output=True, text=True, env=ENV)  # no --before-db
+    assert r.returncode == 2 and "go together" in r.stderr
