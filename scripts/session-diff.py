@@ -155,7 +155,11 @@ def main(argv=None) -> int:
         ap.error("give --before-rev, or --before-csv and --before-db")
     if not a.before_rev and not (a.before_csv and a.before_db):
         ap.error("--before-csv and --before-db go together")
-    gpu = a.device.lower().split()[-1]
+    # the report's folder for this GPU (results/h200 for 'H200' or 'NVIDIA H200'), where a CSV is not given
+    gpu = next((d.name for d in sorted((ROOT / "results").glob("h[0-9]*")) if d.is_dir() and d.name in a.device.lower()),
+               None)
+    if gpu is None and (a.before_rev or not a.csv):
+        ap.error(f"no results/<gpu> folder named in --device {a.device!r}: give --csv and --before-csv")
     rel = f"results/{gpu}/gemmrl-tuned_{gpu}_{PRECISIONS[a.acc]}_speedup_kernel.csv"
     for f in a.list:
         if not Path(f).is_file():

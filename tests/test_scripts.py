@@ -1869,3 +1869,6 @@ def test_session_diff_compares_lists_before_and_after(tmp_path):
     assert r.returncode == 2 and "give --before-rev, or" in r.stderr
     r = subprocess.run(cmd[:8] + cmd[10:], capture_output=True, text=True, env=ENV)  # no --before-db
     assert r.returncode == 2 and "go together" in r.stderr
+    # a GPU without a results folder: the CSVs must be named
+    r = subprocess.run(cmd[:2] + ["--device", "B200", "--before-rev", "HEAD"], capture_output=True, text=True, env=ENV)
+    assert r.returncode == 2 and "no results/<gpu> folder" in r.stderr
