@@ -553,6 +553,11 @@ LEAN_THREADS = {"ws": 256, "tma": 128}  # a lean block: producer and MMA warpgro
 LEAN_EXTRA_REGISTERS = 26
 
 
+def smem_blocks(spec: CutlassSpec) -> int:
+    """Blocks of `spec` an SM's shared memory holds (smem_bytes and the 1 KiB each block reserves)."""
+    return SM_SMEM_BYTES // (smem_bytes(spec) + SM_SMEM_RESERVED)
+
+
 def resident_blocks(spec: CutlassSpec) -> int:
     """Blocks of `spec` one SM holds at once: the persistent, stream-K and split-K kernels (168
     registers a thread, a grid of one block an SM) 1; a lean one-tile-per-CTA kernel as many as
@@ -562,7 +567,7 @@ def resident_blocks(spec: CutlassSpec) -> int:
     the 128x128 one (154) runs alone whatever its stages (ptxas, tests/test_cutlass_sm90.py)."""
     if spec.scheduler != "tile":
         return 1
-    by_smem = SM_SMEM_BYTES // (smem_bytes(spec) + SM_SMEM_RESERVED)
+    by_smem = smem_blocks(spec)
     regs = _round_up(accumulator_registers(spec) + LEAN_EXTRA_REGISTERS, 8)
     threads = LEAN_THREADS.get(spec.schedule, 256)
     by_regs = SM_REGISTERS // (regs * threads)
@@ -586,7 +591,6 @@ def resident_twins(spec: CutlassSpec, problem) -> list[CutlassSpec]:
     if spec.tile_m * spec.tile_n >= 128 * 128:
         tiles += [(spec.tile_m // 2, spec.tile_n), (spec.tile_m, spec.tile_n // 2)]
     most = max(2, min(RESIDENT_MAX_STAGES, -(-problem.K // spec.tile_k)))
-    half = SM_SMEM_BYTES // 2 - SM_SMEM_RESERVED
     out = []
     for tm, tn in tiles:
         for stages in range(most, 1, -1):  # the most stages that still leave room for two blocks
@@ -596,7 +600,7 @@ def resident_twins(spec: CutlassSpec, problem) -> list[CutlassSpec]:
                                pdl=False, stages=stages, epi_n=0)
             except (TypeError, ValueError):
                 break
-            if smem_bytes(twin) <= half:
+            if smem_blocks(twin) >= 2:
                 if twin != spec and twin not in out and valid(twin, problem) is None:
                     out.append(twin)
                 break
@@ -618,7 +622,12 @@ def resident_pool(specs, problem) -> list[CutlassSpec]:
         return []
     have = set(specs)
     out: dict = {}
+    done = set()  # the twins follow the tile, tile_k, cluster, layout, precision and swap alone
     for s in specs:
+        key = (s.tile_m, s.tile_n, s.tile_k, s.cluster_m, s.cluster_n, s.layout, s.dtype, s.acc, s.swap_ab)
+        if key in done:
+            continue
+        done.add(key)
         for t in resident_twins(s, problem):
             if t not in have:
                 out.setdefault(t.name, t)
