@@ -23,7 +23,6 @@ import argparse
 import csv
 import io
 import json
-import math
 import sqlite3
 import subprocess
 import sys
@@ -85,8 +84,11 @@ def changed_fields(old: str, new: str) -> str:
 
 
 def geomean(xs) -> float | None:
+    """The report's geometric mean of the positive values; None where there are none."""
+    from gemmrl.report.export import geomean as report_geomean
+
     xs = [x for x in xs if x > 0]
-    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+    return report_geomean(xs) if xs else None
 
 
 def summarize(shapes, before: dict, after: dict, win_before: dict, win_after: dict, threshold: float,
