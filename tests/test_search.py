@@ -243,8 +243,9 @@ def test_pool_and_mutations_are_legal_and_local():
 # the cost model
 
 def test_the_pool_holds_resident_twins_where_k_is_short():
-    """For K <= 512 the CUTLASS pool holds the lean kernels with few stages (two or more blocks an
-    SM, cutlass_sm90.resident_pool) beside the enumerated specs; none for a longer K."""
+    """For K <= 512 (1024 where M or N is at most 256) the CUTLASS pool holds the lean kernels with
+    few stages (two or more blocks an SM, cutlass_sm90.resident_pool) beside the enumerated specs;
+    none for a longer K."""
     from gemmrl.space import cutlass_sm90 as cs
 
     def resident(p):
@@ -261,7 +262,12 @@ def test_the_pool_holds_resident_twins_where_k_is_short():
     assert len(got) >= 150  # both layouts
     # stages up to K's k-blocks: two for K = 128 with tile_k 64
     assert all(cs.CutlassSpec.from_name(n).stages == 2 for n in got if "x64_c" in n)
-    assert not resident(Problem(128, 12288, 1024))
+    # on a skinny output (M or N <= 256) up to K = 1024: runs 671-679's winners there, and none
+    # for a longer K or a wider output
+    assert "sm90_ws_64x64x128_c1x1_tile_s3_rh_sw1_tn_f16_f32" in resident(Problem(64, 16384, 1024))
+    assert "sm90_ws_128x64x64_c1x2_tile_s4_rh_sw1_tn_f16_f32" in resident(Problem(16384, 128, 1024))
+    assert not resident(Problem(128, 12288, 2048))
+    assert not resident(Problem(512, 512, 1024))
     # a narrow N over many rows: their swapped twins too (run 656's winner there)
     assert "sm90_ws_128x96x64_c2x1_tile_s3_rh_sw1_tn_f16_f32_xab" in resident(Problem(12288, 256, 256))
 

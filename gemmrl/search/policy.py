@@ -132,10 +132,10 @@ def candidate_pool(problem: Problem, layouts: tuple = ("NN", "TN"),
                    families: tuple = DEFAULT_FAMILIES) -> tuple:
     """The fixed pool: (family, spec) for every valid spec of every family and layout, in a
     fixed order (family, layout, the family's enumeration order). CUTLASS: enumerate_specs
-    (787 specs per layout; for K <= 512 their resident twins, cutlass_sm90.resident_pool; with
-    their swapped twins for a narrow N over many rows, cutlass_sm90.skinny_n); raw: every tile
-    of the family's warp table x block_k 32/64/128 x stages 3/4 x split_k 1..16 (powers of 2) x
-    swap_ab, those valid() accepts."""
+    (787 specs per layout; for K <= 512, or 1024 on a skinny output, their resident twins,
+    cutlass_sm90.resident_pool; with their swapped twins for a narrow N over many rows,
+    cutlass_sm90.skinny_n); raw: every tile of the family's warp table x block_k 32/64/128 x
+    stages 3/4 x split_k 1..16 (powers of 2) x swap_ab, those valid() accepts."""
     out, seen = [], set()
     for name in families:
         fam = registry.get(name)

@@ -608,17 +608,31 @@ def resident_twins(spec: CutlassSpec, problem) -> list[CutlassSpec]:
 
 
 # The K up to which the search's pool holds the resident twins (resident_pool): run 656 raced
-# them on the H200's fp32 shapes with K <= 512 only, and they won there on 25 of 108
+# them on the H200's fp32 shapes with K <= 512 only, and they won there on 25 of 108. On a
+# skinny output (M or N <= RESIDENT_POOL_SKINNY) up to RESIDENT_POOL_SKINNY_MAX_K: runs 671, 673
+# and 679 raced them on 79 shapes below 0.98 with K > 512; they won 3 of the 8 skinny ones with
+# K = 1024 (64x16384x1024 0.952 -> 1.018, 64x12288x1024 0.927 -> 0.960, 16384x128x1024 0.942 ->
+# 0.967) and none with K >= 2048 or on a wider output
 RESIDENT_POOL_MAX_K = 512
+RESIDENT_POOL_SKINNY = 256
+RESIDENT_POOL_SKINNY_MAX_K = 1024
+
+
+def resident_pool_k(problem) -> int:
+    """The K up to which resident_pool offers twins for `problem`: RESIDENT_POOL_SKINNY_MAX_K
+    where M or N is at most RESIDENT_POOL_SKINNY, else RESIDENT_POOL_MAX_K."""
+    if min(problem.M, problem.N) <= RESIDENT_POOL_SKINNY:
+        return RESIDENT_POOL_SKINNY_MAX_K
+    return RESIDENT_POOL_MAX_K
 
 
 def resident_pool(specs, problem) -> list[CutlassSpec]:
     """The resident twins (resident_twins) of `specs` for `problem`, each once and none already
-    among `specs`, where K is at most RESIDENT_POOL_MAX_K (else none): the search's pool
+    among `specs`, where K is at most resident_pool_k(problem) (else none): the search's pool
     (search.policy.candidate_pool) takes them beside the enumerated specs, 111 a layout on
     128x12288x128. Before, only a race of a stored winner (build.ahead.variants 'resident')
     offered them, so a new shape's search could not find one."""
-    if problem.K > RESIDENT_POOL_MAX_K:
+    if problem.K > resident_pool_k(problem):
         return []
     have = set(specs)
     out: dict = {}
