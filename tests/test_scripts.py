@@ -1872,3 +1872,52 @@ def test_session_diff_compares_lists_before_and_after(tmp_path):
     # a GPU without a results folder: the CSVs must be named
     r = subprocess.run(cmd[:2] + ["--device", "B200", "--before-rev", "HEAD"], capture_output=True, text=True, env=ENV)
     assert r.returncode == 2 and "no results/<gpu> folder" in r.stderr
+
+
+def test_race_final_gap_pairs_each_race_with_its_final_timing(tmp_path):
+    """scripts/race-final-gap.py: a race line's fastest contender against the same run's final
+    gemmrl-tuned time, grouped by the slowest contender's lag; a tune log named LOG:RUN."""
+    import sqlite3
+
+    db = tmp_path / "s.sqlite"
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE runs (id INTEGER PRIMARY KEY, device TEXT)")
+    con.execute("CREATE TABLE measurements (id INTEGER PRIMARY KEY, run_id INTEGER, device TEXT, M INTEGER, "
+                "N INTEGER, K INTEGER, impl TEXT, mode TEXT, status TEXT, median_us REAL)")
+    con.executemany("INSERT INTO runs VALUES (?, 'NVIDIA H200')", [(7,), (8,)])
+    finals = [(7, 1024, 1024, 16384, 61.47), (7, 512, 512, 512, 5.0), (8, 64, 64, 64, 2.02),
+              (7, 64, 64, 64, 9.9)]  # the last: another run's shape, not this race's
+    con.executemany("INSERT INTO measurements (run_id, device, M, N, K, impl, mode, status, median_us) "
+                    "VALUES (?, 'NVIDIA H200', ?, ?, ?, 'gemmrl-tuned', 'kernel', 'ok', ?)", finals)
+    con.commit()
+    con.close()
+    bench = tmp_path / "bench.log"
+    bench.write_text(
+        "run 7: 3 shapes x 8 implementations x 1 modes on NVIDIA H200\n"
+        "1024x1024x16384 candidates (median us, beside 7 baselines, by paired ratios): a=52.90, b=54.30, "
+        "c=130.47, d=failed\n"
+        "512x512x512 candidates (median us, beside 7 baselines, by paired ratios): e=5.00, f=5.50, "
+        "g=pruned (9.00, 1.80x)\n"
+        "2048x2048x2048 candidates (median us, beside 7 baselines, by paired ratios): h=30.0\n")  # no final
+    tune = tmp_path / "tune.log"
+    tune.write_text("[1/1] 64x64x64\n64x64x64 candidates (median us, beside 7 baselines, by paired ratios): "
+                    "i=2.00, j=2.80\n")
+    mod = _script("race-final-gap.py")
+    run, rows = mod.parse_log(bench.read_text())
+    assert run == 7 and [(r["winner"], r["race_us"], r["timed"]) for r in rows] == [
+        ("a", 52.90, 3), ("e", 5.0, 2), ("h", 30.0, 1)]
+    assert rows[0]["spread"] == pytest.approx(130.47 / 52.90) and rows[1]["spread"] == pytest.approx(1.1)
+    out = tmp_path / "gap.csv"
+    cmd = [sys.executable, str(ROOT / "scripts" / "race-final-gap.py"), "--db", str(db), "--device", "h200"]
+    r = subprocess.run(cmd + [str(bench), f"{tune}:8", "--csv", str(out)], capture_output=True, text=True, env=ENV)
+    assert r.returncode == 0, r.stderr
+    assert "3 races with a final timing" in r.stdout
+    assert "| within 1.3x | 1 | 1.000 | 0 |" in r.stdout  # 512x512x512: 5.00 and 5.00
+    assert "| 1.3-2x | 1 | 1.010 | 0 |" in r.stdout  # 64x64x64 in run 8: 2.02 / 2.00
+    assert "| 2x or slower | 1 | 1.162 | 1 |" in r.stdout  # 61.47 / 52.90
+    assert len(out.read_text().splitlines()) == 4
+    # the tune log without its run is left out, with the reason
+    r = subprocess.run(cmd + [str(bench), str(tune)], capture_output=True, text=True, env=ENV)
+    assert r.returncode == 0 and "2 races" in r.stdout and "name it as" in r.stderr
+    r = subprocess.run(cmd + [str(tmp_path / "none.log")], capture_output=True, text=True, env=ENV)
+    assert r.returncode != 0 and "no such log" in r.stderr

@@ -24,6 +24,7 @@ class BestOf(Impl):
         self.log = log or (lambda m: None)
         self.search = search  # False: only the stored choice (e.g. the tuner's winner), never a new search
         self.settings = None  # the kernel-mode protocol candidates are raced with (None: the quick one)
+        self.prune = None  # pick_fastest's prune: candidates this many times slower leave after a pre-pass
 
     def specs(self, problem) -> list:
         """The top candidates of every family and layout, minus those quarantined on this
@@ -126,7 +127,7 @@ class BestOf(Impl):
         company = self.company(problem) if len(calls) > 1 else {}
         try:
             best, res = pick_fastest(problem, calls, **({"settings": self.settings} if self.settings else {}),
-                                     company=company)
+                                     company=company, prune=self.prune)
         except RuntimeError as e:
             raise UnsupportedProblem(f"{self.name}: {e}") from None
         from gemmrl.bench.timing import rank_times
@@ -136,7 +137,7 @@ class BestOf(Impl):
         paired = any(res.get(n, {}).get("details", {}).get("paired") for n in company)
         beside = f", beside {len(company)} baselines{', by paired ratios' if paired else ''}" if company else ""
         self.log(f"{problem.shape} candidates (median us{beside}): "
-                 + ", ".join(f"{n}={ranked[n]:.2f}" if n in ranked else f"{n}={res[n].get('status')}"
+                 + ", ".join(f"{n}={ranked[n]:.2f}" if n in ranked else _unranked(n, res[n])
                              for n in sorted((n for n in res if n in calls), key=lambda n: ranked.get(n, 1e18))))
         self.chosen = impls[best]
         if self.store is not None:
@@ -157,3 +158,11 @@ class BestOf(Impl):
 
     def describe(self) -> dict:
         return {"name": self.name, "chosen": self.chosen.describe() if self.chosen else None}
+
+
+def _unranked(name: str, rec: dict) -> str:
+    """A candidate the race did not rank, for its log line: how far behind a pruned one was, or its
+    status."""
+    if rec.get("status") == "pruned":
+        return f"{name}=pruned ({rec.get('median_us', float('nan')):.2f}, {rec['details']['pruned_ratio']:.2f}x)"
+    return f"{name}={rec.get('status')}"

@@ -7,7 +7,9 @@ winner (the search's new best, where the top k left it out), are built,
 verified and timed together, in the rounds of the baselines they will be judged beside and with
 the judge's protocol (ranked by paired ratios to a baseline; `beside=False`: among themselves, in
 the full kernel-mode protocol), and the fastest becomes the stored winner; the final session then
-times it beside the baselines.
+times it beside the baselines. Contenders more than RACE_PRUNE (1.5x) slower than the fastest in a
+short pre-pass leave before those rounds (bench.timing.pick_fastest's `prune`): beside them the
+fast ones read up to 16% faster than the final timing then finds.
 
 `contenders` is pure (tested on the CPU); `Race` is the implementation the final session runs,
 named like the tuner's winner so its records are the winner's."""
@@ -76,8 +78,9 @@ class Race(BestOf):
 
     def __init__(self, store, device: str, k: int = 3, margin: float = 0.10, name: str | None = None,
                  log=None, built_only: bool = False, twins: tuple = (), former: int = 0,
-                 exclude: str | None = None, beside: bool = True, burst: int = 0):
-        from gemmrl.bench.timing import KernelSettings
+                 exclude: str | None = None, beside: bool = True, burst: int = 0,
+                 prune: float | None = None):
+        from gemmrl.bench.timing import RACE_PRUNE, KernelSettings, prune_slow
         from gemmrl.search.run import TUNED
         from gemmrl.space import registry
 
@@ -122,6 +125,11 @@ class Race(BestOf):
             self.settings = KernelSettings(**kernel_precision(False, None, None))
         else:
             self.settings = KernelSettings()  # the final timing's protocol, not the search's quick one
+        # prune: contenders more than this many times slower than the fastest in a short pre-pass
+        # leave before the timed rounds (bench.timing.RACE_PRUNE, the default: a slow contender's
+        # replay lifts the next one's clock, and the race then misreads the fast ones by up to 16%)
+        self.prune = RACE_PRUNE if prune is None else prune
+        prune_slow({}, self.prune)  # a bad factor fails here, not in the first race
 
     def specs(self, problem) -> list:
         from gemmrl.search.run import stored_history
