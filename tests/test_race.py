@@ -787,26 +787,27 @@ def _clocked_timer(calls_seen):
     return time_kernel
 
 
-def test_a_race_without_the_pre_pass_picks_the_kernel_its_slow_company_flatters(monkeypatch):
+@pytest.fixture
+def clocked(monkeypatch):
+    """bench.timing with _clocked_timer for time_kernel: (the module, the calls it saw, three
+    contenders, the judge's paired protocol)."""
     from gemmrl.bench import timing
 
     seen = []
     monkeypatch.setattr(timing, "time_kernel", _clocked_timer(seen))
     monkeypatch.setattr(timing, "_l2_bytes", lambda: 50 << 20)
     calls = {"hot": object(), "cool": object(), "lean": object()}
-    settings = timing.KernelSettings(target_ci=0.005, stat="paired")
+    return timing, seen, calls, timing.KernelSettings(target_ci=0.005, stat="paired")
+
+
+def test_a_race_without_the_pre_pass_picks_the_kernel_its_slow_company_flatters(clocked):
+    timing, seen, calls, settings = clocked
     best, res = timing.pick_fastest(P, calls, settings=settings, company={"base": object()})
     assert best == "hot" and len(seen) == 1  # 9.0 beside the lean kernel; 10.0 in the final timing
 
 
-def test_the_pre_pass_takes_the_slow_contender_out_and_the_race_picks_the_faster_kernel(monkeypatch):
-    from gemmrl.bench import timing
-
-    seen = []
-    monkeypatch.setattr(timing, "time_kernel", _clocked_timer(seen))
-    monkeypatch.setattr(timing, "_l2_bytes", lambda: 50 << 20)
-    calls = {"hot": object(), "cool": object(), "lean": object()}
-    settings = timing.KernelSettings(target_ci=0.005, stat="paired")
+def test_the_pre_pass_takes_the_slow_contender_out_and_the_race_picks_the_faster_kernel(clocked):
+    timing, seen, calls, settings = clocked
     best, res = timing.pick_fastest(P, calls, settings=settings, company={"base": object()},
                                     prune=timing.RACE_PRUNE)
     assert best == "cool"
