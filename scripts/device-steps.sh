@@ -53,6 +53,10 @@ for d in .ext/carry/delta*.sqlite .ext/carry/delta*.sqlite.xz; do
   fi
 done
 since=$(python3 -c "import sqlite3, sys; print(sqlite3.connect(sys.argv[1]).execute('SELECT COALESCE(MAX(id), 0) FROM runs').fetchone()[0])" "$db")
+# the set-up (headers, caches, store, deltas) counts against TOTAL_S: say what it left the steps (a
+# fresh call of the forty-ninth session with TOTAL_S=125 left its one step 41 s, which measured nothing)
+echo "set-up took $SECONDS s; the steps have $(( total - SECONDS - 60 )) s of TOTAL_S=$total (60 s kept for the store)" \
+  | tee -a "$out/logs/steps.txt"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv > "$out/logs/gpu.txt"
 bgpid=""
 if [ -n "${BG:-}" ]; then

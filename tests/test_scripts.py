@@ -243,7 +243,12 @@ def test_device_steps_runs_each_step_in_turn_with_its_cap_and_returns_the_store(
     with tarfile.open(out / "logs.tgz") as t:
         steps = t.extractfile("logs/steps.txt").read().decode()
     assert "background: exit 0" in steps
-    steps = "\n".join(line for line in steps.splitlines() if not line.startswith("background"))
+    # the set-up's seconds and what they left the steps, before the first step
+    setup = steps.splitlines()[0]
+    assert setup.startswith("set-up took ") and "of TOTAL_S=300" in setup, setup
+    took = int(setup.split()[2])
+    assert f"the steps have {300 - took - 60} s" in setup
+    steps = "\n".join(line for line in steps.splitlines() if not line.startswith(("background", "set-up")))
     assert steps.count("exit 0") == 3 and "exit 0" not in steps.splitlines()[3]  # the bad step failed
     # a diagnostic script's step: run with python3, its arguments as given (no --db), OUT in its env
     assert "== step 3: python3 scripts/hello.py a b" in steps and (out / "hello.txt").read_text() == "a b"
