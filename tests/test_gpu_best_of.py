@@ -99,3 +99,33 @@ def test_a_stored_winner_outside_the_top_k_races_the_incumbent_on_the_gpu(tmp_pa
     assert r.passed, r.reason
     stored = store.get_tuning("gpu", p, TUNED)
     assert race.chosen.spec.name in stored["info"] and stored["info"] != "search"
+
+
+def test_the_race_pre_pass_prunes_a_contender_three_times_slower_on_the_gpu():
+    """pick_fastest(prune=RACE_PRUNE) on the GPU: a contender doing the same GEMM three times is
+    timed in the pre-pass, left out of the timed rounds with a 'pruned' record, and the fastest
+    is picked from rounds beside the company alone."""
+    import torch
+
+    from gemmrl.bench.timing import RACE_PRUNE, KernelSettings, pick_fastest
+    from gemmrl.core.problem import Problem
+
+    def once(a, b_nn, b_tn, c):
+        torch.matmul(a, b_nn, out=c)
+
+    def thrice(a, b_nn, b_tn, c):
+        for _ in range(3):
+            torch.matmul(a, b_nn, out=c)
+
+    def base(a, b_nn, b_tn, c):
+        torch.matmul(a, b_tn.t(), out=c)
+
+    p = Problem(2048, 2048, 2048)
+    settings = KernelSettings(target_ci=0.005, stat="paired", max_s=1.0)
+    best, res = pick_fastest(p, {"once": once, "thrice": thrice}, settings=settings, company={"base": base},
+                             prune=RACE_PRUNE)
+    print({k: (r["status"], r.get("median_us"), r["details"].get("pruned_ratio")) for k, r in res.items()})
+    assert best == "once"
+    assert res["thrice"]["status"] == "pruned" and 2.0 < res["thrice"]["details"]["pruned_ratio"] < 4.0
+    assert res["once"]["status"] == "ok" and "base" in res["once"]["details"]["paired"]
+    assert "thrice" not in res["once"]["details"]["paired"]  # never in the timed rounds
