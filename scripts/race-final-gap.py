@@ -93,13 +93,17 @@ def main(argv=None) -> int:
     ap.add_argument("--off", type=float, default=0.03, help="a gap counted as off beyond this (0.03: 3%%)")
     ap.add_argument("--csv", type=Path, help="write every shape's row here")
     a = ap.parse_args(argv)
-    from gemmrl.store.db import unpack_if_missing
+    from gemmrl.store.db import device_by_part, unpack_if_missing
 
     unpack_if_missing(a.db)
     db = sqlite3.connect(f"file:{a.db}?mode=ro", uri=True)
-    devices = [d for (d,) in db.execute("SELECT DISTINCT device FROM runs") if a.device.lower() in str(d).lower()]
-    if len(devices) != 1:
-        raise SystemExit(f"--device {a.device!r} matches {len(devices)} GPUs of the store: {devices}")
+    known = [d for (d,) in db.execute("SELECT DISTINCT device FROM runs")]
+    try:
+        device = device_by_part(a.device, known, "GPUs")
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if device not in known:
+        raise SystemExit(f"--device {a.device!r} names none of the store's GPUs ({', '.join(known)})")
     rows = []
     for arg in a.logs:
         path, given = Path(arg), None
@@ -113,10 +117,10 @@ def main(argv=None) -> int:
         if run is None:
             print(f"{path}: no 'run N:' line (name it as {path}:RUN); left out", file=sys.stderr)
             continue
-        rows += with_final(races, run, db, devices[0])
+        rows += with_final(races, run, db, device)
     if not rows:
         raise SystemExit("no race line with a final timing in its run")
-    print(f"{len(rows)} races with a final timing ({devices[0]})")
+    print(f"{len(rows)} races with a final timing ({device})")
     print("| slowest contender | races | median final/race | more than {:.0%} apart |".format(a.off))
     print("| --- | --- | --- | --- |")
     for b in bands(rows, a.off):

@@ -47,14 +47,16 @@ def read_ratios(text: str, column: str = COLUMN) -> dict:
 def read_winners(db: str | Path, device: str, acc: str, dtype: str = "fp16") -> dict:
     """'MxNxK' -> the stored winner's kernel name (the tuning table's info, first word), for the
     one device whose name holds `device`."""
+    from gemmrl.store.db import device_by_part
+
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     try:
         devices = sorted({d for (d,) in con.execute("SELECT DISTINCT device FROM tuning")})
-        hits = [d for d in devices if device.lower() in d.lower()]
-        if len(hits) != 1:
-            raise ValueError(f"--device {device!r} names {len(hits)} of the store's devices ({', '.join(devices)})")
+        name = device_by_part(device, devices, "of the store's devices")
+        if name not in devices:
+            raise ValueError(f"--device {device!r} names 0 of the store's devices ({', '.join(devices)})")
         q = "SELECT M, N, K, info FROM tuning WHERE device=? AND acc=? AND dtype=? AND impl='gemmrl-tuned'"
-        return {f"{m}x{n}x{k}": info.split()[0] for m, n, k, info in con.execute(q, (hits[0], acc, dtype))}
+        return {f"{m}x{n}x{k}": info.split()[0] for m, n, k, info in con.execute(q, (name, acc, dtype))}
     finally:
         con.close()
 
