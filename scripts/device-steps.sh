@@ -12,6 +12,10 @@
 # (each lane's steps in turn, all writing the one store). A step with --gpus N, N > 1 (bench --gpus 4),
 # sees every GPU, so give it a lane of its own with no other lane's steps beside it (--gpus 1: its lane's). PRE="build ...; ..." runs first, alone
 # (its logs step-pre.N-VERB.log), e.g. the kernels every lane will time compiled on all cores.
+# A step "wait" (or "@N wait": at most N s) is a barrier between lanes: its lane goes on once every
+# other lane has reached its own wait of the same number (its first, second, ...) or has no steps
+# left, e.g. STEPS="tune --shapes A ...; wait; pack ..." STEPS_1="tune --shapes B ...": the pack
+# reads the store after both tunes (the fiftieth session's call 5 exported while lane 1 still tuned).
 # Carry the CUTLASS headers (.ext/carry/cutlass-headers-*.txz from scripts/pack-cutlass-headers.sh, or
 # the nvidia_cutlass wheel) and the build caches the steps need (.ext/carry/gcache*.txz,
 # unpacked into the one cache every step reads). Each step gets --db (and --out for tune and
@@ -97,6 +101,36 @@ snapshot() {
 snaps() {  # its sleep is killed at the end of the call, which ends the loop
   while sleep "${SNAP_S:-120}"; do snapshot; done
 }
+# the lanes' barrier (a step "wait"): lane g marks its n-th wait in $sync, then waits until every
+# other running lane has marked its n-th wait or its end (lane_done), at most CAP s and never into
+# the 60 s kept for the store; PRE (tag pre) has no other lane to wait for
+sync=$(mktemp -d /tmp/gemmrl-lanes.XXXXXX)
+lanes_running=()
+declare -A waits=()
+barrier() {
+  local g=$1 cap=${2:-} tag=${3:-} n h waited=0 limit
+  [ -n "$tag" ] && { echo "wait (step of $tag): no lanes run beside it, skipped" | tee -a "$out/logs/steps.txt"; return 0; }
+  n=$(( ${waits[$g]:-0} + 1 )); waits[$g]=$n
+  touch "$sync/$g.wait-$n"
+  limit=$(( total - SECONDS - 60 ))
+  [ -n "$cap" ] && [ "$cap" -lt "$limit" ] && limit=$cap
+  echo "== lane $g: wait $n for lanes ${lanes_running[*]} (at most ${limit} s)" | tee -a "$out/logs/steps.txt"
+  while :; do
+    local pending=()
+    for h in "${lanes_running[@]}"; do
+      [ "$h" = "$g" ] && continue
+      [ -e "$sync/$h.wait-$n" ] || [ -e "$sync/$h.done" ] || pending+=("$h")
+    done
+    [ "${#pending[@]}" -eq 0 ] && break
+    if [ "$waited" -ge "$limit" ]; then
+      echo "lane $g: wait $n gave up after $waited s (lanes ${pending[*]} still running)" | tee -a "$out/logs/steps.txt"
+      return 0
+    fi
+    sleep 1; waited=$(( waited + 1 ))
+  done
+  echo "lane $g: wait $n over after $waited s (at $SECONDS s)" | tee -a "$out/logs/steps.txt"
+}
+lane_done() { touch "$sync/$1.done"; }
 # lane g: its steps in turn on GPU g (STEPS is lane 0, STEPS_1 lane 1, ...); the lanes at once
 lane() {
   local g=$1 spec=$2 tag=${3:-} i args argv cap verb extra budget log vis
@@ -109,6 +143,10 @@ lane() {
     [ "${#argv[@]}" -gt 0 ] || continue
     cap=""
     if [[ ${argv[0]} =~ ^@([0-9]+)$ ]]; then cap=${BASH_REMATCH[1]}; argv=("${argv[@]:1}"); fi
+    if [ "${#argv[@]}" -eq 1 ] && [ "${argv[0]}" = wait ]; then
+      barrier "$g" "$cap" "$tag"
+      continue
+    fi
     verb=${argv[0]}; extra=(--db "$db"); cmd=(python3 -m gemmrl.cli); label=gemmrl
     if [ -n "$tag" ]; then id=$tag.$i; elif [ "$g" = 0 ]; then id=$i; else id=$g.$i; fi
     case "$verb" in
@@ -144,12 +182,17 @@ LANE_GPUS=($(seq 0 $((ngpu - 1))))
 [ -n "${PRE:-}" ] && lane 0 "$PRE" pre
 snaps > /dev/null 2>&1 & snappid=$!
 pids=()
-lane 0 "$STEPS" & pids+=($!)
+lanes_running=(0)
 for g in $(seq 1 $((ngpu - 1))); do
   var=STEPS_$g
-  [ -n "${!var:-}" ] && { lane "$g" "${!var}" & pids+=($!); }
+  [ -n "${!var:-}" ] && lanes_running+=("$g")
+done
+for g in "${lanes_running[@]}"; do
+  if [ "$g" = 0 ]; then spec=$STEPS; else var=STEPS_$g; spec=${!var}; fi
+  { lane "$g" "$spec"; lane_done "$g"; } & pids+=($!)
 done
 wait "${pids[@]}"
+rm -rf "$sync"
 if [ -n "$bgpid" ]; then
   while kill -0 "$bgpid" 2>/dev/null && [ "$SECONDS" -lt $(( total - 30 )) ]; do sleep 2; done
   if kill -0 "$bgpid" 2>/dev/null; then

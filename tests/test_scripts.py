@@ -416,6 +416,53 @@ def test_device_steps_splits_a_steps_words_as_a_shell_would(tmp_path):
     assert json.loads((out / "argv-three.json").read_text()) == ["plain"]
 
 
+def test_device_steps_wait_holds_a_lane_until_the_others_reach_it(tmp_path):
+    """A step "wait" is a barrier: the lane goes on once every other lane has reached its own wait
+    of the same number or run out of steps (the fiftieth session's call 5: lane 0's pack exported
+    the store while lane 1's tune still ran); "@N wait" gives up after N s, saying so; PRE's wait
+    has no lane beside it and is skipped."""
+    import tarfile
+
+    from gemmrl.store.db import Store
+
+    repo = _steps_repo(tmp_path)
+    Store(repo / "results" / "gemmrl.sqlite").close()
+    # a step that takes SECONDS, then leaves NAME in OUT; and one that records which names it finds
+    (repo / "scripts" / "slow.py").write_text(
+        "import os, sys, time\ntime.sleep(float(sys.argv[2]))\n"
+        "open(os.path.join(os.environ['OUT'], sys.argv[1]), 'w').write('x')\n")
+    (repo / "scripts" / "seen.py").write_text(
+        "import os, sys\nfound = [n for n in sys.argv[2:] if os.path.exists(os.path.join(os.environ['OUT'], n))]\n"
+        "open(os.path.join(os.environ['OUT'], 'seen-' + sys.argv[1]), 'w').write(' '.join(found))\n")
+    out = tmp_path / "out"
+    env = {**ENV, "TOTAL_S": "300", "GEMMRL_CACHE": str(tmp_path / "cache"), "PATH": os.environ["PATH"],
+           "STEPS_GPUS": "3", "PRE": "wait",
+           # lane 0 waits twice: for lane 1's slow step, then for lane 2, which has one wait only
+           "STEPS": "wait; scripts/seen.py first one two; wait; scripts/seen.py second one two three",
+           "STEPS_1": "scripts/slow.py one 3; wait; scripts/slow.py three 2",
+           "STEPS_2": "scripts/slow.py two 1"}
+    r = subprocess.run(["bash", str(repo / "scripts" / "device-steps.sh"), str(out)], capture_output=True,
+                       text=True, env=env, cwd=repo, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (out / "seen-first").read_text() == "one two"  # after lane 1's 3 s step and lane 2's end
+    assert (out / "seen-second").read_text() == "one two three"  # lane 1's second wait, then its step
+    assert "wait (step of pre): no lanes run beside it, skipped" in r.stdout
+    assert "== lane 0: wait 1 for lanes 0 1 2" in r.stdout and "lane 0: wait 2 over after" in r.stdout
+    with tarfile.open(out / "logs.tgz") as t:
+        steps = t.extractfile("logs/steps.txt").read().decode()
+    assert "gave up" not in steps
+    # a capped wait gives up and its lane goes on
+    out2 = tmp_path / "out2"
+    env2 = {**env, "PRE": "", "STEPS": "@1 wait; scripts/seen.py capped one", "STEPS_1": "scripts/slow.py one 4",
+            "STEPS_2": "", "STEPS_GPUS": "2"}
+    r = subprocess.run(["bash", str(repo / "scripts" / "device-steps.sh"), str(out2)], capture_output=True,
+                       text=True, env=env2, cwd=repo, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "lane 0: wait 1 gave up after 1 s (lanes 1 still running)" in r.stdout
+    assert (out2 / "seen-capped").read_text() == ""
+    assert (out2 / "one").exists()  # the call still waited for lane 1 to end
+
+
 def test_trial_final_gap_reads_the_store(tmp_path):
     """scripts/trial-final-gap.py: each winner's latest kernel-mode time over its stored search
     time, per shape and per FLOPs bucket, from a store alone."""
