@@ -106,11 +106,9 @@ snaps() {  # its sleep is killed at the end of the call, which ends the loop
 # the 60 s kept for the store; PRE (tag pre) has no other lane to wait for
 sync=$(mktemp -d /tmp/gemmrl-lanes.XXXXXX)
 lanes_running=()
-declare -A waits=()
-barrier() {
-  local g=$1 cap=${2:-} tag=${3:-} n h waited=0 limit
+barrier() {  # barrier LANE N CAP TAG: the lane's N-th wait
+  local g=$1 n=$2 cap=${3:-} tag=${4:-} h waited=0 limit
   [ -n "$tag" ] && { echo "wait (step of $tag): no lanes run beside it, skipped" | tee -a "$out/logs/steps.txt"; return 0; }
-  n=$(( ${waits[$g]:-0} + 1 )); waits[$g]=$n
   touch "$sync/$g.wait-$n"
   limit=$(( total - SECONDS - 60 ))
   [ -n "$cap" ] && [ "$cap" -lt "$limit" ] && limit=$cap
@@ -133,7 +131,7 @@ barrier() {
 lane_done() { touch "$sync/$1.done"; }
 # lane g: its steps in turn on GPU g (STEPS is lane 0, STEPS_1 lane 1, ...); the lanes at once
 lane() {
-  local g=$1 spec=$2 tag=${3:-} i args argv cap verb extra budget log vis
+  local g=$1 spec=$2 tag=${3:-} i args argv cap verb extra budget log vis nwait=0
   IFS=';' read -ra steps <<< "$spec"
   for i in "${!steps[@]}"; do
     if ! split_words "${steps[$i]}"; then
@@ -144,7 +142,7 @@ lane() {
     cap=""
     if [[ ${argv[0]} =~ ^@([0-9]+)$ ]]; then cap=${BASH_REMATCH[1]}; argv=("${argv[@]:1}"); fi
     if [ "${#argv[@]}" -eq 1 ] && [ "${argv[0]}" = wait ]; then
-      barrier "$g" "$cap" "$tag"
+      nwait=$(( nwait + 1 )); barrier "$g" "$nwait" "$cap" "$tag"
       continue
     fi
     verb=${argv[0]}; extra=(--db "$db"); cmd=(python3 -m gemmrl.cli); label=gemmrl
