@@ -11,6 +11,18 @@ mkdir -p "$log_dir"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export GEMMRL_CACHE=${GEMMRL_CACHE:-/tmp/gemmrl-cache}  # one build cache for every test process
 export GEMMRL_TEST_OUT=$log_dir  # tests that measure something write it here (host-overhead.json)
+# the carried headers (.ext/carry/cutlass-headers-*.txz) where neither GEMMRL_CUTLASS_DIR nor the wheel
+# gives them: without headers most GPU tests skip and the run proves little, so refuse it instead
+headers="from gemmrl.build.cutlass import cutlass_include_dirs as d; print('CUTLASS headers:', d()[0])"
+if ! python3 -c "$headers" >/dev/null 2>&1; then
+  source scripts/device-common.sh
+  install_cutlass
+fi
+if ! python3 -c "$headers"; then
+  echo "gpu-tests.sh: no CUTLASS headers (carry .ext/carry/cutlass-headers-*.txz, install nvidia-cutlass," \
+    "or set GEMMRL_CUTLASS_DIR); not running the GPU tests" >&2
+  exit 2
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv | tee "$log_dir/gpu.txt"
 timing=tests/test_gpu_harness.py::test_timing_modes_agree_and_catch_wrong_outputs
 # correctness tests, one test file per process, so the kernel builds run in parallel

@@ -1973,3 +1973,53 @@ def test_race_final_gap_pairs_each_race_with_its_final_timing(tmp_path):
     assert r.returncode == 0 and "2 races" in r.stdout and "name it as" in r.stderr
     r = subprocess.run(cmd + [str(tmp_path / "none.log")], capture_output=True, text=True, env=ENV)
     assert r.returncode != 0 and "no such log" in r.stderr
+
+
+def _gpu_tests_repo(tmp_path, with_headers):
+    """A copy of scripts/gpu-tests.sh and device-common.sh (unpacking into tmp_path/unpacked), a
+    fake cutlass_library without sources (so the installed wheel does not count), and, if asked,
+    a carried headers tarball."""
+    import tarfile
+
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "scripts" / "gpu-tests.sh").write_text((ROOT / "scripts" / "gpu-tests.sh").read_text())
+    common = (ROOT / "scripts" / "device-common.sh").read_text()
+    (repo / "scripts" / "device-common.sh").write_text(common.replace("/tmp/cutlass-headers",
+                                                                      str(tmp_path / "unpacked")))
+    fake = tmp_path / "fake" / "cutlass_library"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    if with_headers:
+        src = tmp_path / "h" / "cutlass-9.8.7"
+        for d in ("include/cutlass", "tools/util/include"):
+            (src / d).mkdir(parents=True)
+        (src / "include/cutlass/cutlass.h").write_text("// cutlass\n")
+        (repo / ".ext" / "carry").mkdir(parents=True)
+        with tarfile.open(repo / ".ext/carry/cutlass-headers-9.8.7.txz", "w:xz") as t:
+            t.add(src, arcname="cutlass-9.8.7")
+    env = {k: v for k, v in ENV.items() if k != "GEMMRL_CUTLASS_DIR"}
+    env.update(PYTHONPATH=f"{tmp_path / 'fake'}:{ROOT}", PATH=os.environ["PATH"])
+    return repo, env
+
+
+def test_gpu_tests_refuses_to_run_without_cutlass_headers(tmp_path):
+    """Without headers most GPU tests would skip (and one fail) and the run would prove little:
+    scripts/gpu-tests.sh says so and runs no test."""
+    repo, env = _gpu_tests_repo(tmp_path, with_headers=False)
+    logs = tmp_path / "logs"
+    r = subprocess.run(["bash", "scripts/gpu-tests.sh", str(logs)], cwd=repo, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "no CUTLASS headers" in r.stderr
+    assert not (logs / "gpu-tests.log").exists()
+
+
+def test_gpu_tests_unpacks_the_carried_headers(tmp_path):
+    """Run in the device call's outer command (outside device-steps.sh, which sets GEMMRL_CUTLASS_DIR
+    for its steps), scripts/gpu-tests.sh finds the carried headers itself."""
+    repo, env = _gpu_tests_repo(tmp_path, with_headers=True)
+    r = subprocess.run(["bash", "scripts/gpu-tests.sh", str(tmp_path / "logs")], cwd=repo, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert f"CUTLASS headers: {tmp_path / 'unpacked' / 'cutlass-9.8.7' / 'include'}" in r.stdout, r.stdout + r.stderr
+    assert (tmp_path / "logs" / "gpu-tests.log").exists()
