@@ -24,12 +24,12 @@ if ! python3 -c "$headers"; then
   exit 2
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv | tee "$log_dir/gpu.txt"
-timing=tests/test_gpu_harness.py::test_timing_modes_agree_and_catch_wrong_outputs
 # correctness tests, one test file per process, so the kernel builds run in parallel
-python3 -m pytest -m gpu -v -s -p no:cacheprovider -n "${GEMMRL_TEST_PROCS:-6}" --dist loadfile \
-  --deselect "$timing" tests 2>&1 | tee "$log_dir/gpu-tests.log"
+python3 -m pytest -m "gpu and not timing" -v -s -p no:cacheprovider -n "${GEMMRL_TEST_PROCS:-6}" --dist loadfile \
+  tests 2>&1 | tee "$log_dir/gpu-tests.log"
 rc=${PIPESTATUS[0]}
-# timing assertions alone on the GPU
-python3 -m pytest -m gpu -v -s -p no:cacheprovider "$timing" 2>&1 | tee -a "$log_dir/gpu-tests.log"
+# the tests that assert on measured times (marked timing), with the GPU to themselves: beside five
+# other test processes the race pre-pass read a 3x contender as 7x (2026-11-29j)
+python3 -m pytest -m "gpu and timing" -v -s -p no:cacheprovider tests 2>&1 | tee -a "$log_dir/gpu-tests.log"
 rc2=${PIPESTATUS[0]}
 exit $(( rc != 0 ? rc : rc2 ))

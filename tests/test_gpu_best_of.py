@@ -101,6 +101,7 @@ def test_a_stored_winner_outside_the_top_k_races_the_incumbent_on_the_gpu(tmp_pa
     assert race.chosen.spec.name in stored["info"] and stored["info"] != "search"
 
 
+@pytest.mark.timing
 def test_the_race_pre_pass_prunes_a_contender_three_times_slower_on_the_gpu():
     """pick_fastest(prune=RACE_PRUNE) on the GPU: a contender doing the same GEMM three times is
     timed in the pre-pass, left out of the timed rounds with a 'pruned' record, and the fastest

@@ -128,6 +128,7 @@ def test_fp16_accumulate_baselines_verify():
         assert r.passed, f"{impl.name}: {r.reason}"
 
 
+@pytest.mark.timing
 def test_timing_modes_agree_and_catch_wrong_outputs():
     import torch
 
@@ -176,6 +177,7 @@ def test_timing_modes_agree_and_catch_wrong_outputs():
     assert 30 <= h["mm"]["n"] < 4000 and h["mm"]["details"]["ci_reached"] is True
 
 
+@pytest.mark.timing
 def test_graphs_are_sized_to_the_target_replay_for_every_implementation():
     """Each replay carries a fixed cost of a few microseconds, divided by its calls: a graph sized
     from one cold call held too few (replays of 44-1000 us instead of 2 ms), differently for each
@@ -241,6 +243,7 @@ def test_kernel_v3_times_to_the_paired_target_and_records_the_ratios():
     assert k["twice"]["details"]["paired"]["mm"] == pytest.approx(1 / k["mm"]["details"]["paired"]["twice"])
 
 
+@pytest.mark.timing
 def test_a_call_that_fails_inside_its_capture_leaves_the_others_timed_right():
     """An implementation that synchronizes the device inside each call (CUDA-L2's 12288x1024x2048
     kernel does) cannot be captured; torch.cuda.graph then leaves its capture stream current, and
@@ -275,6 +278,7 @@ def test_a_call_that_fails_inside_its_capture_leaves_the_others_timed_right():
     assert k["mm"]["median_us"] > floor and abs(k["mm"]["median_us"] / alone - 1) < 0.25, (k["mm"], alone)
 
 
+@pytest.mark.timing
 def test_a_graph_that_captured_only_the_copies_is_not_timed():
     """CUDA-L2's padded calls: torch copies the inputs into padded buffers and the result out on
     the caller's stream, and their GEMM launches on the legacy default stream, so a capture holds
