@@ -1212,7 +1212,9 @@ def store_cmd(db, compress, small, merge_from, since_run, release, release_shape
 
         with tempfile.TemporaryDirectory() as tmp:
             src = Path(merge_from)
-            if src.suffix == ".xz" and src.exists():  # a store as git keeps it, or as a device call returns it
+            if not src.exists():  # before the target is opened: that would create it, empty
+                raise click.ClickException(f"no store at {merge_from}")
+            if src.suffix == ".xz":  # a store as git keeps it, or as a device call returns it
                 src = decompress(src, Path(tmp) / "other.sqlite")
             try:
                 target = Store(db)

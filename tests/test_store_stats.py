@@ -349,6 +349,10 @@ def test_merge_adds_the_other_stores_new_runs_once_with_their_rows(tmp_path):
     assert "merged" in r.output and "1 runs" in r.output and "1 measurements" in r.output
     r = CliRunner().invoke(main, ["store", "--db", str(a), "--merge", str(tmp_path / "none.sqlite")])
     assert r.exit_code == 1 and "no store at" in r.output
+    # a missing source leaves no empty store behind where there was none
+    r = CliRunner().invoke(main, ["store", "--db", str(tmp_path / "new.sqlite"), "--merge", str(tmp_path / "none.sqlite")])
+    assert r.exit_code == 1 and "no store at" in r.output and str(tmp_path / "none.sqlite") in r.output
+    assert not (tmp_path / "new.sqlite").exists()
 
 
 def test_a_device_call_sends_back_only_its_own_runs(tmp_path):
