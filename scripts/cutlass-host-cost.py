@@ -11,6 +11,12 @@ per implementation, enqueue and latency (gemmrl.bench.hostcost: host time per ca
 unsynchronised calls, the median of 25 bursts; and synchronise-call-synchronise, the median of 600
 shuffled rounds: what `bench --mode offline` sees).
 The new build runs twice (under two names) to show the noise; old and new must write identical C.
+
+The driver entry-point cache (cutlass_sm90.ENTRY_CACHE_PREFIX, opt-in) against the default host
+path: render the new builds with it, the old ones are the default builds a carried cache holds
+(in the same cache: another hash under the same name):
+
+    GEMMRL_CUTLASS_ENTRY_CACHE=1 python scripts/cutlass-host-cost.py --shapes 64x64x4096,... --out F
 """
 
 from __future__ import annotations

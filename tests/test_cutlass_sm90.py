@@ -1063,3 +1063,138 @@ def test_cublaslt_big_output_tile_is_offered_in_both_orientations():
         xab = next(s for s in wide if s.swap_ab and s.schedule == "cooperative" and s.cluster_m == 2)
         assert estimate_us(xab, big) == estimate_us(replace(xab, swap_ab=False), Problem(4096, 16384, 2048))
         assert render(xab) != render(replace(xab, swap_ab=False))
+
+
+# -- the host's TMA encoder looked up once (ENTRY_CACHE_PREFIX, opt-in) ---------------------------
+
+def test_entry_cache_adds_the_prefix_only_and_only_when_asked(monkeypatch):
+    """render(entry_cache=True) is the default source with ENTRY_CACHE_PREFIX in front of the
+    CUTLASS includes and nothing else changed; off by default (every build key stays), on with
+    $GEMMRL_CUTLASS_ENTRY_CACHE=1."""
+    monkeypatch.delenv(cs.ENTRY_CACHE_ENV, raising=False)
+    for spec in (GOLDEN_SPECS[0], SR, replace(NOSMEM, pdl=True)):
+        plain, cached = render(spec), render(spec, entry_cache=True)
+        assert render(spec, entry_cache=False) == plain
+        assert cs.ENTRY_CACHE_PREFIX not in plain
+        assert cached.replace(cs.ENTRY_CACHE_PREFIX, "", 1) == plain
+        assert cached.index(cs.ENTRY_CACHE_PREFIX) < cached.index("#include <cute/tensor.hpp>")
+        monkeypatch.setenv(cs.ENTRY_CACHE_ENV, "1")
+        assert render(spec) == cached
+        monkeypatch.setenv(cs.ENTRY_CACHE_ENV, "0")
+        assert render(spec) == plain
+        monkeypatch.delenv(cs.ENTRY_CACHE_ENV)
+
+
+_LOOKUP_PROBE = r"""
+#include <cstdio>
+#include <cstring>
+${prefix}
+#include <cutlass/cuda_host_adapter.hpp>
+
+// stands in for the driver: counts the runtime's entry-point lookups and the encodes
+static int lookups = 0, encodes = 0, fail_lookups = 0;
+static CUresult fake_encode(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                            const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                            CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill) {
+  ++encodes;
+  return CUDA_SUCCESS;
+}
+extern "C" cudaError_t CUDARTAPI cudaGetDriverEntryPointByVersion(const char* symbol, void** fn, unsigned int,
+                                                                  unsigned long long,
+                                                                  cudaDriverEntryPointQueryResult* status) {
+  ++lookups;
+  bool ok = std::strcmp(symbol, "cuTensorMapEncodeTiled") == 0 && fail_lookups == 0;
+  if (fail_lookups > 0) --fail_lookups;
+  *fn = ok ? reinterpret_cast<void*>(&fake_encode) : nullptr;
+  if (status) *status = ok ? cudaDriverEntryPointSuccess : cudaDriverEntryPointSymbolNotFound;
+  return cudaSuccess;
+}
+
+static CUresult encode() {  // as cute's make_tma_copy_desc calls it
+  CUtensorMap map;
+  return CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+      &map, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, nullptr, nullptr, nullptr, nullptr, nullptr,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
+int main() {
+  fail_lookups = 1;  // the first lookup fails: that call fails, and the failure is not kept
+  CUresult first = encode();
+  for (int i = 0; i < 3; ++i)
+    if (encode() != CUDA_SUCCESS) return 1;
+  std::printf("%d %d %d\n", int(first != CUDA_SUCCESS), lookups, encodes);
+  return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["cutlass", "entry-cache"])
+def test_entry_cache_looks_the_encoder_up_once(tmp_path, cached):
+    """CUTLASS's own wrapper asks for the driver's entry point on every encode (three a GEMM call);
+    with ENTRY_CACHE_PREFIX the first successful lookup is kept, a failed one is not. Host code
+    only: the runtime's lookup is replaced by a counting stand-in, so no GPU or driver is needed."""
+    from string import Template
+
+    from gemmrl.build.nvcc import NvccNotFound, nvcc_path
+
+    dirs = _cutlass_dirs()
+    if isinstance(dirs, str):
+        pytest.skip(f"CUTLASS headers not found ({dirs})")
+    try:
+        nvcc = nvcc_path()
+    except NvccNotFound as e:
+        pytest.skip(str(e))
+    src = tmp_path / "probe.cu"
+    src.write_text(Template(_LOOKUP_PROBE).substitute(prefix=cs.ENTRY_CACHE_PREFIX if cached else ""))
+    exe = tmp_path / "probe"
+    r = subprocess.run([nvcc, "-std=c++17", "-cudart", "shared", *[f"-I{d}" for d in dirs], str(src), "-o", str(exe)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    failed_first, lookups, encodes = map(int, out.stdout.split())
+    assert failed_first == 1 and encodes == 3
+    # CUTLASS: a lookup for every call (4); cached: the failed one, then one that is kept (2)
+    assert lookups == (2 if cached else 4)
+
+
+@pytest.fixture(scope="module")
+def entry_cache_build(tmp_path_factory):
+    from gemmrl.build.nvcc import NvccNotFound, build_shared, nvcc_path
+
+    dirs = _cutlass_dirs()
+    if isinstance(dirs, str):
+        pytest.skip(f"CUTLASS headers not found ({dirs})")
+    try:
+        nvcc_path()
+    except NvccNotFound as e:
+        pytest.skip(str(e))
+    cache = None if os.environ.get("GEMMRL_CACHE") else tmp_path_factory.mktemp("cutlass-entry-cache")
+    return build_shared(render(LEAN_WS, entry_cache=True), name=LEAN_WS.name, include_dirs=dirs,
+                        extra_flags=cs.BUILD_FLAGS, cache_dir=cache)
+
+
+def test_an_entry_cache_kernel_builds_clean_and_keeps_the_abi(entry_cache_build, builds):
+    """A whole kernel rendered with the prefix: the same kernel (registers, shared memory) as the
+    default build, the ABI's guards as before, and CUTLASS's encoder calls bound to the cached
+    lookup (its instantiation is in the library; in the default build it is not)."""
+    from gemmrl.runtime.abi import AbiKernel
+
+    r, plain = entry_cache_build, builds[LEAN_WS.name]
+    assert r.ok, r.log[-4000:]
+    assert r.spills == 0
+    mine = next(k for k in r.resources if "GemmUniversal" in k.name)
+    theirs = next(k for k in plain.resources if "GemmUniversal" in k.name)
+    assert (mine.name, mine.registers, mine.smem_bytes) == (theirs.name, theirs.registers, theirs.smem_bytes)
+
+    def symbols(path):
+        return subprocess.run(["nm", "-C", path], capture_output=True, text=True, check=True).stdout
+
+    assert "gemmrl_driver::encode_tiled" in symbols(r.path)
+    assert "gemmrl_driver::encode_tiled" not in symbols(plain.path)
+    k = AbiKernel(r.path)
+    buf = ctypes.create_string_buffer(4096 + 16)
+    p = (ctypes.addressof(buf) + 15) // 16 * 16
+    assert k.run(p, p, p, 0, 64, 64, 64, 64, 64, 0, 0) == 1
+    assert k.run(0, p, p, 64, 64, 64, 64, 64, 64, 0, 0) == 4

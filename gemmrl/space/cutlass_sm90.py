@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 from dataclasses import asdict, dataclass, fields, replace
 from string import Template
@@ -891,6 +892,52 @@ _CPP_RASTER = {"heuristic": "Heuristic", "along_m": "AlongM", "along_n": "AlongN
 PDL_PREFIX = ("// launched as a programmatic dependent: producers wait (griddepcontrol.wait) before their\n"
               "// first global load; the last tile's mainloop signals the next kernel\n"
               "#define CUTLASS_ENABLE_GDC_FOR_SM90 1\n")
+# CUTLASS's host code encodes each TMA descriptor (A, B and D: three a call) through a wrapper that
+# asks the CUDA runtime for the driver's cuTensorMapEncodeTiled on every call
+# (cudaGetDriverEntryPointByVersion, cutlass/cuda_host_adapter.hpp), a symbol lookup in the driver
+# that other projects cache for its CPU cost (CUTLASS issue 3003, TransformerEngine PR 999). This
+# prefix looks the entry point up once per process and has CUTLASS call it directly. Host code only:
+# the kernel and its Params are the same; a failed lookup is not cached (the next call tries again)
+# and makes the call return CUDA_ERROR_UNKNOWN, as CUTLASS's own wrapper does.
+# Opt-in while its host cost is measured (scripts/cutlass-host-cost.py): render(..., entry_cache=True)
+# or GEMMRL_CUTLASS_ENTRY_CACHE=1 in the environment of the build. It changes every build's key.
+ENTRY_CACHE_ENV = "GEMMRL_CUTLASS_ENTRY_CACHE"
+ENTRY_CACHE_PREFIX = r"""// host: the driver's cuTensorMapEncodeTiled looked up once per process, not once per descriptor
+#include <atomic>
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+namespace gemmrl_driver {
+template <typename... Args>
+CUresult encode_tiled(Args... args) {
+  using Fn = PFN_cuTensorMapEncodeTiled_v12000;
+  static std::atomic<Fn> cached{nullptr};
+  Fn fn = cached.load(std::memory_order_acquire);
+  if (!fn) {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if __CUDACC_VER_MAJOR__ > 12
+    cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found);
+#else
+    cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &found);
+#endif
+    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || !p) return CUDA_ERROR_UNKNOWN;
+    fn = reinterpret_cast<Fn>(p);
+    cached.store(fn, std::memory_order_release);
+  }
+  return fn(args...);
+}
+}  // namespace gemmrl_driver
+#define CUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL 1
+#define cuTensorMapEncodeTiled ::gemmrl_driver::encode_tiled
+"""
+
+
+def entry_cache_default() -> bool:
+    """Whether render() adds ENTRY_CACHE_PREFIX when not told: $GEMMRL_CUTLASS_ENTRY_CACHE == '1'."""
+    return os.environ.get(ENTRY_CACHE_ENV, "") == "1"
+
+
 PDL_LAUNCH = """  // programmatic dependent launch: may start while the stream's previous kernel drains
   cudaLaunchAttribute with_pdl[2];
   with_pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -1299,9 +1346,11 @@ splitk_reduce_half(const cutlass::half_t* __restrict__ partials, Out* __restrict
 namespace {
 """
 
-def render(spec: CutlassSpec, problem=None) -> str:
+def render(spec: CutlassSpec, problem=None, entry_cache: bool | None = None) -> str:
     """The complete .cu source of `spec`: pure and deterministic. The kernel is generic over the
-    problem size, so `problem` only has to be one the spec serves (it changes nothing)."""
+    problem size, so `problem` only has to be one the spec serves (it changes nothing).
+    `entry_cache`: the host code looks the driver's TMA encoder up once (ENTRY_CACHE_PREFIX);
+    None: as $GEMMRL_CUTLASS_ENTRY_CACHE says (entry_cache_default), off unless it is '1'."""
     why = valid(spec, problem)
     if why:
         raise ValueError(f"{spec.name}: {why}")
@@ -1376,6 +1425,10 @@ def render(spec: CutlassSpec, problem=None) -> str:
         if "CUTLASS_ENABLE_GDC_FOR_SM90" not in prefix:
             prefix = PDL_PREFIX + prefix
         pdl_launch = PDL_LAUNCH
+    if entry_cache is None:
+        entry_cache = entry_cache_default()
+    if entry_cache:
+        prefix = ENTRY_CACHE_PREFIX + prefix
     meta = {"layout": s.layout, "dtype": s.dtype, "acc": s.acc, "name": s.name, "family": FAMILY,
             "key": s.key()}
     return _TEMPLATE.substitute(
