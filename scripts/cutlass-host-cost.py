@@ -16,7 +16,10 @@ The driver entry-point cache (cutlass_sm90.ENTRY_CACHE_PREFIX, opt-in) against t
 path: render the new builds with it, the old ones are the default builds a carried cache holds
 (in the same cache: another hash under the same name):
 
-    GEMMRL_CUTLASS_ENTRY_CACHE=1 python scripts/cutlass-host-cost.py --shapes 64x64x4096,... --out F
+    python scripts/cutlass-host-cost.py --entry-cache --shapes 64x64x4096,... --out F
+
+(--entry-cache sets GEMMRL_CUTLASS_ENTRY_CACHE=1 for this process alone, so a device-steps.sh step
+can take it while the other lane builds the default source.)
 """
 
 from __future__ import annotations
@@ -37,9 +40,17 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=None, help="parallel nvcc for the new builds")
     ap.add_argument("--old-cache", default=None,
                     help="build cache holding the earlier builds (default: $GEMMRL_CACHE, beside the new ones)")
+    ap.add_argument("--entry-cache", action="store_true",
+                    help="render the new builds with the driver entry-point cache (cutlass_sm90.ENTRY_CACHE_PREFIX)")
     ap.add_argument("--bursts", type=int, default=25)
     ap.add_argument("--rounds", type=int, default=600)
     a = ap.parse_args()
+    if a.entry_cache:
+        import os
+
+        from gemmrl.space.cutlass_sm90 import ENTRY_CACHE_ENV
+
+        os.environ[ENTRY_CACHE_ENV] = "1"  # read by render() when the new builds' sources are made
 
     import torch
 
