@@ -681,18 +681,25 @@ def _cutlass_dirs():
         return str(e)
 
 
-@pytest.fixture(scope="module")
-def builds(tmp_path_factory):
-    """The specs compiled two at a time (about 100 s each with two in parallel on 2 cores)."""
-    from gemmrl.build.nvcc import NvccNotFound, build_shared, nvcc_path
+def _toolchain() -> tuple[tuple[str, ...], str]:
+    """The CUTLASS include directories and nvcc, or skip the test that needs them."""
+    from gemmrl.build.nvcc import NvccNotFound, nvcc_path
 
     dirs = _cutlass_dirs()
     if isinstance(dirs, str):
         pytest.skip(f"CUTLASS headers not found ({dirs})")
     try:
-        nvcc_path()
+        return dirs, nvcc_path()
     except NvccNotFound as e:
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    """The specs compiled two at a time (about 100 s each with two in parallel on 2 cores)."""
+    from gemmrl.build.nvcc import build_shared
+
+    dirs, _nvcc = _toolchain()
     # a GEMMRL_CACHE the user set is reused across runs; else a fresh cache for this module
     cache = None if os.environ.get("GEMMRL_CACHE") else tmp_path_factory.mktemp("cutlass-builds")
 
@@ -1136,15 +1143,7 @@ def test_entry_cache_looks_the_encoder_up_once(tmp_path, cached):
     only: the runtime's lookup is replaced by a counting stand-in, so no GPU or driver is needed."""
     from string import Template
 
-    from gemmrl.build.nvcc import NvccNotFound, nvcc_path
-
-    dirs = _cutlass_dirs()
-    if isinstance(dirs, str):
-        pytest.skip(f"CUTLASS headers not found ({dirs})")
-    try:
-        nvcc = nvcc_path()
-    except NvccNotFound as e:
-        pytest.skip(str(e))
+    dirs, nvcc = _toolchain()
     src = tmp_path / "probe.cu"
     src.write_text(Template(_LOOKUP_PROBE).substitute(prefix=cs.ENTRY_CACHE_PREFIX if cached else ""))
     exe = tmp_path / "probe"
@@ -1161,15 +1160,9 @@ def test_entry_cache_looks_the_encoder_up_once(tmp_path, cached):
 
 @pytest.fixture(scope="module")
 def entry_cache_build(tmp_path_factory):
-    from gemmrl.build.nvcc import NvccNotFound, build_shared, nvcc_path
+    from gemmrl.build.nvcc import build_shared
 
-    dirs = _cutlass_dirs()
-    if isinstance(dirs, str):
-        pytest.skip(f"CUTLASS headers not found ({dirs})")
-    try:
-        nvcc_path()
-    except NvccNotFound as e:
-        pytest.skip(str(e))
+    dirs, _nvcc = _toolchain()
     cache = None if os.environ.get("GEMMRL_CACHE") else tmp_path_factory.mktemp("cutlass-entry-cache")
     return build_shared(render(LEAN_WS, entry_cache=True), name=LEAN_WS.name, include_dirs=dirs,
                         extra_flags=cs.BUILD_FLAGS, cache_dir=cache)
