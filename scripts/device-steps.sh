@@ -4,8 +4,11 @@
 #   GEMMRL_COMMIT=<hash> STEPS="tune --shapes A ...; bench --shapes B ..." scripts/device-steps.sh OUT
 # A step's words split as a shell would split them, quotes grouping words (pytest -k 'a or b'), with
 # no expansion; steps split on ';' first, so a step holds none, quoted or not.
-# A step may also be "pytest ARGS" (python3 -m pytest ARGS) or "scripts/NAME.py ARGS" (python3
-# scripts/NAME.py ARGS); those get no --db or --out, and find OUT in their environment; so does
+# A step may also be "pytest ARGS" (python3 -m pytest ARGS), "scripts/NAME.py ARGS" (python3
+# scripts/NAME.py ARGS) or "scripts/NAME.sh ARGS" (bash scripts/NAME.sh ARGS: "scripts/gpu-tests.sh"
+# runs the GPU tests with the carried headers and caches, its logs under OUT/logs/gpu-tests; run
+# outside device-steps.sh it found no headers, 2026-11-29j); those get no --db or --out, and find
+# OUT in their environment; so does
 # "build ARGS" (gemmrl build, e.g. --tuned-in results/gemmrl.sqlite --variants epi: kernels the next
 # steps race, compiled on the device's cores into the cache they read).
 # STEPS run on GPU 0; on a machine with G GPUs, STEPS_1 .. STEPS_<G-1> run on the others at once
@@ -152,6 +155,7 @@ lane() {
       build) extra=();;  # kernels for later steps, into the one cache (build --tuned-in results/gemmrl.sqlite ...)
       pytest) cmd=(python3 -m); extra=(); label="python3 -m";;         # the GPU tests, say
       scripts/*.py) cmd=(python3); extra=(); label=python3; verb=$(basename "$verb" .py);;  # a diagnostic
+      scripts/*.sh) cmd=(bash); extra=(); label=bash; verb=$(basename "$verb" .sh);;  # scripts/gpu-tests.sh, say
     esac
     budget=$(( total - SECONDS - 60 ))
     if [ "$budget" -lt 20 ]; then echo "step $id ($verb): no time left, skipped" | tee -a "$out/logs/steps.txt"; continue; fi

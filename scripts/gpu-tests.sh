@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU half of the test suite, as run on the lent GPU machine:
-#   scripts/gpu-tests.sh [LOG_DIR]
+#   scripts/gpu-tests.sh [LOG_DIR]     # default: $OUT/logs/gpu-tests where OUT is set (a device-steps.sh step), else /tmp
 # Needs torch with CUDA and nvcc; pytest-xdist for the parallel part (present on the lent
 # machines). CUTLASS headers: the nvidia-cutlass wheel installed, or GEMMRL_CUTLASS_DIR. If
 # GEMMRL_CUDA_L2_DIR names CUDA-L2's kernels/h100_F32F16F16F32, one of them is measured too.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-log_dir=${1:-/tmp}
+log_dir=${1:-${OUT:+$OUT/logs/gpu-tests}}
+log_dir=${log_dir:-/tmp}
 mkdir -p "$log_dir"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export GEMMRL_CACHE=${GEMMRL_CACHE:-/tmp/gemmrl-cache}  # one build cache for every test process

@@ -416,6 +416,30 @@ def test_device_steps_splits_a_steps_words_as_a_shell_would(tmp_path):
     assert json.loads((out / "argv-three.json").read_text()) == ["plain"]
 
 
+def test_device_steps_runs_a_shell_script_step_with_out_in_its_environment(tmp_path):
+    """A step "scripts/NAME.sh ARGS" runs under bash with its words as arguments, OUT and the
+    carried CUTLASS headers' GEMMRL_CUTLASS_DIR in its environment, its output in its step log
+    (how scripts/gpu-tests.sh runs on the device with the headers and caches the call carried)."""
+    import tarfile
+
+    from gemmrl.store.db import Store
+
+    repo = _steps_repo(tmp_path)
+    Store(repo / "results" / "gemmrl.sqlite").close()
+    (repo / "scripts" / "args.sh").write_text(
+        'printf "%s|" "$@" > "$OUT/args.txt"\necho "headers at ${GEMMRL_CUTLASS_DIR:-none}"\n')
+    out = tmp_path / "out"
+    env = {**ENV, "STEPS": "scripts/args.sh one 'two three'", "TOTAL_S": "300",
+           "GEMMRL_CACHE": str(tmp_path / "cache"), "PATH": os.environ["PATH"], "GEMMRL_CUTLASS_DIR": "/x/cutlass"}
+    r = subprocess.run(["bash", str(repo / "scripts" / "device-steps.sh"), str(out)], capture_output=True,
+                       text=True, env=env, cwd=repo, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (out / "args.txt").read_text() == "one|two three|"
+    assert "== step 0: bash scripts/args.sh one two three" in r.stdout
+    with tarfile.open(out / "logs.tgz") as t:
+        assert t.extractfile("logs/step-0-args.log").read().decode() == "headers at /x/cutlass\n"
+
+
 def test_device_steps_wait_holds_a_lane_until_the_others_reach_it(tmp_path):
     """A step "wait" is a barrier: the lane goes on once every other lane has reached its own wait
     of the same number or run out of steps (the fiftieth session's call 5: lane 0's pack exported
@@ -2019,7 +2043,8 @@ def test_gpu_tests_unpacks_the_carried_headers(tmp_path):
     """Run in the device call's outer command (outside device-steps.sh, which sets GEMMRL_CUTLASS_DIR
     for its steps), scripts/gpu-tests.sh finds the carried headers itself."""
     repo, env = _gpu_tests_repo(tmp_path, with_headers=True)
-    r = subprocess.run(["bash", "scripts/gpu-tests.sh", str(tmp_path / "logs")], cwd=repo, env=env,
+    # as a device-steps.sh step: no log directory given, OUT in the environment
+    r = subprocess.run(["bash", "scripts/gpu-tests.sh"], cwd=repo, env={**env, "OUT": str(tmp_path / "out")},
                        capture_output=True, text=True, timeout=300)
     assert f"CUTLASS headers: {tmp_path / 'unpacked' / 'cutlass-9.8.7' / 'include'}" in r.stdout, r.stdout + r.stderr
-    assert (tmp_path / "logs" / "gpu-tests.log").exists()
+    assert (tmp_path / "out" / "logs" / "gpu-tests" / "gpu-tests.log").exists()
