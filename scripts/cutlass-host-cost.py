@@ -12,14 +12,16 @@ unsynchronised calls, the median of 25 bursts; and synchronise-call-synchronise,
 shuffled rounds: what `bench --mode offline` sees).
 The new build runs twice (under two names) to show the noise; old and new must write identical C.
 
-The driver entry-point cache (cutlass_sm90.ENTRY_CACHE_PREFIX, opt-in) against the default host
-path: render the new builds with it, the old ones are the default builds a carried cache holds
-(in the same cache: another hash under the same name):
+The driver entry-point cache (cutlass_sm90.ENTRY_CACHE_PREFIX, the default since 2026-11-29k)
+against CUTLASS's own host path: render the new builds with it; the old ones are plain builds a
+carried cache holds (in the same cache: another hash under the same name), compiled with
+GEMMRL_CUTLASS_ENTRY_CACHE=0 or before the default changed (.ext/carry/gcache-h200f32-hostcost.txz
+held both for results/h200/host-cost-entry-cache-2026-11-29k.json):
 
     python scripts/cutlass-host-cost.py --entry-cache --shapes 64x64x4096,... --out F
 
 (--entry-cache sets GEMMRL_CUTLASS_ENTRY_CACHE=1 for this process alone, so a device-steps.sh step
-can take it while the other lane builds the default source.)
+can take it whatever the environment of the call says.)
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ def main() -> int:
     ap.add_argument("--old-cache", default=None,
                     help="build cache holding the earlier builds (default: $GEMMRL_CACHE, beside the new ones)")
     ap.add_argument("--entry-cache", action="store_true",
-                    help="render the new builds with the driver entry-point cache (cutlass_sm90.ENTRY_CACHE_PREFIX)")
+                    help="render the new builds with the driver entry-point cache (cutlass_sm90.ENTRY_CACHE_PREFIX) "
+                         "whatever GEMMRL_CUTLASS_ENTRY_CACHE says")
     ap.add_argument("--bursts", type=int, default=25)
     ap.add_argument("--rounds", type=int, default=600)
     a = ap.parse_args()

@@ -492,7 +492,8 @@ def test_separate_reduction_renders_a_batched_gemm_and_a_deterministic_reduction
     # summing the chunks in one fixed order
     assert "splitk_reduce<cutlass::half_t, 8>" in src and "cudaLaunchKernelEx" in src
     assert "cudaLaunchAttributeProgrammaticStreamSerialization" in src
-    assert "griddepcontrol.wait" in src and src.index("#define CUTLASS_ENABLE_GDC_FOR_SM90") < src.index("#include")
+    first_cutlass = min(src.index("#include <cute"), src.index("#include <cutlass"))  # the prefix's own come first
+    assert "griddepcontrol.wait" in src and src.index("#define CUTLASS_ENABLE_GDC_FOR_SM90") < first_cutlass
     assert "for (int s = 1; s < Splits; ++s)" in src and "atomicAdd" not in src
     assert "K % (kSplits * kAlignment)" in src
     # nothing of it leaks into the other specs (their sources, keys and builds are unchanged)
@@ -615,7 +616,7 @@ def test_render_states_the_spec_in_cutlass_terms():
     # a tile_n without a base wgmma N (80) turns on cute's extended MMA shapes, only then
     assert "CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED" not in nn + tn + sk
     odd = render(replace(BASE, tile_m=192, tile_n=80, schedule="pingpong"))
-    assert odd.index("#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED 1") < odd.index("#include")
+    assert odd.index("#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED 1") < odd.index("#include <cute")
 
 
 def test_render_refuses_illegal_specs_and_unserved_problems():
@@ -1072,24 +1073,37 @@ def test_cublaslt_big_output_tile_is_offered_in_both_orientations():
         assert render(xab) != render(replace(xab, swap_ab=False))
 
 
-# -- the host's TMA encoder looked up once (ENTRY_CACHE_PREFIX, opt-in) ---------------------------
+# -- the host's TMA encoder looked up once (ENTRY_CACHE_PREFIX, on by default) ---------------------
 
-def test_entry_cache_adds_the_prefix_only_and_only_when_asked(monkeypatch):
-    """render(entry_cache=True) is the default source with ENTRY_CACHE_PREFIX in front of the
-    CUTLASS includes and nothing else changed; off by default (every build key stays), on with
-    $GEMMRL_CUTLASS_ENTRY_CACHE=1."""
+def test_entry_cache_adds_the_prefix_only_and_is_the_default(monkeypatch):
+    """render(entry_cache=True) is the plain source with ENTRY_CACHE_PREFIX in front of the CUTLASS
+    includes and nothing else changed; it is what render() gives unless told otherwise, and
+    $GEMMRL_CUTLASS_ENTRY_CACHE=0 (only '0') gives CUTLASS's own host path back."""
     monkeypatch.delenv(cs.ENTRY_CACHE_ENV, raising=False)
     for spec in (GOLDEN_SPECS[0], SR, replace(NOSMEM, pdl=True)):
-        plain, cached = render(spec), render(spec, entry_cache=True)
-        assert render(spec, entry_cache=False) == plain
+        plain, cached = render(spec, entry_cache=False), render(spec, entry_cache=True)
+        assert render(spec) == cached
         assert cs.ENTRY_CACHE_PREFIX not in plain
         assert cached.replace(cs.ENTRY_CACHE_PREFIX, "", 1) == plain
         assert cached.index(cs.ENTRY_CACHE_PREFIX) < cached.index("#include <cute/tensor.hpp>")
-        monkeypatch.setenv(cs.ENTRY_CACHE_ENV, "1")
-        assert render(spec) == cached
-        monkeypatch.setenv(cs.ENTRY_CACHE_ENV, "0")
-        assert render(spec) == plain
+        for value, expect in (("0", plain), (" 0 ", plain), ("1", cached), ("", cached), ("no", cached)):
+            monkeypatch.setenv(cs.ENTRY_CACHE_ENV, value)
+            assert render(spec) == expect, value
+            assert render(spec, entry_cache=True) == cached and render(spec, entry_cache=False) == plain
         monkeypatch.delenv(cs.ENTRY_CACHE_ENV)
+
+
+def test_runs_record_whether_the_entry_cache_was_rendered(monkeypatch):
+    """Every run's provenance names the setting (bench.env.codegen_settings): runs 701-704 timed
+    entry-cache builds under a commit whose default was off, and nothing in the store said so."""
+    from gemmrl.bench.env import codegen_settings
+
+    for value, on in (("0", False), ("1", True), (None, True)):
+        if value is None:
+            monkeypatch.delenv(cs.ENTRY_CACHE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(cs.ENTRY_CACHE_ENV, value)
+        assert codegen_settings() == {"cutlass_entry_cache": on}
 
 
 _LOOKUP_PROBE = r"""
@@ -1159,22 +1173,25 @@ def test_entry_cache_looks_the_encoder_up_once(tmp_path, cached):
 
 
 @pytest.fixture(scope="module")
-def entry_cache_build(tmp_path_factory):
+def plain_build(tmp_path_factory):
+    """LEAN_WS without the prefix (GEMMRL_CUTLASS_ENTRY_CACHE=0's source)."""
     from gemmrl.build.nvcc import build_shared
 
     dirs, _nvcc = _toolchain()
-    cache = None if os.environ.get("GEMMRL_CACHE") else tmp_path_factory.mktemp("cutlass-entry-cache")
-    return build_shared(render(LEAN_WS, entry_cache=True), name=LEAN_WS.name, include_dirs=dirs,
+    cache = None if os.environ.get("GEMMRL_CACHE") else tmp_path_factory.mktemp("cutlass-plain")
+    return build_shared(render(LEAN_WS, entry_cache=False), name=LEAN_WS.name, include_dirs=dirs,
                         extra_flags=cs.BUILD_FLAGS, cache_dir=cache)
 
 
-def test_an_entry_cache_kernel_builds_clean_and_keeps_the_abi(entry_cache_build, builds):
-    """A whole kernel rendered with the prefix: the same kernel (registers, shared memory) as the
-    default build, the ABI's guards as before, and CUTLASS's encoder calls bound to the cached
-    lookup (its instantiation is in the library; in the default build it is not)."""
+def test_an_entry_cache_kernel_builds_clean_and_keeps_the_abi(builds, plain_build):
+    """A whole kernel rendered with the prefix (the default: `builds` compiled render(spec)): the
+    same kernel (registers, shared memory) as CUTLASS's own host path, the ABI's guards as before,
+    and CUTLASS's encoder calls bound to the cached lookup (its instantiation is in the library;
+    without the prefix it is not)."""
     from gemmrl.runtime.abi import AbiKernel
 
-    r, plain = entry_cache_build, builds[LEAN_WS.name]
+    r, plain = builds[LEAN_WS.name], plain_build
+    assert plain.ok, plain.log[-4000:]
     assert r.ok, r.log[-4000:]
     assert r.spills == 0
     mine = next(k for k in r.resources if "GemmUniversal" in k.name)

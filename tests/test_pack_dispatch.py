@@ -310,6 +310,51 @@ def test_a_kernel_the_product_runs_slower_than_torch_in_kernel_time_leaves_the_p
                and "slower beyond the noise" in s for s in skipped), skipped
 
 
+def test_product_sessions_of_a_kernels_host_only_variant_still_count(store, tmp_path):
+    """The pack names a kernel by its source's hash, and the entry-point cache (on by default since
+    2026-11-29) changed every CUTLASS source in host code only: product sessions timed while the
+    pack served the plain source still count for the kernel, in the export (its median) and in
+    `disputed`; a source of another spec does not."""
+    from gemmrl.runtime.pack import disputed, kernel_shas, sha256_text
+    from gemmrl.space import registry
+
+    p = Problem(512, 512, 4096)
+    new_sha = _tuned_tn(store, p, 9.0, 10.0, 2)
+    spec = cutlass_sm90.heuristic_specs(p, "TN")[0]
+    plain = sha256_text(cutlass_sm90.render(spec, p, entry_cache=False))
+    assert new_sha == sha256_text(cutlass_sm90.render(spec, p, entry_cache=True)) != plain
+    fam = registry.get("cutlass_sm90")
+    assert kernel_shas(fam, spec, p) == {new_sha, plain}
+    other = cutlass_sm90.heuristic_specs(p, "TN")[1]
+    assert kernel_shas(fam, other, p).isdisjoint({new_sha, plain})
+    # a family without host-only variants: its one source
+    rspec = next(s for s in raw.heuristic_specs(p, "TN", "fp32") if raw.valid(s, p) is None)
+    assert kernel_shas(registry.get("raw"), rspec, p) == {sha256_text(raw.render(rspec, p))}
+
+    def product(i, ours, torch_us, served):
+        prun = store.start_run("gemmrl bench --impl pack:DIR --mode kernel", DEV, PROV, {})
+        store.record_verification(prun, DEV, p, "gemmrl.matmul-tn", True, "ok",
+                                  {"impl": {"served": {"source_sha256": served, "shape": p.shape}}})
+        store.record_session(prun, f"k{i}", DEV, p, "kernel", "kernel:v2", {
+            "gemmrl.matmul-tn": {"median_us": ours, "n": 50}, "torch.matmul-tn": {"median_us": torch_us, "n": 50},
+            "torch.matmul": {"median_us": 10.0, "n": 50}, "torch.matmul@repeat": {"median_us": 10.0, "n": 50}})
+
+    def export(name):
+        m = _manifest(export_pack(store, DEV, tmp_path / name, "fp16", "fp32"))
+        return m, {(r["M"], r["N"], r["K"]): r for r in m["entries"]}.get((512, 512, 4096))
+
+    product(0, 9.86, 10.29, plain)  # 1.044, timed under the plain source
+    m, e = export("a")
+    assert e is not None and e["source_sha256"] == new_sha and e["product_sessions"] == 1
+    product(1, 9.49, 9.10, plain)  # 0.959, the newest: disputed though the pack now ships the new source
+    m, e = export("b")
+    assert e is not None and e["product_sessions"] == 2
+    assert disputed(store, m, DEV) == [(512, 512, 4096, "TN", "kernel")]
+    product(2, 10.3, 9.10, sha256_text(cutlass_sm90.render(other, p)))  # another spec's kernel: not counted
+    m, e = export("c")
+    assert e is not None and e["product_sessions"] == 2
+
+
 def test_a_kept_kernel_whose_newest_product_session_was_slower_is_disputed_until_it_has_three(store, tmp_path):
     """gemmrl.runtime.pack.disputed: a kernel the export keeps (the median of its product
     sessions is within the noise) but whose newest session ran slower than torch.matmul beyond

@@ -109,6 +109,15 @@ def use_harness_settings() -> dict:
     return {"allow_fp16_reduced_precision_reduction": False, "allow_bf16_reduced_precision_reduction": False}
 
 
+def codegen_settings() -> dict:
+    """The settings of the process that change the kernels' generated source (and so what a run
+    timed) without changing the commit: recorded in every run's provenance. Pure (reads the
+    environment)."""
+    from gemmrl.space.cutlass_sm90 import entry_cache_default
+
+    return {"cutlass_entry_cache": entry_cache_default()}
+
+
 def provenance(cublas_version: str = "") -> dict:
     import torch
 
@@ -137,6 +146,7 @@ def provenance(cublas_version: str = "") -> dict:
                 torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
             "allow_tf32": torch.backends.cuda.matmul.allow_tf32,
         },
+        "codegen": codegen_settings(),
     }
 
 

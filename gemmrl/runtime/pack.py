@@ -160,6 +160,12 @@ def serving_digest(manifest: Mapping) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def kernel_shas(fam, spec, problem) -> frozenset:
+    """sha256 of every source of this one kernel (Family.source_variants): the one render() gives
+    now and those that differ from it in host code only."""
+    return frozenset(sha256_text(src) for src in fam.source_variants(spec, problem))
+
+
 def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -442,8 +448,8 @@ def disputed(store, manifest: dict, device: str, min_sessions: int = 3) -> list[
     from gemmrl.runtime.pack_impl import served_lt
 
     dtype, acc = manifest.get("dtype", "fp16"), manifest.get("acc", "fp32")
-    serving = {(e["M"], e["N"], e["K"], e["layout"]): e["source_sha256"] for e in manifest.get("entries", [])}
-    algos = {(a["M"], a["N"], a["K"], a["layout"]): a["algo"] for a in manifest.get("lt_algos", [])}
+    serving = {(e["M"], e["N"], e["K"], e["layout"]): _entry_shas(e, dtype, acc) for e in manifest.get("entries", [])}
+    algos = {(a["M"], a["N"], a["K"], a["layout"]): {a["algo"]} for a in manifest.get("lt_algos", [])}
     out = set()
     for table, read, floor in ((serving, _served_sha, None), (algos, served_lt, LT_HOST_SLOWER)):
         if not table:
@@ -453,7 +459,7 @@ def disputed(store, manifest: dict, device: str, min_sessions: int = 3) -> list[
                 continue
             per_mode: dict = {}
             for what, mode, ratio, noise, created in got:
-                if what == table[key]:
+                if what in table[key]:
                     per_mode.setdefault(mode, []).append((created, ratio, noise))
             for mode, rows in per_mode.items():
                 rows.sort()
@@ -461,6 +467,19 @@ def disputed(store, manifest: dict, device: str, min_sessions: int = 3) -> list[
                 if len(rows) < min_sessions and slower_beyond_noise(ratio, noise, mode, floor):
                     out.add((*key, mode))
     return sorted(out, key=lambda k: (k[0] * k[1] * k[2], k))
+
+
+def _entry_shas(e: dict, dtype: str, acc: str) -> set:
+    """A manifest entry's source hash and those of its kernel's host-only variants (kernel_shas),
+    where its family and spec still read; else its hash alone."""
+    shas = {e["source_sha256"]}
+    try:
+        fam = registry.get(e["family"])
+        spec = fam.spec_type()(**e["spec"])
+        shas |= kernel_shas(fam, spec, Problem(int(e["M"]), int(e["N"]), int(e["K"]), dtype, acc))
+    except (ValueError, KeyError, TypeError, ProblemError):
+        pass
+    return shas
 
 
 def _slower_note(what: str, verdict) -> str:
@@ -517,7 +536,9 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
         ours = recs.get(impl)
         kernel_us = baseline = baseline_us = None
         sessions: dict = {}
-        own_sha = functools.cache(lambda: sha256_text(fam.render(spec, problem)))  # rendered once, if at all
+        # the hashes this kernel's product sessions may name: its source now and its host-only
+        # variants (CUTLASS's before the entry-point cache became the default); rendered once, if at all
+        own_shas = functools.cache(lambda: kernel_shas(fam, spec, problem))
         if ours is not None:
             if ours.get("status") != "ok" or not ours.get("median_us"):
                 skipped.append(f"{problem.shape} {impl}: kernel timing {ours.get('status')}")
@@ -529,8 +550,8 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
             since = list(speedups.get((problem.M, problem.N, problem.K, impl), []))
             theirs = product.get((problem.M, problem.N, problem.K, spec.layout), [])
             if theirs:
-                sha = own_sha()
-                mine = [x for s_, x, created in theirs if s_ == sha and created >= row["created"]]
+                shas = own_shas()
+                mine = [x for s_, x, created in theirs if s_ in shas and created >= row["created"]]
                 since += mine
                 if mine:
                     sessions["product_sessions"] = len(mine)
@@ -558,8 +579,8 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
             # in a host mode (2% floor) nor in kernel time (1%), whatever the kernel did against the
             # best baseline (H200, run 352-355: the fp16-accumulator pack's 12288x256x64 TN kernel ran
             # 0.953 of torch.matmul-tn's speed through gemmrl.matmul, its median speedup still 1.0 or more)
-            sha = own_sha()
-            mine = [(mode, r, n) for s_, mode, r, n, created in in_host if s_ == sha and created >= row["created"]]
+            shas = own_shas()
+            mine = [(mode, r, n) for s_, mode, r, n, created in in_host if s_ in shas and created >= row["created"]]
             bad = host_verdict(mine)
             if bad is not None:
                 skipped.append(_slower_note(f"{problem.shape} {impl}", bad))

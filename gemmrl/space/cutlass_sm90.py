@@ -899,8 +899,12 @@ PDL_PREFIX = ("// launched as a programmatic dependent: producers wait (griddepc
 # prefix looks the entry point up once per process and has CUTLASS call it directly. Host code only:
 # the kernel and its Params are the same; a failed lookup is not cached (the next call tries again)
 # and makes the call return CUDA_ERROR_UNKNOWN, as CUTLASS's own wrapper does.
-# Opt-in while its host cost is measured (scripts/cutlass-host-cost.py): render(..., entry_cache=True)
-# or GEMMRL_CUTLASS_ENTRY_CACHE=1 in the environment of the build. It changes every build's key.
+# On by default since the fifty-second session: on an H200, 8 CUTLASS winners' latency per call
+# (synchronise-call-synchronise, scripts/cutlass-host-cost.py --entry-cache) fell by 0.40-1.35 us,
+# about 2-4% of their 18-33 us, against 0.02-0.65 us between two copies of one build
+# (results/h200/host-cost-entry-cache-2026-11-29k.json). GEMMRL_CUTLASS_ENTRY_CACHE=0 in the build's
+# environment (or render(..., entry_cache=False)) gives CUTLASS's own path back; either changes the
+# build's key, so the two never share a cached build.
 ENTRY_CACHE_ENV = "GEMMRL_CUTLASS_ENTRY_CACHE"
 ENTRY_CACHE_PREFIX = r"""// host: the driver's cuTensorMapEncodeTiled looked up once per process, not once per descriptor
 #include <atomic>
@@ -934,8 +938,9 @@ CUresult encode_tiled(Args... args) {
 
 
 def entry_cache_default() -> bool:
-    """Whether render() adds ENTRY_CACHE_PREFIX when not told: $GEMMRL_CUTLASS_ENTRY_CACHE == '1'."""
-    return os.environ.get(ENTRY_CACHE_ENV, "") == "1"
+    """Whether render() adds ENTRY_CACHE_PREFIX when not told: yes unless $GEMMRL_CUTLASS_ENTRY_CACHE
+    is '0'."""
+    return os.environ.get(ENTRY_CACHE_ENV, "").strip() != "0"
 
 
 PDL_LAUNCH = """  // programmatic dependent launch: may start while the stream's previous kernel drains
@@ -1346,11 +1351,17 @@ splitk_reduce_half(const cutlass::half_t* __restrict__ partials, Out* __restrict
 namespace {
 """
 
+def source_variants(spec: CutlassSpec, problem=None) -> list[str]:
+    """The sources of one kernel that differ in host code only: with and without ENTRY_CACHE_PREFIX
+    (registry.Family.source_variants: product sessions timed under either count for the kernel)."""
+    return [render(spec, problem, entry_cache=True), render(spec, problem, entry_cache=False)]
+
+
 def render(spec: CutlassSpec, problem=None, entry_cache: bool | None = None) -> str:
     """The complete .cu source of `spec`: pure and deterministic. The kernel is generic over the
     problem size, so `problem` only has to be one the spec serves (it changes nothing).
     `entry_cache`: the host code looks the driver's TMA encoder up once (ENTRY_CACHE_PREFIX);
-    None: as $GEMMRL_CUTLASS_ENTRY_CACHE says (entry_cache_default), off unless it is '1'."""
+    None: as $GEMMRL_CUTLASS_ENTRY_CACHE says (entry_cache_default), on unless it is '0'."""
     why = valid(spec, problem)
     if why:
         raise ValueError(f"{spec.name}: {why}")

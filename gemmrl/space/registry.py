@@ -29,6 +29,17 @@ class Family:
     def render(self, spec, problem) -> str:
         return self.mod().render(spec, problem)
 
+    def source_variants(self, spec, problem) -> list[str]:
+        """Every source the family has rendered for this very kernel: render(spec, problem) first,
+        then sources that differ from it in host code only (the module's `source_variants`, e.g.
+        CUTLASS's with and without the driver entry-point cache). Measurements of the product
+        name a kernel by its source's hash; these let one taken before a host-only change of the
+        renderer still count for the kernel it timed."""
+        m = self.mod()
+        own = m.render(spec, problem)
+        more = m.source_variants(spec, problem) if hasattr(m, "source_variants") else []
+        return [own] + [v for v in dict.fromkeys(more) if v != own]
+
     def candidates(self, problem, layout: str, limit: int = 8) -> list:
         """Specs worth trying for a problem, best guess first, all valid for it."""
         m = self.mod()
