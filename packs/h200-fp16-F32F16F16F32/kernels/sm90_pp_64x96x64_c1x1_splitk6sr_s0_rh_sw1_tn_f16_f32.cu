@@ -3,6 +3,34 @@
 //   {"acc":"fp32","cluster_m":1,"cluster_n":1,"dtype":"fp16","layout":"TN","raster":"heuristic","reduction":"separate","schedule":"pingpong","scheduler":"splitk","splits":6,"stages":0,"swizzle":1,"tile_k":64,"tile_m":64,"tile_n":96}
 // Do not edit: change the spec or the renderer. Generic over M, N, K; residues are handled by
 // TMA (out-of-bounds loads read zeros, stores are clipped). C = A @ B^T, C is not read.
+// host: the driver's cuTensorMapEncodeTiled looked up once per process, not once per descriptor
+#include <atomic>
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+namespace gemmrl_driver {
+template <typename... Args>
+CUresult encode_tiled(Args... args) {
+  using Fn = PFN_cuTensorMapEncodeTiled_v12000;
+  static std::atomic<Fn> cached{nullptr};
+  Fn fn = cached.load(std::memory_order_acquire);
+  if (!fn) {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if __CUDACC_VER_MAJOR__ > 12
+    cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found);
+#else
+    cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &found);
+#endif
+    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || !p) return CUDA_ERROR_UNKNOWN;
+    fn = reinterpret_cast<Fn>(p);
+    cached.store(fn, std::memory_order_release);
+  }
+  return fn(args...);
+}
+}  // namespace gemmrl_driver
+#define CUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL 1
+#define cuTensorMapEncodeTiled ::gemmrl_driver::encode_tiled
 // split-K with a separate reduction kernel: the GEMM signals its dependent launch early
 #define CUTLASS_ENABLE_GDC_FOR_SM90 1
 #include <algorithm>
