@@ -7,7 +7,13 @@ session of the winner in `--mode` is stale when
   (older benches), when the winner was stored after that session;
 - or it ran under an older protocol than `--protocol` names (e.g. offline:v3: the sessions of
   offline:v2 measure another yardstick: the summary's 'protocols' counts them);
-- or no session of the winner in that mode exists.
+- or no session of the winner in that mode exists;
+- with `--builds`, also where that run verified another build of today's winner than the one
+  its source makes now (the build key its verification recorded against the key computed here:
+  a host-only change of the renderer, such as the CUTLASS entry-point cache made the default on
+  2026-11-29, or other flags or headers). The keys name nvcc's and CUTLASS's versions, so this
+  machine's must be the GPU machine's (as for a carried build cache); a verification that
+  recorded no key (older runs) is not called stale by it.
 Writes the stale shapes smallest first, one a line (a bench --shapes FILE, or the build step
 that compiles their winners), and with `--lanes N` also N files of every Nth by FLOPs (for
 scripts/device-steps.sh's lanes); says what the retime will cost at the seconds a shape that
@@ -39,9 +45,28 @@ def protocol_version(protocol: str) -> tuple[str, int]:
     return mode, int(v[1:]) if v.startswith("v") and v[1:].isdigit() else 0
 
 
+def winner_build_keys(store, device: str, acc: str, dtype: str = "fp16") -> dict:
+    """(M, N, K) -> the build-cache key of the build `gemmrl build --tuned-in` (and bench --impl
+    tuned) makes of the shape's winner today; shapes whose winner has no build plan are left out."""
+    from gemmrl.build.ahead import plan_tuned
+    from gemmrl.build.nvcc import cache_entry
+
+    keys = {}
+    for choice in store.tuned_choices(SUBJECT, device):
+        problem = choice[1]
+        if problem.acc != acc or problem.dtype != dtype:
+            continue
+        jobs, _ = plan_tuned([choice])
+        if jobs:
+            job = jobs[0]
+            keys[(problem.M, problem.N, problem.K)] = cache_entry(job.source, name=job.name, **job.kwargs).name.rsplit("-", 1)[1]
+    return keys
+
+
 def stale_shapes(db: sqlite3.Connection, device: str, acc: str, mode: str, protocol: str | None = None,
-                 dtype: str = "fp16") -> list[tuple[tuple[int, int, int], str]]:
-    """[((M, N, K), why)] for the stale shapes, smallest FLOPs first."""
+                 dtype: str = "fp16", build_keys: dict | None = None) -> list[tuple[tuple[int, int, int], str]]:
+    """[((M, N, K), why)] for the stale shapes, smallest FLOPs first. `build_keys`
+    (winner_build_keys): also stale where the session's run verified another build of the winner."""
     want = protocol_version(protocol)[1] if protocol else 0
     winners = {}
     for M, N, K, info, created in db.execute(
@@ -66,9 +91,13 @@ def stale_shapes(db: sqlite3.Connection, device: str, acc: str, mode: str, proto
                          "AND run_id=? AND M=? AND N=? AND K=? AND passed=1 ORDER BY id DESC LIMIT 1",
                          (device, acc, dtype, SUBJECT, run, *shape)).fetchone()
         if row is not None:
-            timed = ((json.loads(row[0] or "{}").get("impl") or {}).get("chosen") or {}).get("name")
+            chosen = (json.loads(row[0] or "{}").get("impl") or {}).get("chosen") or {}
+            timed = chosen.get("name")
+            got, want_key = (chosen.get("build") or {}).get("key"), (build_keys or {}).get(shape)
             if timed != name:
                 out.append((shape, f"timed {timed}, winner now {name}"))
+            elif got and want_key and got != want_key:
+                out.append((shape, f"another build: timed {got}, the winner's build now {want_key}"))
         elif won > at:
             out.append((shape, "winner stored after the session"))
     out.sort(key=lambda x: (x[0][0] * x[0][1] * x[0][2], x[0]))
@@ -132,6 +161,9 @@ def main(argv=None) -> int:
     ap.add_argument("--protocol", help="the oldest protocol that counts as current, e.g. offline:v3")
     ap.add_argument("--out", help="write the shapes here (with --lanes N, also a share each in OUT's stem -l0 .. -l<N-1>)")
     ap.add_argument("--lanes", type=int, default=1, help="split into this many files, every Nth by FLOPs")
+    ap.add_argument("--builds", action="store_true",
+                    help="also stale where the session timed another build of the winner than its source makes "
+                         "now (needs this machine's nvcc and CUTLASS headers to be the GPU machine's)")
     ap.add_argument("--top-kernels", type=int, default=0,
                     help="OUT keeps the shapes of the K builds serving the most stale shapes; the rest go to OUT's stem-rest")
     a = ap.parse_args(argv)
@@ -151,10 +183,17 @@ def main(argv=None) -> int:
         device = device_by_part(a.device, devices)
     except ValueError as e:
         ap.error(str(e))
-    stale = stale_shapes(db, device, a.acc, a.mode, a.protocol, a.dtype)
+    keys = None
+    if a.builds:
+        from gemmrl.store.db import Store
+
+        store = Store(a.db, readonly=True)
+        keys = winner_build_keys(store, device, a.acc, a.dtype)
+        store.close()
+    stale = stale_shapes(db, device, a.acc, a.mode, a.protocol, a.dtype, keys)
     why: dict[str, int] = {}
     for _, w in stale:
-        key = "winner changed" if w.startswith("timed") else w
+        key = "winner changed" if w.startswith("timed") else "another build" if w.startswith("another build") else w
         why[key] = why.get(key, 0) + 1
     sps = seconds_per_shape(db, device, a.mode)
     cost = (f", about {sps * len(stale) / 60:.0f} GPU-minutes at the {sps:.1f} s a shape of recent {a.mode} runs"
@@ -164,7 +203,7 @@ def main(argv=None) -> int:
     if a.out and stale:
         shapes = [shape for shape, _ in stale]
         head = f"# {device} acc {a.acc}: shapes whose {a.mode}-mode session of {SUBJECT} is stale " \
-               f"(scripts/stale-shapes.py{' --protocol ' + a.protocol if a.protocol else ''})"
+               f"(scripts/stale-shapes.py{' --protocol ' + a.protocol if a.protocol else ''}{' --builds' * a.builds})"
         out = Path(a.out)
         if a.top_kernels:
             from gemmrl.store.db import Store

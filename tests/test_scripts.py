@@ -6,6 +6,7 @@ import csv
 import gzip
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -1101,6 +1102,71 @@ def test_stale_shapes_lists_what_a_retime_should_take(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "stale-shapes.py"), "--db", str(db),
                         "--device", "H200", "--mode", "server"], capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode == 0 and "5 stale shapes (no finished run timed server mode alone" in r.stdout
+
+
+def test_stale_shapes_builds_finds_sessions_of_another_build_of_the_winner(tmp_path, monkeypatch):
+    """scripts/stale-shapes.py --builds: a session whose run verified the winner under another
+    build key than its source makes now is stale ("another build"), e.g. a plain CUTLASS build
+    timed before the entry-point cache became the default; GEMMRL_CUTLASS_ENTRY_CACHE=0 turns the
+    verdict round. Without --builds, or where the verification recorded no key, it is not."""
+    import json
+
+    from gemmrl.build.ahead import job_for
+    from gemmrl.build.nvcc import cache_entry
+    from gemmrl.core.problem import Problem
+    from gemmrl.space import cutlass_sm90
+    from gemmrl.store.db import Store
+
+    try:
+        from gemmrl.build.cutlass import cutlass_include_dirs
+        cutlass_include_dirs()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"no CUTLASS headers: {e}")
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not found")
+
+    db = tmp_path / "s.sqlite"
+    st = Store(db)
+    dev = "NVIDIA H200"
+    shapes = {"plain": Problem(256, 1024, 512), "cached": Problem(512, 1024, 512), "unkeyed": Problem(1024, 1024, 512)}
+    spec = next(s for s in cutlass_sm90.heuristic_specs(shapes["plain"], "TN") if s.scheduler == "persistent")
+
+    def key(p, entry_cache):
+        monkeypatch.setenv(cutlass_sm90.ENTRY_CACHE_ENV, "1" if entry_cache else "0")
+        job = job_for(spec, p)
+        monkeypatch.delenv(cutlass_sm90.ENTRY_CACHE_ENV)
+        return cache_entry(job.source, name=job.name, **job.kwargs).name.rsplit("-", 1)[1]
+
+    run = st.start_run("gemmrl bench", dev, {}, {})
+    for what, p in shapes.items():
+        st.put_tuning(dev, p, "gemmrl-tuned", json.dumps({"family": "cutlass_sm90", "spec": dict(spec.__dict__)}).encode(),
+                      f"{spec.name} (best of 2/2)", 1.0)
+        st.record_session(run, f"s{p.M}", dev, p, "offline", "offline:v3", {"gemmrl-tuned": {"median_us": 5.0, "n": 5}})
+        chosen = {"name": spec.name}
+        if what != "unkeyed":
+            chosen["build"] = {"key": key(p, what == "cached")}
+        st.record_verification(run, dev, p, "gemmrl-tuned", True, "", {"impl": {"chosen": chosen}})
+    st.finish_run(run)
+    st.close()
+    assert key(shapes["plain"], False) != key(shapes["plain"], True)
+
+    def stale(*args, plain=False):
+        env = {**ENV, cutlass_sm90.ENTRY_CACHE_ENV: "0"} if plain else {
+            k: v for k, v in ENV.items() if k != cutlass_sm90.ENTRY_CACHE_ENV}
+        out = tmp_path / "r.txt"
+        out.unlink(missing_ok=True)
+        r = subprocess.run([sys.executable, str(ROOT / "scripts" / "stale-shapes.py"), "--db", str(db),
+                            "--device", "H200", "--mode", "offline", "--out", str(out), *args],
+                           capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return r.stdout, [l for l in out.read_text().splitlines() if not l.startswith("#")] if out.exists() else []
+
+    text, listed = stale()
+    assert "0 stale shapes" in text and listed == []
+    text, listed = stale("--builds")
+    assert "1 stale shapes" in text and "1 another build" in text and listed == ["256x1024x512"]
+    text, listed = stale("--builds", plain=True)
+    assert "1 another build" in text and listed == ["512x1024x512"]
 
 
 def test_stale_shapes_top_kernels_keeps_the_shapes_one_build_wave_serves(tmp_path):
