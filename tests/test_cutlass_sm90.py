@@ -1078,7 +1078,7 @@ def test_cublaslt_big_output_tile_is_offered_in_both_orientations():
 def test_entry_cache_adds_the_prefix_only_and_is_the_default(monkeypatch):
     """render(entry_cache=True) is the plain source with ENTRY_CACHE_PREFIX in front of the CUTLASS
     includes and nothing else changed; it is what render() gives unless told otherwise, and
-    $GEMMRL_CUTLASS_ENTRY_CACHE=0 (only '0') gives CUTLASS's own host path back."""
+    $GEMMRL_CUTLASS_ENTRY_CACHE=0 (or false, no, off) gives CUTLASS's own host path back."""
     monkeypatch.delenv(cs.ENTRY_CACHE_ENV, raising=False)
     for spec in (GOLDEN_SPECS[0], SR, replace(NOSMEM, pdl=True)):
         plain, cached = render(spec, entry_cache=False), render(spec, entry_cache=True)
@@ -1086,7 +1086,8 @@ def test_entry_cache_adds_the_prefix_only_and_is_the_default(monkeypatch):
         assert cs.ENTRY_CACHE_PREFIX not in plain
         assert cached.replace(cs.ENTRY_CACHE_PREFIX, "", 1) == plain
         assert cached.index(cs.ENTRY_CACHE_PREFIX) < cached.index("#include <cute/tensor.hpp>")
-        for value, expect in (("0", plain), (" 0 ", plain), ("1", cached), ("", cached), ("no", cached)):
+        for value, expect in (("0", plain), (" 0 ", plain), ("Off", plain), ("false", plain), ("no", plain),
+                              ("1", cached), ("", cached), ("yes", cached)):
             monkeypatch.setenv(cs.ENTRY_CACHE_ENV, value)
             assert render(spec) == expect, value
             assert render(spec, entry_cache=True) == cached and render(spec, entry_cache=False) == plain

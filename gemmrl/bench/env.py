@@ -111,8 +111,8 @@ def use_harness_settings() -> dict:
 
 def codegen_settings() -> dict:
     """The settings of the process that change the kernels' generated source (and so what a run
-    timed) without changing the commit: recorded in every run's provenance. Pure (reads the
-    environment)."""
+    timed) without changing the commit: recorded in every run's provenance. No GPU needed; reads
+    the environment."""
     from gemmrl.space.cutlass_sm90 import entry_cache_default
 
     return {"cutlass_entry_cache": entry_cache_default()}

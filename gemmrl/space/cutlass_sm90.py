@@ -939,8 +939,8 @@ CUresult encode_tiled(Args... args) {
 
 def entry_cache_default() -> bool:
     """Whether render() adds ENTRY_CACHE_PREFIX when not told: yes unless $GEMMRL_CUTLASS_ENTRY_CACHE
-    is '0'."""
-    return os.environ.get(ENTRY_CACHE_ENV, "").strip() != "0"
+    is '0', 'false', 'no' or 'off' (any case)."""
+    return os.environ.get(ENTRY_CACHE_ENV, "").strip().lower() not in ("0", "false", "no", "off")
 
 
 PDL_LAUNCH = """  // programmatic dependent launch: may start while the stream's previous kernel drains
@@ -1361,7 +1361,7 @@ def render(spec: CutlassSpec, problem=None, entry_cache: bool | None = None) -> 
     """The complete .cu source of `spec`: pure and deterministic. The kernel is generic over the
     problem size, so `problem` only has to be one the spec serves (it changes nothing).
     `entry_cache`: the host code looks the driver's TMA encoder up once (ENTRY_CACHE_PREFIX);
-    None: as $GEMMRL_CUTLASS_ENTRY_CACHE says (entry_cache_default), on unless it is '0'."""
+    None: as $GEMMRL_CUTLASS_ENTRY_CACHE says (entry_cache_default), on unless it is '0' (or off)."""
     why = valid(spec, problem)
     if why:
         raise ValueError(f"{spec.name}: {why}")
