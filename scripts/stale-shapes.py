@@ -45,22 +45,29 @@ def protocol_version(protocol: str) -> tuple[str, int]:
     return mode, int(v[1:]) if v.startswith("v") and v[1:].isdigit() else 0
 
 
-def winner_build_keys(store, device: str, acc: str, dtype: str = "fp16") -> dict:
-    """(M, N, K) -> the build-cache key of the build `gemmrl build --tuned-in` (and bench --impl
-    tuned) makes of the shape's winner today; shapes whose winner has no build plan are left out."""
+def winner_jobs(store, device: str, acc: str, dtype: str = "fp16", want=None) -> dict:
+    """(M, N, K) -> the BuildJob `gemmrl build --tuned-in` (and bench --impl tuned) makes of the
+    shape's winner today, or None where its winner has no build plan (an unknown family); of the
+    shapes in `want` alone where given."""
     from gemmrl.build.ahead import plan_tuned
-    from gemmrl.build.nvcc import cache_entry
 
-    keys = {}
+    jobs = {}
     for choice in store.tuned_choices(SUBJECT, device):
         problem = choice[1]
-        if problem.acc != acc or problem.dtype != dtype:
-            continue
-        jobs, _ = plan_tuned([choice])
-        if jobs:
-            job = jobs[0]
-            keys[(problem.M, problem.N, problem.K)] = cache_entry(job.source, name=job.name, **job.kwargs).name.rsplit("-", 1)[1]
-    return keys
+        shape = (problem.M, problem.N, problem.K)
+        if problem.acc == acc and problem.dtype == dtype and (want is None or shape in want):
+            planned, _ = plan_tuned([choice])
+            jobs[shape] = planned[0] if planned else None
+    return jobs
+
+
+def winner_build_keys(store, device: str, acc: str, dtype: str = "fp16") -> dict:
+    """(M, N, K) -> the build-cache key of the build of the shape's winner today (winner_jobs);
+    shapes whose winner has no build plan are left out."""
+    from gemmrl.build.nvcc import cache_entry
+
+    return {shape: cache_entry(job.source, name=job.name, **job.kwargs).name.rsplit("-", 1)[1]
+            for shape, job in winner_jobs(store, device, acc, dtype).items() if job is not None}
 
 
 def stale_shapes(db: sqlite3.Connection, device: str, acc: str, mode: str, protocol: str | None = None,
@@ -110,16 +117,8 @@ def split_by_kernels(store, device: str, acc: str, shapes: list, top: int,
     winner's build (the source `gemmrl build --tuned-in` compiles for it) is one of the `top`
     builds that serve the most of them (ties: the first served), and the rest; `builds`: how many
     distinct builds they all need."""
-    from gemmrl.build.ahead import plan_tuned
-
-    want = set(shapes)
-    build = {}
-    for choice in store.tuned_choices(SUBJECT, device):
-        problem = choice[1]
-        shape = (problem.M, problem.N, problem.K)
-        if problem.acc == acc and problem.dtype == dtype and shape in want:
-            jobs, _ = plan_tuned([choice])  # what `gemmrl build --tuned-in` compiles for it
-            build[shape] = jobs[0].source if jobs else f"unbuildable {shape}"  # an unknown family: its own
+    build = {shape: job.source if job is not None else f"unbuildable {shape}"  # an unknown family: its own
+             for shape, job in winner_jobs(store, device, acc, dtype, set(shapes)).items()}
     count: dict[str, int] = {}
     for s in shapes:
         count[build[s]] = count.get(build[s], 0) + 1

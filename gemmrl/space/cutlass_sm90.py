@@ -1352,9 +1352,11 @@ namespace {
 """
 
 def source_variants(spec: CutlassSpec, problem=None) -> list[str]:
-    """The sources of one kernel that differ in host code only: with and without ENTRY_CACHE_PREFIX
-    (registry.Family.source_variants: product sessions timed under either count for the kernel)."""
-    return [render(spec, problem, entry_cache=True), render(spec, problem, entry_cache=False)]
+    """The sources of one kernel that differ in host code only: render()'s own first, then the one
+    with ENTRY_CACHE_PREFIX the other way (registry.Family.source_variants: product sessions timed
+    under either count for the kernel)."""
+    on = entry_cache_default()
+    return [render(spec, problem, entry_cache=on), render(spec, problem, entry_cache=not on)]
 
 
 def render(spec: CutlassSpec, problem=None, entry_cache: bool | None = None) -> str:

@@ -34,11 +34,10 @@ class Family:
         then sources that differ from it in host code only (the module's `source_variants`, e.g.
         CUTLASS's with and without the driver entry-point cache). Measurements of the product
         name a kernel by its source's hash; these let one taken before a host-only change of the
-        renderer still count for the kernel it timed."""
+        renderer still count for the kernel it timed. A module's `source_variants` starts with
+        render()'s own, so nothing is rendered twice."""
         m = self.mod()
-        own = m.render(spec, problem)
-        more = m.source_variants(spec, problem) if hasattr(m, "source_variants") else []
-        return [own] + [v for v in dict.fromkeys(more) if v != own]
+        return m.source_variants(spec, problem) if hasattr(m, "source_variants") else [m.render(spec, problem)]
 
     def candidates(self, problem, layout: str, limit: int = 8) -> list:
         """Specs worth trying for a problem, best guess first, all valid for it."""
