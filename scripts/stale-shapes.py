@@ -20,7 +20,11 @@ scripts/device-steps.sh's lanes); says what the retime will cost at the seconds 
 mode's recent runs took. With `--top-kernels K`, OUT (and its lanes) keeps only the shapes whose
 winner's build is one of the K builds that serve the most stale shapes (one wave of a build on K
 cores buys the most timed shapes), and OUT's stem + '-rest' lists the others (their kernels
-compiled elsewhere, for a later call).
+compiled elsewhere, for a later call). With `--built-in CACHE`, OUT (and its lanes) keeps only the
+shapes whose winner's build is finished in CACHE (a build cache, $GEMMRL_CACHE's layout, or a
+tarball of one from scripts/pack-build-cache.sh or a device call's CACHE_BACK), and OUT's stem +
+'-unbuilt' lists the others: what a call carrying a partial cache can time without compiling
+(the fifty-third session's device calls filtered their lists so, by hand, after a build cut short).
 
     python3 scripts/stale-shapes.py --device H200 --acc fp32 --mode offline --protocol offline:v3 \\
         --out results/shapes/retime-h200-fp32.txt --lanes 4
@@ -128,6 +132,47 @@ def split_by_kernels(store, device: str, acc: str, shapes: list, top: int,
     return covered, [s for s in shapes if build[s] not in keep], len(count)
 
 
+def built_entries(path: Path) -> set[str]:
+    """The build-cache directories ("builds/<name>-<key>", as gemmrl.build.ahead.entries names
+    them) that hold a finished build (kernel.so, or kernel.o for an object-only build) in a build
+    cache (the directory $GEMMRL_CACHE names, holding builds/) or in a tarball of one (.txz, .tgz,
+    .tar: scripts/pack-build-cache.sh's); ValueError where PATH is neither."""
+    import tarfile
+
+    finished = ("kernel.so", "kernel.o")
+    if path.is_dir():
+        root = path / "builds"
+        if not root.is_dir():
+            raise ValueError(f"{path}: no builds/ in it (give the build cache's root, what GEMMRL_CACHE names)")
+        return {f"builds/{d.name}" for d in root.iterdir()
+                if d.is_dir() and not d.name.startswith(".") and any((d / f).is_file() for f in finished)}
+    if not path.is_file():
+        raise ValueError(f"{path}: no such build cache or tarball")
+    try:
+        with tarfile.open(path, "r:*") as t:
+            members = [m for m in t.getmembers() if m.isfile()]
+    except (tarfile.TarError, OSError) as e:
+        raise ValueError(f"{path}: not a build cache tarball ({e})") from None
+    out = set()
+    for m in members:
+        parts = [x for x in m.name.split("/") if x not in ("", ".")]
+        if len(parts) == 3 and parts[0] == "builds" and parts[2] in finished:
+            out.add(f"builds/{parts[1]}")
+    return out
+
+
+def split_by_built(store, device: str, acc: str, shapes: list, built: set[str],
+                   dtype: str = "fp16") -> tuple[list, list]:
+    """(built, unbuilt): `shapes` ((M, N, K) tuples, order kept) split by whether the build of
+    their winner today (winner_jobs: the one bench --impl tuned loads) is in `built`
+    (built_entries); a winner with no build plan (an unknown family) is unbuilt."""
+    from gemmrl.build.ahead import entries
+
+    jobs = winner_jobs(store, device, acc, dtype, set(shapes))
+    ready = {s for s, job in jobs.items() if job is not None and entries([job])[0] in built}
+    return [s for s in shapes if s in ready], [s for s in shapes if s not in ready]
+
+
 def write_lanes(out: Path, head: str, shapes: list[str], lanes: int) -> None:
     out.write_text(head + "\n" + "\n".join(shapes) + "\n")  # all of them: what a build step compiles
     print(out)
@@ -165,11 +210,24 @@ def main(argv=None) -> int:
                          "now (needs this machine's nvcc and CUTLASS headers to be the GPU machine's)")
     ap.add_argument("--top-kernels", type=int, default=0,
                     help="OUT keeps the shapes of the K builds serving the most stale shapes; the rest go to OUT's stem-rest")
+    ap.add_argument("--built-in", metavar="CACHE",
+                    help="OUT keeps the shapes whose winner's build is finished in this build cache (its root) or "
+                         "tarball of one; the rest go to OUT's stem-unbuilt")
     a = ap.parse_args(argv)
     if a.lanes < 1:
         ap.error("--lanes must be at least 1")
     if a.top_kernels < 0 or (a.top_kernels and not a.out):
         ap.error("--top-kernels takes a positive count, and --out")
+    if a.built_in and not a.out:
+        ap.error("--built-in takes --out")
+    if a.built_in and a.top_kernels:
+        ap.error("--built-in and --top-kernels split OUT two ways: give one")
+    built = None
+    if a.built_in:
+        try:
+            built = built_entries(Path(a.built_in))
+        except ValueError as e:
+            ap.error(str(e))
     if a.protocol and protocol_version(a.protocol)[0] != a.mode:
         ap.error(f"--protocol {a.protocol} is not a {a.mode} protocol")
     if not Path(a.db).is_file():
@@ -219,6 +277,21 @@ def main(argv=None) -> int:
                                     + "\n".join(f"{M}x{N}x{K}" for M, N, K in rest) + "\n")
                 print(rest_out)
             head += f", the top {a.top_kernels} builds'"
+        if built is not None:
+            unbuilt_out = out.with_name(f"{out.stem}-unbuilt{out.suffix}")
+            from gemmrl.store.db import Store
+
+            store = Store(a.db, readonly=True)
+            shapes, rest = split_by_built(store, device, a.acc, shapes, built, a.dtype)
+            store.close()
+            print(f"{len(shapes)} of them have their winner's build in {a.built_in} ({len(built)} builds); "
+                  f"{len(rest)} do not")
+            unbuilt_out.unlink(missing_ok=True)  # an earlier split's, stale now
+            if rest:
+                unbuilt_out.write_text(f"{head}, whose winner's build is not in {a.built_in}: {len(rest)}\n"
+                                       + "\n".join(f"{M}x{N}x{K}" for M, N, K in rest) + "\n")
+                print(unbuilt_out)
+            head += f", those whose winner's build is in {a.built_in}"
         write_lanes(out, f"{head}: {len(shapes)}", [f"{M}x{N}x{K}" for M, N, K in shapes], a.lanes)
     return 0
 

@@ -1217,6 +1217,84 @@ def test_stale_shapes_top_kernels_keeps_the_shapes_one_build_wave_serves(tmp_pat
     assert stale("--top-kernels", "2").returncode == 2  # needs --out
 
 
+def test_stale_shapes_built_in_keeps_the_shapes_a_carried_cache_serves(tmp_path):
+    """scripts/stale-shapes.py --built-in CACHE: OUT (and its lanes) keeps the stale shapes, smallest
+    first, whose winner's build is finished in CACHE (a cache root or a tarball of one); OUT's
+    stem -unbuilt lists the rest. A build directory without its kernel.so (a compile cut short)
+    does not count; nor does another build of the same spec (another shape's raw kernel)."""
+    import json
+    import tarfile
+
+    from gemmrl.build.ahead import entries, job_for
+    from gemmrl.core.problem import Problem
+    from gemmrl.space import cutlass_sm90, raw
+    from gemmrl.store.db import Store
+
+    try:
+        from gemmrl.build.cutlass import cutlass_include_dirs
+        cutlass_include_dirs()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"no CUTLASS headers: {e}")
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not found")
+
+    db = tmp_path / "s.sqlite"
+    st = Store(db)
+    dev = "NVIDIA H200"
+    tn = next(s for s in cutlass_sm90.heuristic_specs(Problem(256, 1024, 512), "TN") if s.scheduler == "persistent")
+    nn = next(s for s in cutlass_sm90.heuristic_specs(Problem(256, 1024, 512), "NN") if s.scheduler == "persistent")
+    rw = raw.heuristic_specs(Problem(64, 1024, 4096), "TN")[0]
+    wins = [(Problem(1024, 1024, 512), "cutlass_sm90", tn), (Problem(256, 1024, 512), "cutlass_sm90", tn),
+            (Problem(2048, 1024, 512), "cutlass_sm90", nn), (Problem(64, 1024, 4096), "raw", rw),
+            (Problem(128, 1024, 4096), "raw", rw)]
+    for p, fam, spec in wins:
+        st.put_tuning(dev, p, "gemmrl-tuned", json.dumps({"family": fam, "spec": dict(spec.__dict__)}).encode(),
+                      f"{spec.name} (best of 2/2)", 1.0)
+    st.close()
+    entry = {(p.M, p.N, p.K): entries([job_for(spec, p)])[0] for p, _, spec in wins}
+    cache = tmp_path / "cache"
+    for shape, done in (((256, 1024, 512), True), ((64, 1024, 4096), True), ((2048, 1024, 512), False)):
+        d = cache / entry[shape]
+        d.mkdir(parents=True)
+        (d / ("kernel.so" if done else "build.log")).write_text("x")
+    (cache / "builds" / ".tmp-half").mkdir()
+    tarball = tmp_path / "back.txz"
+    with tarfile.open(tarball, "w:xz") as t:
+        t.add(cache / "builds", arcname="builds")
+
+    def stale(*args):
+        return subprocess.run([sys.executable, str(ROOT / "scripts" / "stale-shapes.py"), "--db", str(db),
+                               "--device", "H200", "--mode", "offline", *args],
+                              capture_output=True, text=True, env=ENV, timeout=300)
+
+    def shapes(path):
+        return [l for l in path.read_text().splitlines() if not l.startswith("#")]
+
+    out = tmp_path / "r.txt"
+    for where in (cache, tarball):
+        r = stale("--out", str(out), "--built-in", str(where), "--lanes", "2")
+        assert r.returncode == 0, r.stderr
+        assert f"3 of them have their winner's build in {where} (2 builds); 2 do not" in r.stdout, r.stdout
+        # the TN spec serves 256x1024x512 and 1024x1024x512 with one build; the raw build is 64x1024x4096's alone
+        assert shapes(out) == ["256x1024x512", "64x1024x4096", "1024x1024x512"]  # by FLOPs
+        assert shapes(tmp_path / "r-l1.txt") == ["64x1024x4096"]
+        assert shapes(tmp_path / "r-unbuilt.txt") == ["128x1024x4096", "2048x1024x512"]
+    # every build there: nothing unbuilt, and the earlier split's -unbuilt file is gone
+    for shape in ((2048, 1024, 512), (128, 1024, 4096)):
+        (cache / entry[shape]).mkdir(parents=True, exist_ok=True)
+        (cache / entry[shape] / "kernel.so").write_text("x")
+    r = stale("--out", str(out), "--built-in", str(cache))
+    assert r.returncode == 0 and "5 of them have their winner's build" in r.stdout and len(shapes(out)) == 5
+    assert not (tmp_path / "r-unbuilt.txt").exists()
+    for bad in (["--built-in", str(cache)],  # needs --out
+                ["--out", str(out), "--built-in", str(cache / "builds")],  # not the cache's root
+                ["--out", str(out), "--built-in", str(tmp_path / "none.txz")],
+                ["--out", str(out), "--built-in", str(db)],  # not a tarball
+                ["--out", str(out), "--built-in", str(cache), "--top-kernels", "1"]):
+        r = stale(*bad)
+        assert r.returncode == 2, (bad, r.stdout)
+
+
 def test_lt_tiles_turns_cublaslt_choices_into_our_orientation_and_checks_the_pool(tmp_path):
     """scripts/lt-tiles.py: cuBLAS's m x n tile lies n along our M and m along our N; its twin is
     our swapped kernel of tile m x n. Groups the losing shapes' choices by that output tile."""
