@@ -1257,8 +1257,8 @@ def store_cmd(db, compress, small, merge_from, since_run, release, release_shape
               help="candidates per family, layout and shape")
 @click.option("--tuned-in", "tuned_db", default=None, metavar="DB",
               help="compile the winners `gemmrl tune` stored in this store instead (every device, dtype and "
-                   "accumulator; --shapes, if given, keeps those shapes' alone; --dtype, --acc, --layouts and "
-                   "--top are not used): what `gemmrl bench --impl tuned` and a pack load, ready before a GPU "
+                   "accumulator; --shapes, if given, keeps those shapes' alone and compiles in its order; --dtype, "
+                   "--acc, --layouts and --top are not used): what `gemmrl bench --impl tuned` and a pack load, ready before a GPU "
                    "session")
 @click.option("--device", "tuned_device", default=None, metavar="NAME",
               help="with --tuned-in: only the winners tuned on this GPU model (as torch names it, or a unique "
@@ -1384,8 +1384,13 @@ def build_cmd(shape_spec, dtype, acc, family_opts, layouts, top, tuned_db, tuned
                 raise click.ClickException(str(e)) from None
         choices = [c for c in store.tuned_choices(TUNED, tuned_device) if acc_only in (None, c[1].acc)]
         if click.get_current_context().get_parameter_source("shape_spec") is not ParameterSource.DEFAULT:
-            wanted = {(p.M, p.N, p.K) for p in _problems(shape_spec, dtype, acc)}
-            choices = [c for c in choices if (c[1].M, c[1].N, c[1].K) in wanted]
+            # in the order --shapes gives them (a list written smallest first compiles its first shapes'
+            # winners first, so a build cut short, or one still running, serves a prefix of the list)
+            wanted = {}
+            for p in _problems(shape_spec, dtype, acc):
+                wanted.setdefault((p.M, p.N, p.K), len(wanted))
+            choices = sorted((c for c in choices if (c[1].M, c[1].N, c[1].K) in wanted),
+                             key=lambda c: wanted[(c[1].M, c[1].N, c[1].K)])
         if not choices:
             store.close()
             raise click.ClickException(f"{tuned_db} holds no {TUNED} winners"

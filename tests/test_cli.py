@@ -583,6 +583,11 @@ def test_build_tuned_in_compiles_the_stored_winners_once_each(tmp_path, monkeypa
     assert r.exit_code == 0 and "2 distinct kernels for the winners of 2 tuned" in r.output, r.output
     r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--dry-run", "--shapes", "512x1024x512"])
     assert "1 distinct kernels for the winners of 1 tuned" in r.output and cut.name in r.output, r.output
+    # in --shapes' order, whatever the store's (a list written smallest first compiles its head first)
+    for order in (["512x1024x512", "64x1024x4096"], ["64x1024x4096", "512x1024x512"]):
+        r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--dry-run", "--shapes", ",".join(order)])
+        listed = [line for line in r.output.splitlines() if line in (cut.name, rw.name)]
+        assert listed == ([cut.name, rw.name] if order[0] == "512x1024x512" else [rw.name, cut.name]), r.output
     r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--dry-run", "--acc-only", "fp16"])
     assert r.exit_code == 1 and "holds no gemmrl-tuned winners with a fp16 accumulator" in r.output, r.output
     r = CliRunner().invoke(main, ["build", "--tuned-in", str(db), "--max-shapes", "3"])
