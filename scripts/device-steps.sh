@@ -30,7 +30,11 @@
 # FULL_STORE=1 (scripts/device-common.sh).
 # CACHE_BACK=FILE: the builds a step listed in FILE (`build ... --entries FILE`) come back packed as
 # OUT/gcache-back.txz (carry it in a later call, as .ext/carry/gcache-NAME.txz, instead of
-# compiling them again).
+# compiling them again). A call carrying a partial cache times what it holds and no more:
+#   STEPS="scripts/stale-shapes.py --device H200 --mode offline ... --built-in /tmp/gemmrl-cache --out rest.txt
+#   --lanes 2; wait; bench --shapes rest-l0.txt ..." STEPS_1="wait; bench --shapes rest-l1.txt ..."
+# (a step, not the outer command: the headers the keys need are set up for the steps alone; rest-unbuilt.txt
+# lists the shapes left for a later call).
 # Carry the deltas of this session's earlier calls as .ext/carry/delta*.sqlite.xz: they are merged into
 # the call's store before any step (a `pack` on the device otherwise exports from the committed store).
 # BG="command" runs beside the steps at the lowest CPU priority (CPU work for a later call, such
