@@ -173,6 +173,16 @@ def split_by_built(store, device: str, acc: str, shapes: list, built: set[str],
     return [s for s in shapes if s in ready], [s for s in shapes if s not in ready]
 
 
+def write_others(out: Path, suffix: str, head: str, shapes: list) -> None:
+    """The shapes a split left out of OUT ((M, N, K) tuples), in OUT's stem + '-' + suffix; an
+    earlier split's file there is removed, stale now, where none are left out."""
+    path = out.with_name(f"{out.stem}-{suffix}{out.suffix}")
+    path.unlink(missing_ok=True)
+    if shapes:
+        path.write_text(f"{head}: {len(shapes)}\n" + "\n".join(f"{M}x{N}x{K}" for M, N, K in shapes) + "\n")
+        print(path)
+
+
 def write_lanes(out: Path, head: str, shapes: list[str], lanes: int) -> None:
     out.write_text(head + "\n" + "\n".join(shapes) + "\n")  # all of them: what a build step compiles
     print(out)
@@ -270,15 +280,9 @@ def main(argv=None) -> int:
             store.close()
             print(f"the {min(a.top_kernels, n_kernels)} builds serving the most of them (of {n_kernels}) "
                   f"serve {len(shapes)}; {len(rest)} left for later")
-            rest_out = out.with_name(f"{out.stem}-rest{out.suffix}")
-            rest_out.unlink(missing_ok=True)  # an earlier split's, stale now
-            if rest:
-                rest_out.write_text(f"{head}, the builds outside the top {a.top_kernels}: {len(rest)}\n"
-                                    + "\n".join(f"{M}x{N}x{K}" for M, N, K in rest) + "\n")
-                print(rest_out)
+            write_others(out, "rest", f"{head}, the builds outside the top {a.top_kernels}", rest)
             head += f", the top {a.top_kernels} builds'"
         if built is not None:
-            unbuilt_out = out.with_name(f"{out.stem}-unbuilt{out.suffix}")
             from gemmrl.store.db import Store
 
             store = Store(a.db, readonly=True)
@@ -286,11 +290,7 @@ def main(argv=None) -> int:
             store.close()
             print(f"{len(shapes)} of them have their winner's build in {a.built_in} ({len(built)} builds); "
                   f"{len(rest)} do not")
-            unbuilt_out.unlink(missing_ok=True)  # an earlier split's, stale now
-            if rest:
-                unbuilt_out.write_text(f"{head}, whose winner's build is not in {a.built_in}: {len(rest)}\n"
-                                       + "\n".join(f"{M}x{N}x{K}" for M, N, K in rest) + "\n")
-                print(unbuilt_out)
+            write_others(out, "unbuilt", f"{head}, whose winner's build is not in {a.built_in}", rest)
             head += f", those whose winner's build is in {a.built_in}"
         write_lanes(out, f"{head}: {len(shapes)}", [f"{M}x{N}x{K}" for M, N, K in shapes], a.lanes)
     return 0

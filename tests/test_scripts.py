@@ -1104,6 +1104,40 @@ def test_stale_shapes_lists_what_a_retime_should_take(tmp_path):
     assert r.returncode == 0 and "5 stale shapes (no finished run timed server mode alone" in r.stdout
 
 
+def _stale_offline(db, *args):
+    """scripts/stale-shapes.py on the H200's offline sessions in store `db`."""
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "stale-shapes.py"), "--db", str(db),
+                           "--device", "H200", "--mode", "offline", *args],
+                          capture_output=True, text=True, env=ENV, timeout=300)
+
+
+def _listed(path):
+    """A shape file's shapes, its comment lines left out."""
+    return [l for l in path.read_text().splitlines() if not l.startswith("#")]
+
+
+def _three_winner_specs():
+    """A persistent CUTLASS TN spec, a persistent CUTLASS NN spec and a raw TN spec: the winners
+    the stale-shapes tests store."""
+    from gemmrl.core.problem import Problem
+    from gemmrl.space import cutlass_sm90, raw
+
+    persistent = [next(s for s in cutlass_sm90.heuristic_specs(Problem(256, 1024, 512), lay) if s.scheduler == "persistent")
+                  for lay in ("TN", "NN")]
+    return persistent[0], persistent[1], raw.heuristic_specs(Problem(64, 1024, 4096), "TN")[0]
+
+
+def _skip_without_build_keys():
+    """Skip where a CUTLASS build key cannot be computed here: it names the headers and nvcc."""
+    try:
+        from gemmrl.build.cutlass import cutlass_include_dirs
+        cutlass_include_dirs()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"no CUTLASS headers: {e}")
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not found")
+
+
 def test_stale_shapes_builds_finds_sessions_of_another_build_of_the_winner(tmp_path, monkeypatch):
     """scripts/stale-shapes.py --builds: a session whose run verified the winner under another
     build key than its source makes now is stale ("another build"), e.g. a plain CUTLASS build
@@ -1117,13 +1151,7 @@ def test_stale_shapes_builds_finds_sessions_of_another_build_of_the_winner(tmp_p
     from gemmrl.space import cutlass_sm90
     from gemmrl.store.db import Store
 
-    try:
-        from gemmrl.build.cutlass import cutlass_include_dirs
-        cutlass_include_dirs()
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"no CUTLASS headers: {e}")
-    if shutil.which("nvcc") is None:
-        pytest.skip("nvcc not found")
+    _skip_without_build_keys()
 
     db = tmp_path / "s.sqlite"
     st = Store(db)
@@ -1176,15 +1204,12 @@ def test_stale_shapes_top_kernels_keeps_the_shapes_one_build_wave_serves(tmp_pat
     import json
 
     from gemmrl.core.problem import Problem
-    from gemmrl.space import cutlass_sm90, raw
     from gemmrl.store.db import Store
 
     db = tmp_path / "s.sqlite"
     st = Store(db)
     dev = "NVIDIA H200"
-    common = next(s for s in cutlass_sm90.heuristic_specs(Problem(256, 1024, 512), "TN") if s.scheduler == "persistent")
-    other = next(s for s in cutlass_sm90.heuristic_specs(Problem(256, 1024, 512), "NN") if s.scheduler == "persistent")
-    rw = raw.heuristic_specs(Problem(64, 1024, 4096), "TN")[0]
+    common, other, rw = _three_winner_specs()
 
     def win(p, fam, spec):
         st.put_tuning(dev, p, "gemmrl-tuned", json.dumps({"family": fam, "spec": dict(spec.__dict__)}).encode(),
@@ -1197,13 +1222,9 @@ def test_stale_shapes_top_kernels_keeps_the_shapes_one_build_wave_serves(tmp_pat
     st.close()
 
     def stale(*args):
-        return subprocess.run([sys.executable, str(ROOT / "scripts" / "stale-shapes.py"), "--db", str(db),
-                               "--device", "H200", "--mode", "offline", *args],
-                              capture_output=True, text=True, env=ENV, timeout=300)
+        return _stale_offline(db, *args)
 
-    def shapes(path):
-        return [l for l in path.read_text().splitlines() if not l.startswith("#")]
-
+    shapes = _listed
     out = tmp_path / "r.txt"
     r = stale("--out", str(out), "--top-kernels", "1", "--lanes", "2")
     assert r.returncode == 0, r.stderr
@@ -1227,23 +1248,14 @@ def test_stale_shapes_built_in_keeps_the_shapes_a_carried_cache_serves(tmp_path)
 
     from gemmrl.build.ahead import entries, job_for
     from gemmrl.core.problem import Problem
-    from gemmrl.space import cutlass_sm90, raw
     from gemmrl.store.db import Store
 
-    try:
-        from gemmrl.build.cutlass import cutlass_include_dirs
-        cutlass_include_dirs()
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"no CUTLASS headers: {e}")
-    if shutil.which("nvcc") is None:
-        pytest.skip("nvcc not found")
+    _skip_without_build_keys()
 
     db = tmp_path / "s.sqlite"
     st = Store(db)
     dev = "NVIDIA H200"
-    tn = next(s for s in cutlass_sm90.heuristic_specs(Problem(256, 1024, 512), "TN") if s.scheduler == "persistent")
-    nn = next(s for s in cutlass_sm90.heuristic_specs(Problem(256, 1024, 512), "NN") if s.scheduler == "persistent")
-    rw = raw.heuristic_specs(Problem(64, 1024, 4096), "TN")[0]
+    tn, nn, rw = _three_winner_specs()
     wins = [(Problem(1024, 1024, 512), "cutlass_sm90", tn), (Problem(256, 1024, 512), "cutlass_sm90", tn),
             (Problem(2048, 1024, 512), "cutlass_sm90", nn), (Problem(64, 1024, 4096), "raw", rw),
             (Problem(128, 1024, 4096), "raw", rw)]
@@ -1263,13 +1275,9 @@ def test_stale_shapes_built_in_keeps_the_shapes_a_carried_cache_serves(tmp_path)
         t.add(cache / "builds", arcname="builds")
 
     def stale(*args):
-        return subprocess.run([sys.executable, str(ROOT / "scripts" / "stale-shapes.py"), "--db", str(db),
-                               "--device", "H200", "--mode", "offline", *args],
-                              capture_output=True, text=True, env=ENV, timeout=300)
+        return _stale_offline(db, *args)
 
-    def shapes(path):
-        return [l for l in path.read_text().splitlines() if not l.startswith("#")]
-
+    shapes = _listed
     out = tmp_path / "r.txt"
     for where in (cache, tarball):
         r = stale("--out", str(out), "--built-in", str(where), "--lanes", "2")
