@@ -1258,8 +1258,8 @@ def store_cmd(db, compress, small, merge_from, since_run, release, release_shape
 @click.option("--tuned-in", "tuned_db", default=None, metavar="DB",
               help="compile the winners `gemmrl tune` stored in this store instead (every device, dtype and "
                    "accumulator; --shapes, if given, keeps those shapes' alone and compiles in its order; --dtype, "
-                   "--acc, --layouts and --top are not used): what `gemmrl bench --impl tuned` and a pack load, ready before a GPU "
-                   "session")
+                   "--acc, --layouts and --top are not used): what `gemmrl bench --impl tuned` and a pack load, "
+                   "ready before a GPU session")
 @click.option("--device", "tuned_device", default=None, metavar="NAME",
               help="with --tuned-in: only the winners tuned on this GPU model (as torch names it, or a unique "
                    "part of the name: H200)")
