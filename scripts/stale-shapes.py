@@ -65,19 +65,20 @@ def winner_jobs(store, device: str, acc: str, dtype: str = "fp16", want=None) ->
     return jobs
 
 
-def winner_build_keys(store, device: str, acc: str, dtype: str = "fp16") -> dict:
-    """(M, N, K) -> the build-cache key of the build of the shape's winner today (winner_jobs);
-    shapes whose winner has no build plan are left out."""
-    from gemmrl.build.nvcc import cache_entry
+def winner_entries(jobs: dict) -> dict:
+    """(M, N, K) -> the build-cache directory ("builds/<name>-<key>", gemmrl.build.ahead.entries)
+    of the build of the shape's winner today, from winner_jobs; shapes whose winner has no build
+    plan are left out. The key ends the name: what --builds compares, and --built-in looks for."""
+    from gemmrl.build.ahead import entries
 
-    return {shape: cache_entry(job.source, name=job.name, **job.kwargs).name.rsplit("-", 1)[1]
-            for shape, job in winner_jobs(store, device, acc, dtype).items() if job is not None}
+    return {shape: entries([job])[0] for shape, job in jobs.items() if job is not None}
 
 
 def stale_shapes(db: sqlite3.Connection, device: str, acc: str, mode: str, protocol: str | None = None,
                  dtype: str = "fp16", build_keys: dict | None = None) -> list[tuple[tuple[int, int, int], str]]:
-    """[((M, N, K), why)] for the stale shapes, smallest FLOPs first. `build_keys`
-    (winner_build_keys): also stale where the session's run verified another build of the winner."""
+    """[((M, N, K), why)] for the stale shapes, smallest FLOPs first. `build_keys` ((M, N, K) -> the
+    key of the winner's build today, winner_entries' last field): also stale where the session's run
+    verified another build of the winner."""
     want = protocol_version(protocol)[1] if protocol else 0
     winners = {}
     for M, N, K, info, created in db.execute(
@@ -115,14 +116,13 @@ def stale_shapes(db: sqlite3.Connection, device: str, acc: str, mode: str, proto
     return out
 
 
-def split_by_kernels(store, device: str, acc: str, shapes: list, top: int,
-                     dtype: str = "fp16") -> tuple[list, list, int]:
+def split_by_kernels(jobs: dict, shapes: list, top: int) -> tuple[list, list, int]:
     """(covered, rest, builds): `shapes` ((M, N, K) tuples, order kept) split into those whose
     winner's build (the source `gemmrl build --tuned-in` compiles for it) is one of the `top`
     builds that serve the most of them (ties: the first served), and the rest; `builds`: how many
-    distinct builds they all need."""
-    build = {shape: job.source if job is not None else f"unbuildable {shape}"  # an unknown family: its own
-             for shape, job in winner_jobs(store, device, acc, dtype, set(shapes)).items()}
+    distinct builds they all need. `jobs`: winner_jobs of (at least) these shapes."""
+    build = {shape: jobs[shape].source if jobs.get(shape) is not None else f"unbuildable {shape}"  # its own
+             for shape in shapes}
     count: dict[str, int] = {}
     for s in shapes:
         count[build[s]] = count.get(build[s], 0) + 1
@@ -161,15 +161,11 @@ def built_entries(path: Path) -> set[str]:
     return out
 
 
-def split_by_built(store, device: str, acc: str, shapes: list, built: set[str],
-                   dtype: str = "fp16") -> tuple[list, list]:
+def split_by_built(entry: dict, shapes: list, built: set[str]) -> tuple[list, list]:
     """(built, unbuilt): `shapes` ((M, N, K) tuples, order kept) split by whether the build of
-    their winner today (winner_jobs: the one bench --impl tuned loads) is in `built`
+    their winner today (winner_entries: the one bench --impl tuned loads) is in `built`
     (built_entries); a winner with no build plan (an unknown family) is unbuilt."""
-    from gemmrl.build.ahead import entries
-
-    jobs = winner_jobs(store, device, acc, dtype, set(shapes))
-    ready = {s for s, job in jobs.items() if job is not None and entries([job])[0] in built}
+    ready = {s for s in shapes if entry.get(s) in built}
     return [s for s in shapes if s in ready], [s for s in shapes if s not in ready]
 
 
@@ -250,13 +246,21 @@ def main(argv=None) -> int:
         device = device_by_part(a.device, devices)
     except ValueError as e:
         ap.error(str(e))
-    keys = None
-    if a.builds:
+
+    def plan(want=None):  # each winner's build (of the shapes in `want`), planned once
         from gemmrl.store.db import Store
 
         store = Store(a.db, readonly=True)
-        keys = winner_build_keys(store, device, a.acc, a.dtype)
-        store.close()
+        try:
+            return winner_jobs(store, device, a.acc, a.dtype, want)
+        finally:
+            store.close()
+
+    jobs = entry = keys = None
+    if a.builds:  # every winner's: the stale shapes are not known yet
+        jobs = plan()
+        entry = winner_entries(jobs)
+        keys = {shape: e.rsplit("-", 1)[1] for shape, e in entry.items()}
     stale = stale_shapes(db, device, a.acc, a.mode, a.protocol, a.dtype, keys)
     why: dict[str, int] = {}
     for _, w in stale:
@@ -272,22 +276,18 @@ def main(argv=None) -> int:
         head = f"# {device} acc {a.acc}: shapes whose {a.mode}-mode session of {SUBJECT} is stale " \
                f"(scripts/stale-shapes.py{' --protocol ' + a.protocol if a.protocol else ''}{' --builds' * a.builds})"
         out = Path(a.out)
+        if jobs is None and (a.top_kernels or built is not None):
+            jobs = plan(set(shapes))
+        if entry is None and built is not None:
+            entry = winner_entries(jobs)
         if a.top_kernels:
-            from gemmrl.store.db import Store
-
-            store = Store(a.db, readonly=True)
-            shapes, rest, n_kernels = split_by_kernels(store, device, a.acc, shapes, a.top_kernels, a.dtype)
-            store.close()
+            shapes, rest, n_kernels = split_by_kernels(jobs, shapes, a.top_kernels)
             print(f"the {min(a.top_kernels, n_kernels)} builds serving the most of them (of {n_kernels}) "
                   f"serve {len(shapes)}; {len(rest)} left for later")
             write_others(out, "rest", f"{head}, the builds outside the top {a.top_kernels}", rest)
             head += f", the top {a.top_kernels} builds'"
         if built is not None:
-            from gemmrl.store.db import Store
-
-            store = Store(a.db, readonly=True)
-            shapes, rest = split_by_built(store, device, a.acc, shapes, built, a.dtype)
-            store.close()
+            shapes, rest = split_by_built(entry, shapes, built)
             print(f"{len(shapes)} of them have their winner's build in {a.built_in} ({len(built)} builds); "
                   f"{len(rest)} do not")
             write_others(out, "unbuilt", f"{head}, whose winner's build is not in {a.built_in}", rest)
