@@ -1131,10 +1131,14 @@ def noise(db, run_ids, json_path):
 @click.option("--changed-shapes", "changed_file", default=None, metavar="FILE",
               help="write the shapes whose entries changed against that pack, one a line (a shape file: "
                    "`bench --shapes FILE --impl pack:OUT` times them through gemmrl.matmul)")
-def pack(db, device, dtype, acc, min_speedup, out_dir, against, changed_file):
+@click.option("--again-shapes", "again_file", default=None, metavar="FILE",
+              help="write the shapes whose winner the export left out because its one kernel session's "
+                   "baselines ran slow, one a line (`bench --shapes FILE --mode kernel --impl baselines "
+                   "--impl tuned --retime` gives each the second session the next export decides on)")
+def pack(db, device, dtype, acc, min_speedup, out_dir, against, changed_file, again_file):
     """Export the verified winners for one GPU as a pack (manifest + kernel sources); load it
     anywhere with gemmrl.use_pack(DIR). No GPU needed."""
-    from gemmrl.runtime.pack import MANIFEST, PackError, changed_shapes, export_pack, pack_changes
+    from gemmrl.runtime.pack import MANIFEST, PackError, changed_shapes, export_pack, pack_changes, time_again_shapes
 
     store, device = _open_for_reading(db, device, require_measured=False)
     previous = None
@@ -1161,6 +1165,14 @@ def pack(db, device, dtype, acc, min_speedup, out_dir, against, changed_file):
             f"algorithms) changed against {base.parent if previous else 'no pack'}\n"
             + "".join(f"{m}x{n}x{k}\n" for m, n, k in shapes))
         click.echo(f"{len(shapes)} changed shapes in {changed_file}", err=True)
+    if again_file:
+        shapes = time_again_shapes(manifest)
+        Path(again_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(again_file).write_text(
+            f"# {device}: the {len(shapes)} shapes whose {dtype}/{acc} winner {path} left out for want of a "
+            f"second kernel session (its one session's baselines ran slow)\n"
+            + "".join(f"{m}x{n}x{k}\n" for m, n, k in shapes))
+        click.echo(f"{len(shapes)} shapes to time again in {again_file}", err=True)
     click.echo(str(path))
 
 

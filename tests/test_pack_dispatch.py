@@ -1015,6 +1015,14 @@ def test_pack_command_exports_from_a_store(store, tmp_path):
     assert r.exit_code == 1 and "no store at" in r.output
 
 
+def test_time_again_shapes_reads_the_manifest_and_drops_malformed_items():
+    from gemmrl.runtime.pack import time_again_shapes
+
+    assert time_again_shapes({"time_again": ["64x128x4096", "1x2x3"]}) == [(64, 128, 4096), (1, 2, 3)]
+    assert time_again_shapes({"time_again": ["64x128", "0x1x1", "ax1x1", 5, None, "8x8x8"]}) == [(8, 8, 8)]
+    assert time_again_shapes({}) == [] and time_again_shapes({"time_again": None}) == []  # older packs
+
+
 def test_pack_changes_names_at_most_eight_shapes_and_skips_malformed_items():
     from gemmrl.runtime.pack import pack_changes
 
@@ -1029,6 +1037,9 @@ def test_pack_changes_names_at_most_eight_shapes_and_skips_malformed_items():
     assert "10 in (2x64x64 NN, 3x64x64 NN" in lines[1] and "9x64x64 NN and 2 more); 0 out; 0 changed" in lines[1]
     assert lines[2] == "lt_algos: as in the pack replaced"
     assert pack_changes(new) == lines[:1]
+    # shapes to time again (a newer export's `time_again`): counted on a line of their own
+    again = pack_changes({**new, "time_again": ["1x64x64", "2x64x64"]})
+    assert again[0] == lines[0] and again[1].startswith("2 winners left out wait for a second kernel session")
     assert pack_changes(new, {"entries": "not a list", "lt_algos": None})[1].startswith("kernel entries against the pack replaced: 11 in")
 
 
@@ -1097,6 +1108,24 @@ def test_a_lone_session_whose_baselines_ran_slow_does_not_ship_a_winner(store, t
     assert (512, 8192, 4096) in rows  # its session's baselines 1.5% over the usual: it decides
     assert (1024, 8192, 4096) in rows  # the exhaustive 16 us elsewhere does not count against it
     assert (256, 4096, 4096) in rows  # the fixture's winners have no other session: unchanged
+    # the one left out is the one to time again, in the manifest and through pack --again-shapes
+    from gemmrl.runtime.pack import pack_changes, time_again_shapes
+    assert m["time_again"] == ["256x8192x4096"] and time_again_shapes(m) == [(256, 8192, 4096)]
+    assert any(line.startswith("1 winners left out wait for a second kernel session") for line in pack_changes(m))
+    from click.testing import CliRunner
+
+    from gemmrl.cli import main
+    from gemmrl.core.shapes import parse_shape_file
+
+    store.close()
+    again = tmp_path / "again" / "a.txt"
+    r = CliRunner().invoke(main, ["pack", "--db", str(tmp_path / "tune.sqlite"), "--device", DEV, "--out",
+                                  str(tmp_path / "q"), "--again-shapes", str(again)])
+    assert r.exit_code == 0, r.output
+    assert "1 shapes to time again in" in r.stderr and "wait for a second kernel session" in r.stderr
+    lines = again.read_text().splitlines()
+    assert lines[0].startswith("# ") and "the 1 shapes" in lines[0] and lines[1:] == ["256x8192x4096"]
+    assert [(p.M, p.N, p.K) for p in parse_shape_file(again)] == [(256, 8192, 4096)]  # bench --shapes reads it
 
 
 def test_a_stored_choice_that_predates_a_spec_field_is_the_kernel_its_verification_names():

@@ -489,8 +489,10 @@ def _slower_note(what: str, verdict) -> str:
             f"{'s' * (n != 1)}; torch.matmul within {noise:.2%} of its repeat): slower beyond the noise")
 
 
-def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tuple[list, set, list]:
-    """(candidates, run ids, skipped reasons): one dict per verified gemmrl winner. A winner
+def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tuple[list, set, list, list]:
+    """(candidates, run ids, skipped reasons, shapes to time again): one dict per verified gemmrl
+    winner; the last, the (M, N, K) of winners left out because their one kernel session's
+    baselines ran slow (a second session decides them). A winner
     timed in several kernel-mode sessions since it was chosen is judged by the median of its
     per-session speedups over each session's best baseline (one session's near-tie no longer
     decides alone); with one session, by that session. The product's own sessions count too:
@@ -505,7 +507,7 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
     speedups = _session_speedups(store, device, dtype, acc)
     product = _product_speedups(store, device, dtype, acc)
     host = _product_host_ratios(store, device, dtype, acc, modes=PRODUCT_MODES)
-    cands, runs, skipped = [], set(), []
+    cands, runs, skipped, again = [], set(), [], []
     for row in rows:
         problem = Problem(row["M"], row["N"], row["K"], dtype, acc)
         impl = row["impl"]
@@ -572,6 +574,7 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
                     skipped.append(f"{problem.shape} {impl}: its one session's baselines ran a median "
                                    f"{drift[0] - 1:.1%} slower than in their other sessions ({drift[1]} "
                                    f"baselines): one session is not enough; time it again")
+                    again.append(shape)
                     continue
             runs.add(ours["run_id"])
         in_host = host.get((problem.M, problem.N, problem.K, spec.layout), [])
@@ -592,7 +595,7 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
         cands.append({"problem": problem, "impl": impl, "family": fam, "spec": spec,
                       "kernel_us": kernel_us, "baseline": baseline, "baseline_us": baseline_us,
                       "tuned_us": kernel_us if tuned_us is None else tuned_us, **sessions})
-    return cands, runs, skipped
+    return cands, runs, skipped, again
 
 
 def _tuned_shapes(store, device: str, dtype: str, acc: str) -> set:
@@ -784,7 +787,7 @@ def export_pack(store, device: str, out_dir, dtype: str = "fp16", acc: str = "fp
     (replacing a pack there). Raises PackError when there is nothing to export."""
     if dtype not in DTYPES or acc not in ACCS:
         raise PackError(f"dtype must be one of {DTYPES} and acc one of {ACCS}, got {dtype!r}, {acc!r}")
-    cands, run_ids, skipped = _winners(store, device, dtype, acc, min_speedup)
+    cands, run_ids, skipped, again = _winners(store, device, dtype, acc, min_speedup)
     best: dict = {}
     for c in cands:  # several gemmrl impls may have won a (problem, layout): keep the fastest
         k = (c["problem"], c["spec"].layout)
@@ -827,7 +830,8 @@ def export_pack(store, device: str, out_dir, dtype: str = "fp16", acc: str = "fp
         stamp = _stamp(store, device, run_ids)
         manifest = {"format": FORMAT, "version": FORMAT_VERSION, "stamp": stamp,
                     "dtype": dtype, "acc": acc, "arch": arch, "min_speedup": min_speedup,
-                    "entries": entries, "library": library, "skipped": skipped}
+                    "entries": entries, "library": library, "skipped": skipped,
+                    "time_again": [f"{m}x{n}x{k}" for m, n, k in sorted(set(again), key=lambda t: (t[0] * t[1] * t[2], t))]}
         lt_version = _lt_version(stamp.get("cublas", ""))
         if lt_version is not None:
             manifest["lt_version"] = lt_version
@@ -944,6 +948,10 @@ def pack_changes(new: dict, old: dict | None = None) -> list[str]:
              + f"), {len(set(e.get('source_sha256') for e in entries.values()))} sources; "
              f"{len(lt)} cuBLASLt algorithms (lt_algos); {len(new.get('skipped') or [])} notes in `skipped` "
              f"(winners left out, and why)"]
+    again = time_again_shapes(new)
+    if again:
+        lines.append(f"{len(again)} winners left out wait for a second kernel session, their one session's "
+                     f"baselines having run slow (`time_again`; pack --again-shapes FILE lists them)")
     if old is None:
         return lines
     for what, now, before, field in (("kernel entries", entries, _keys(old.get("entries")), "source_sha256"),
@@ -973,6 +981,19 @@ def changed_shapes(new: dict, old: dict | None) -> list[tuple[int, int, int]]:
             if now[k].get(field) != before[k].get(field):
                 shapes.add(k[:3])
     return sorted(shapes, key=lambda s: (s[0] * s[1] * s[2], s))
+
+
+def time_again_shapes(manifest: dict) -> list[tuple[int, int, int]]:
+    """The manifest's `time_again` (absent in older packs): the (M, N, K) of winners the export
+    left out because their one kernel-mode session's baselines ran more than BASELINE_DRIFT slow.
+    A second kernel session of each (`bench --shapes FILE --mode kernel --impl baselines --impl
+    tuned --retime`) decides them at the next export. Pure; malformed items are dropped."""
+    out = []
+    for item in manifest.get("time_again") or []:
+        parts = item.split("x") if isinstance(item, str) else []
+        if len(parts) == 3 and all(p.isdigit() and int(p) > 0 for p in parts):
+            out.append(tuple(int(p) for p in parts))
+    return out
 
 
 def load_pack(path) -> Pack:
