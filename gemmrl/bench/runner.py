@@ -66,18 +66,28 @@ class StopFlag:
     reason = ""  # the exception's type name: _Stop (a SIGTERM) or KeyboardInterrupt
 
 
+def _ignore_later_sigterm(signum, frame):
+    """The SIGTERM handler once a stop has begun: the stop finishes what it writes."""
+
+
 @contextmanager
 def stop_on_sigterm():
     """A SIGTERM or Ctrl-C inside cuts the block and sets the flag it yields, instead of killing
     the process before the run's end is recorded (bench's compiling between its slices, and
     _stoppable's loop). The first SIGTERM stops; any more are ignored, so the stop's own logging
     and the command's summary are not cut (coreutils `timeout` signals the command and then its
-    whole process group, so the command gets SIGTERM twice)."""
+    whole process group, so the command gets SIGTERM twice). They are ignored by a Python handler
+    that does nothing, not by SIG_IGN: the second SIGTERM can reach the interpreter's C handler
+    after the first one's Python handler began and before SIG_IGN is in place, and Python then
+    finds a signal pending whose handler is SIG_IGN and prints "OSError: Signal 15 ignored due to
+    race condition" with a traceback into the log (H200, 2026-11-30, run 720: a clean stop that
+    read as a crash). A child started after the stop does not inherit the handler, as it would
+    SIG_IGN: it can still be stopped."""
     flag = StopFlag()
     prev = signal.getsignal(signal.SIGTERM)
 
     def on_term(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, _ignore_later_sigterm)
         raise _Stop("SIGTERM")
     signal.signal(signal.SIGTERM, on_term)
     try:
