@@ -276,6 +276,7 @@ def main(argv=None) -> int:
         head = f"# {device} acc {a.acc}: shapes whose {a.mode}-mode session of {SUBJECT} is stale " \
                f"(scripts/stale-shapes.py{' --protocol ' + a.protocol if a.protocol else ''}{' --builds' * a.builds})"
         out = Path(a.out)
+        out.parent.mkdir(parents=True, exist_ok=True)  # OUT's lanes and its -rest/-unbuilt beside it
         if jobs is None and (a.top_kernels or built is not None):
             jobs = plan(set(shapes))
         if entry is None and built is not None:

@@ -1086,7 +1086,7 @@ def test_stale_shapes_lists_what_a_retime_should_take(tmp_path):
                                "--device", "H200", "--mode", "offline", *args],
                               capture_output=True, text=True, env=ENV, timeout=300)
 
-    out = tmp_path / "r.txt"
+    out = tmp_path / "lists" / "r.txt"  # a directory not made yet: made
     r = stale("--out", str(out))
     assert r.returncode == 0, r.stderr
     assert "3 stale shapes" in r.stdout and "at the 2.0 s a shape" in r.stdout
@@ -1094,7 +1094,7 @@ def test_stale_shapes_lists_what_a_retime_should_take(tmp_path):
     r = stale("--protocol", "offline:v3", "--out", str(out), "--lanes", "2")
     assert r.returncode == 0, r.stderr
     assert "4 stale shapes" in r.stdout and "1 protocol offline:v2" in r.stdout and "1 winner changed" in r.stdout
-    lanes = [[l for l in (tmp_path / f"r-l{i}.txt").read_text().splitlines() if not l.startswith("#")] for i in (0, 1)]
+    lanes = [[l for l in (out.parent / f"r-l{i}.txt").read_text().splitlines() if not l.startswith("#")] for i in (0, 1)]
     assert lanes == [["128x64x64", "512x64x64"], ["256x64x64", "1024x64x64"]]
     assert [l for l in out.read_text().splitlines() if not l.startswith("#")] == [
         "128x64x64", "256x64x64", "512x64x64", "1024x64x64"]  # all of them too: the build step's list
