@@ -1159,21 +1159,21 @@ def pack(db, device, dtype, acc, min_speedup, out_dir, against, changed_file, ag
         click.echo(line, err=True)
     if changed_file:
         shapes = changed_shapes(manifest, previous)
-        Path(changed_file).parent.mkdir(parents=True, exist_ok=True)
-        Path(changed_file).write_text(
-            f"# {device}: the {len(shapes)} shapes whose {dtype}/{acc} pack entries (kernels or cuBLASLt "
-            f"algorithms) changed against {base.parent if previous else 'no pack'}\n"
-            + "".join(f"{m}x{n}x{k}\n" for m, n, k in shapes))
+        _write_shape_list(changed_file, shapes, f"{device}: the {len(shapes)} shapes whose {dtype}/{acc} pack entries "
+                          f"(kernels or cuBLASLt algorithms) changed against {base.parent if previous else 'no pack'}")
         click.echo(f"{len(shapes)} changed shapes in {changed_file}", err=True)
     if again_file:
         shapes = time_again_shapes(manifest)
-        Path(again_file).parent.mkdir(parents=True, exist_ok=True)
-        Path(again_file).write_text(
-            f"# {device}: the {len(shapes)} shapes whose {dtype}/{acc} winner {path} left out for want of a "
-            f"second kernel session (its one session's baselines ran slow)\n"
-            + "".join(f"{m}x{n}x{k}\n" for m, n, k in shapes))
+        _write_shape_list(again_file, shapes, f"{device}: the {len(shapes)} shapes whose {dtype}/{acc} winner {path} "
+                          f"left out for want of a second kernel session (its one session's baselines ran slow)")
         click.echo(f"{len(shapes)} shapes to time again in {again_file}", err=True)
     click.echo(str(path))
+
+
+def _write_shape_list(path, shapes, comment: str) -> None:
+    """A shape file (`--shapes FILE`): `comment` as its first line, then one MxNxK a line."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(f"# {comment}\n" + "".join(f"{m}x{n}x{k}\n" for m, n, k in shapes))
 
 
 @main.command(name="store")
