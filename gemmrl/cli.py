@@ -296,6 +296,9 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, h
                 break
             done += len(part)
         status = "partial" if counts["stopped"] else "done"
+        if counts["stopped"]:  # a SIGTERM can land after a worker stored a session, before it was counted
+            # (H200, run 719: "measured 26", 27 sessions in the store)
+            counts["sessions"] = max(counts["sessions"], store.run_session_count(run_id))
         click.echo(f"measured {counts['sessions']} (shape, mode) sessions, skipped "
                    f"{counts['skipped']} already in the store, rejected {counts['rejected']}, "
                    f"quarantined {counts.get('quarantined', 0)}", err=True)

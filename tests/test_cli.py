@@ -1109,6 +1109,29 @@ def test_bench_compiles_and_times_a_slice_of_the_shapes_at_a_time(monkeypatch, t
     store.close()
 
 
+def test_a_stopped_bench_counts_the_sessions_the_store_holds(monkeypatch, tmp_path):
+    """A SIGTERM that lands after a worker stored a shape's session and before the parent counted
+    it left the summary one short (H200, run 719: "measured 26", 27 whole sessions stored): a
+    stopped bench counts its run's sessions in the store."""
+    from gemmrl.store.db import Store
+
+    def run_isolated(problems, specs, store, cfg, run_id=None, **kw):
+        for p in problems[:2]:  # two stored, one of them counted
+            store.record_session(run_id, f"s{p.K}", "NVIDIA H200", p, "kernel", "kernel:v3",
+                                 {"torch.matmul": {"median_us": 5.0, "n": 50}})
+        return {"sessions": 1, "skipped": 0, "rejected": 0, "stopped": True}
+
+    _bench_without_gpu(monkeypatch, [], run_isolated)
+    db = tmp_path / "s.sqlite"
+    r = CliRunner().invoke(main, ["bench", "--shapes", "64x64x64,64x64x128,64x64x192", "--no-report", "--db", str(db)])
+    assert r.exit_code == 0, r.output
+    assert "measured 2 (shape, mode) sessions" in r.output, r.output
+    store = Store(db)
+    assert store.run_session_count(store.runs()[-1]["id"]) == 2 and store.runs()[-1]["status"] == "partial"
+    assert store.run_session_count(store.runs()[-1]["id"] + 1) == 0  # a run with none
+    store.close()
+
+
 def test_a_sigterm_while_bench_compiles_ends_the_run_as_partial(monkeypatch, tmp_path):
     import os
     import signal

@@ -445,6 +445,12 @@ class Store:
         rows = self.db.execute(q + " ORDER BY m.M, m.N, m.K, m.impl, m.mode", args).fetchall()
         return [dict(r, n=r["samples"], details=json.loads(r["details"])) for r in rows]
 
+    def run_session_count(self, run_id: int) -> int:
+        """How many (shape, mode) sessions one run recorded: what its summary line counts, read from
+        the store (a stop between a worker's write and its parent's count left the count short)."""
+        return self.db.execute("SELECT COUNT(*) FROM (SELECT DISTINCT session, mode FROM measurements "
+                               "WHERE run_id=?)", (run_id,)).fetchone()[0]
+
     def run_measurements(self, run_id: int) -> list[dict]:
         """Every measurement one run recorded (what `gemmrl noise --run N` reads)."""
         rows = self.db.execute("SELECT * FROM measurements WHERE run_id=? ORDER BY id", (run_id,)).fetchall()
