@@ -189,15 +189,28 @@ def write_lanes(out: Path, head: str, shapes: list[str], lanes: int) -> None:
             print(p)
 
 
-def seconds_per_shape(db: sqlite3.Connection, device: str, mode: str, last: int = 8) -> float | None:
+def seconds_per_shape(db: sqlite3.Connection, device: str, mode: str, acc: str | None = None,
+                      protocol: str | None = None, last: int = 8) -> float | None:
     """The median wall seconds a shape of the `last` finished runs that timed the subject in only
-    this mode took (run time over the shapes it timed), or None."""
-    rows = db.execute(
-        "SELECT r.id, r.started, r.finished, COUNT(DISTINCT m.M || 'x' || m.N || 'x' || m.K || m.acc), "
-        "COUNT(DISTINCT m.mode) FROM runs r JOIN measurements m ON m.run_id = r.id WHERE r.device=? "
-        "AND r.finished IS NOT NULL AND r.id IN (SELECT run_id FROM measurements WHERE impl=? AND mode=?) "
-        "GROUP BY r.id ORDER BY r.id DESC", (device, SUBJECT, mode)).fetchall()
-    per = [(f - s) / n for _, s, f, n, modes in rows if modes == 1 and n and f > s][:last]
+    this mode took (run time over the shapes it timed), or None. Only runs that timed it with
+    accumulator `acc` under `protocol` (a prefix: server:v2 takes server:v2:qps=1000:gaps=round)
+    count where there are any, else those of `acc`, else any: fp16 offline took 6.0 s a shape on
+    the H200 while fp32 took 4.2, and the server mode's old precision-target runs 13 s against
+    --quick's 1.1-1.5 (the estimate of 2026-11-30 said 66 GPU-minutes for the fp16 offline
+    list, from the fp32 runs: about 94)."""
+    def rates(where: str, args: tuple) -> list[float]:
+        rows = db.execute(
+            "SELECT r.id, r.started, r.finished, COUNT(DISTINCT m.M || 'x' || m.N || 'x' || m.K || m.acc), "
+            "COUNT(DISTINCT m.mode) FROM runs r JOIN measurements m ON m.run_id = r.id WHERE r.device=? "
+            "AND r.finished IS NOT NULL AND r.id IN (SELECT run_id FROM measurements WHERE impl=? AND mode=?"
+            f"{where}) GROUP BY r.id ORDER BY r.id DESC", (device, SUBJECT, mode, *args)).fetchall()
+        return [(f - s) / n for _, s, f, n, modes in rows if modes == 1 and n and f > s][:last]
+    per = []
+    for a, p in dict.fromkeys(((acc, protocol), (acc, None), (None, None))):  # the closest runs there are
+        where = (" AND acc=?" if a else "") + (" AND protocol LIKE ? || '%'" if p else "")
+        per = rates(where, tuple(x for x in (a, p) if x))
+        if per:
+            break
     return statistics.median(per) if per else None
 
 
@@ -266,7 +279,7 @@ def main(argv=None) -> int:
     for _, w in stale:
         key = "winner changed" if w.startswith("timed") else "another build" if w.startswith("another build") else w
         why[key] = why.get(key, 0) + 1
-    sps = seconds_per_shape(db, device, a.mode)
+    sps = seconds_per_shape(db, device, a.mode, a.acc, a.protocol)
     cost = (f", about {sps * len(stale) / 60:.0f} GPU-minutes at the {sps:.1f} s a shape of recent {a.mode} runs"
             if sps else f" (no finished run timed {a.mode} mode alone: no cost estimate)")
     print(f"{device}, acc {a.acc}, {a.mode}: {len(stale)} stale shapes{cost}; "

@@ -1138,6 +1138,49 @@ def _skip_without_build_keys():
         pytest.skip("nvcc not found")
 
 
+def test_stale_shapes_prices_a_retime_from_runs_of_its_accumulator_and_protocol(tmp_path):
+    """The cost estimate takes the seconds a shape of recent runs of the same accumulator and
+    protocol where there are any (H200, 2026-11-30: fp16 offline ran 6.0 s a shape, the fp32 runs
+    the estimate read 4.2; old precision-target server runs 13 s, --quick ones 1.5), else of any."""
+    import sqlite3
+
+    from gemmrl.core.problem import Problem
+    from gemmrl.store.db import Store
+
+    db = tmp_path / "s.sqlite"
+    st = Store(db)
+    dev = "NVIDIA H200"
+    runs = []
+    for acc, mode, proto, secs in (("fp32", "offline", "offline:v3:ci=0.005", 8), ("fp16", "offline", "offline:v3:ci=0.005", 24),
+                                   ("fp16", "server", "server:v5:ci=0.005:qps=1000", 52),
+                                   ("fp16", "server", "server:v2:qps=1000:gaps=round", 4)):
+        run = st.start_run("gemmrl bench", dev, {}, {})
+        for m in (64, 128, 256, 512):  # 4 shapes: secs / 4 a shape
+            p = Problem(m, 64, 64, acc=acc)
+            st.put_tuning(dev, p, "gemmrl-tuned", b"{}", f"k_{m}", 1.0)
+            st.record_session(run, f"s{run}-{m}", dev, p, mode, proto, {"gemmrl-tuned": {"median_us": 5.0, "n": 5}})
+        st.finish_run(run)
+        runs.append((run, secs))
+    st.close()
+    c = sqlite3.connect(db)
+    for run, secs in runs:
+        c.execute("UPDATE runs SET finished = started + ? WHERE id=?", (secs, run))
+    c.commit()
+    c.close()
+
+    def cost(*args):
+        r = subprocess.run([sys.executable, str(ROOT / "scripts" / "stale-shapes.py"), "--db", str(db),
+                            "--device", "H200", *args], capture_output=True, text=True, env=ENV, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    assert "at the 2.0 s a shape" in cost("--mode", "offline", "--protocol", "offline:v4")  # fp32; v4: none of its own
+    assert "at the 6.0 s a shape" in cost("--mode", "offline", "--acc", "fp16")
+    assert "at the 1.0 s a shape" in cost("--mode", "server", "--acc", "fp16", "--protocol", "server:v2")
+    assert "at the 7.0 s a shape" in cost("--mode", "server", "--acc", "fp16")  # both protocols: their median
+    assert "at the 7.0 s a shape" in cost("--mode", "server")  # no fp32 server run: any accumulator's
+
+
 def test_stale_shapes_builds_finds_sessions_of_another_build_of_the_winner(tmp_path, monkeypatch):
     """scripts/stale-shapes.py --builds: a session whose run verified the winner under another
     build key than its source makes now is stale ("another build"), e.g. a plain CUTLASS build
