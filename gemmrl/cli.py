@@ -37,6 +37,25 @@ def _problems(spec: str, dtype: str, acc: str):
         raise click.BadParameter(str(e), param_hint="--shapes") from None
 
 
+def _check_run_exists(db: str, run_id: int, hint: str) -> None:
+    """A BadParameter unless the store at `db` (or its committed .xz) holds run `run_id`: a run
+    number past the store's last is a typo that would silently mean every run."""
+    import sqlite3
+
+    from gemmrl.store.db import packed_path, unpack_if_missing
+
+    unpack_if_missing(db)
+    if not Path(db).exists():
+        raise click.BadParameter(f"no store at {db} (nor {packed_path(db)}), so no run {run_id}", param_hint=hint)
+    con = sqlite3.connect(f"file:{Path(db).resolve()}?mode=ro", uri=True)
+    try:
+        last = con.execute("SELECT COALESCE(MAX(id), 0) FROM runs").fetchone()[0]
+    finally:
+        con.close()
+    if run_id > last:
+        raise click.BadParameter(f"the store {db} has no run {run_id} (its last is {last})", param_hint=hint)
+
+
 def _modes(values: tuple[str, ...]) -> tuple[str, ...]:
     out = []
     for v in values:
@@ -191,6 +210,9 @@ def host_precision(mode: str, quick: bool, host_ci: float | None, host_max_s: fl
 @click.option("--budget-s", default=None, type=float, help="stop starting new shapes after this many seconds")
 @click.option("--no-verify", is_flag=True, help="skip the correctness checks (not for real results)")
 @click.option("--retime", is_flag=True, help="measure again what the store already has")
+@click.option("--retime-after", "retime_after", default=None, type=click.IntRange(0), metavar="RUN",
+              help="--retime, less what runs after store run RUN already measured (every implementation, "
+                   "in that mode and protocol): a cut retime resumed by the same command in a later call")
 @click.option("--no-report", is_flag=True, help="do not write CSVs, summary and plots at the end")
 @click.option("--isolate/--no-isolate", default=True, show_default=True,
               help="run each shape in a worker process: a crashing or hanging kernel is quarantined, "
@@ -200,7 +222,7 @@ def host_precision(mode: str, quick: bool, host_ci: float | None, host_max_s: fl
                    "of the shapes, all writing --db; the report once at the end")
 def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, host_ci, host_max_s, kernel_ci,
           kernel_max_s, kernel_stat, quick,
-          server_gaps, server_stat, budget_s, no_verify, retime, no_report, isolate, gpus):
+          server_gaps, server_stat, budget_s, no_verify, retime, retime_after, no_report, isolate, gpus):
     """Verify and time implementations over a set of shapes; results go to the store."""
     problems = _problems(shape_spec, dtype, acc)
     modes = _modes(mode_opts)
@@ -211,6 +233,9 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, h
                                  "--kernel-ci/--kernel-max-s, not both", param_hint="--quick")
     if server_gaps is not None and "server" not in modes:
         raise click.BadParameter("is a server-mode setting; --mode has no server", param_hint="--server-gaps")
+    if retime_after is not None:
+        _check_run_exists(db, retime_after, "--retime-after")
+        retime = True
     from gemmrl.bench import runner
 
     runner.require_gpu()
@@ -226,7 +251,7 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, h
     device = torch.cuda.get_device_name()
     impls = build_impls(impl_opts, store, device)
     prov = env.provenance(_cublas_version())
-    cfg = runner.RunConfig(modes=modes, do_verify=not no_verify, retime=retime,
+    cfg = runner.RunConfig(modes=modes, do_verify=not no_verify, retime=retime, retime_after=retime_after,
                            kernel=timing.KernelSettings(**kernel_precision(quick, kernel_ci, kernel_max_s,
                                                                            kernel_stat)),
                            offline=timing.HostSettings(mode="offline",

@@ -1132,6 +1132,39 @@ def test_a_stopped_bench_counts_the_sessions_the_store_holds(monkeypatch, tmp_pa
     store.close()
 
 
+def test_bench_retime_after_resumes_a_cut_retime_and_checks_its_run(monkeypatch, tmp_path):
+    """`--retime-after RUN` is --retime less what later runs measured: the same step, repeated in
+    the next call of a session, takes up where a cut one stopped (a product retime of 453 shapes
+    in three modes is more than one call). A run number past the store's last is an argument
+    error, before the GPU."""
+    from gemmrl.store.db import Store
+
+    db = tmp_path / "s.sqlite"
+    store = Store(db)
+    for _ in range(3):
+        store.start_run("gemmrl bench", "NVIDIA H200", {}, {})
+    store.close()
+    r = CliRunner().invoke(main, ["bench", "--shapes", "64x64x64", "--retime-after", "4", "--db", str(db)])
+    assert r.exit_code == 2 and "has no run 4 (its last is 3)" in r.output, r.output
+    r = CliRunner().invoke(main, ["bench", "--shapes", "64x64x64", "--retime-after", "1",
+                                  "--db", str(tmp_path / "none.sqlite")])
+    assert r.exit_code == 2 and "no store at" in r.output, r.output
+    assert not (tmp_path / "none.sqlite").exists()  # the check made no empty store
+    seen = []
+
+    def run_isolated(problems, specs, store, cfg, **kw):
+        seen.append((cfg.retime, cfg.retime_after))
+        return {"sessions": 0, "skipped": len(problems), "rejected": 0, "stopped": False}
+
+    _bench_without_gpu(monkeypatch, [], run_isolated)
+    r = CliRunner().invoke(main, ["bench", "--shapes", "64x64x64", "--retime-after", "3", "--no-report",
+                                  "--db", str(db)])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["bench", "--shapes", "64x64x64", "--retime", "--no-report", "--db", str(db)])
+    assert r.exit_code == 0, r.output
+    assert seen == [(True, 3), (True, None)]
+
+
 def test_a_sigterm_while_bench_compiles_ends_the_run_as_partial(monkeypatch, tmp_path):
     import os
     import signal

@@ -36,6 +36,18 @@ def test_store_roundtrip_and_latest_wins(tmp_path):
     assert s2.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
+def test_measured_impls_after_a_run_counts_only_later_runs(tmp_path):
+    s = Store(tmp_path / "a.sqlite")
+    r1 = s.start_run("gemmrl bench", "H100", {}, {})
+    s.record_session(r1, "s1", "H100", P, "kernel", "kernel:v1", {"torch.matmul": _st(10.0), "cuBLAS-nn": _st(9.0)})
+    r2 = s.start_run("gemmrl bench", "H100", {}, {})
+    s.record_session(r2, "s2", "H100", P, "kernel", "kernel:v1", {"torch.matmul": _st(11.0)})
+    assert s.measured_impls("H100", P, "kernel", "kernel:v1", after_run=r1) == {"torch.matmul"}
+    assert s.measured_impls("H100", P, "kernel", "kernel:v1", after_run=r2) == set()
+    assert s.measured_impls("H100", P, "kernel", "kernel:v1", after_run=0) == {"torch.matmul", "cuBLAS-nn"}
+    s.close()
+
+
 def test_session_is_atomic(tmp_path):
     s = Store(tmp_path / "b.sqlite")
     run = s.start_run("x", "H100", {}, {})

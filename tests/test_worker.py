@@ -180,3 +180,60 @@ def test_the_runner_stops_at_the_implementation_that_lost_the_context(tmp_path, 
     assert verified == ["honest_first", "wild"]  # nothing after the culprit ran in that process
     assert store.verification("cpu", p, "wild")["passed"] is False
     store.close()
+
+
+def test_retime_after_a_run_times_again_only_what_later_runs_did_not(tmp_path, monkeypatch):
+    """RunConfig.retime_after: a shape whose every implementation a later run measured in the
+    mode is skipped; one timed only before (or by a later run, in part) is timed again, and
+    verified again as --retime does."""
+    from gemmrl.bench import runner, worker
+    from gemmrl.core.impl import Impl
+    from gemmrl.core.problem import Problem
+    from gemmrl.store.db import Store
+    from gemmrl.verify.checks import CheckResult
+
+    class Fake(Impl):
+        layout = "NN"
+
+        def __init__(self, name):
+            self.name = name
+
+        def prepare(self, problem):
+            return lambda a, b_nn, b_tn, c: None
+
+    verified, timed = [], []
+    monkeypatch.setattr(runner, "verify", lambda impl, problem, **kw: verified.append(impl.name) or CheckResult(True, ""))
+    monkeypatch.delenv(worker.HEARTBEAT_ENV, raising=False)
+    monkeypatch.setattr(worker, "cuda_context_error", lambda: None)
+
+    def time_kernel(problem, calls, **kw):
+        timed.append(problem.shape)
+        return {n: {"median_us": 5.0, "n": 50, "status": "ok"} for n in calls}
+    monkeypatch.setattr(runner.timing, "time_kernel", time_kernel)
+    store = Store(tmp_path / "s.sqlite")
+    cfg0 = runner.RunConfig(repeat_impl=None)
+    impls = [Fake("a"), Fake("b")]
+    done, half, old = Problem(64, 64, 64), Problem(64, 64, 128), Problem(64, 64, 192)
+    counts = {"sessions": 0, "skipped": 0, "rejected": 0}
+    first = store.start_run("bench", "cpu", {}, {})
+    for p in (done, half, old):
+        runner._one_problem(p, impls, store, cfg0, "cpu", first, 0, counts, lambda m: None)
+    later = store.start_run("bench", "cpu", {}, {})
+    runner._one_problem(done, impls, store, cfg0.__class__(repeat_impl=None, retime=True), "cpu", later, 0,
+                        counts, lambda m: None)
+    runner._one_problem(half, impls[:1], store, cfg0.__class__(repeat_impl=None, retime=True), "cpu", later, 0,
+                        counts, lambda m: None)
+    verified.clear(), timed.clear()
+    resumed = store.start_run("bench", "cpu", {}, {})
+    cfg = runner.RunConfig(repeat_impl=None, retime=True, retime_after=first)
+    skipped = counts["skipped"]
+    for p in (done, half, old):
+        runner._one_problem(p, impls, store, cfg, "cpu", resumed, 0, counts, lambda m: None)
+    assert timed == [half.shape, old.shape] and counts["skipped"] == skipped + 1
+    assert verified == ["a", "b", "a", "b"]  # verified again, as a retime is
+    timed.clear()
+    for p in (done, half, old):  # without retime_after, plain --retime times all three
+        runner._one_problem(p, impls, store, runner.RunConfig(repeat_impl=None, retime=True), "cpu", resumed, 0,
+                            counts, lambda m: None)
+    assert timed == [done.shape, half.shape, old.shape]
+    store.close()

@@ -37,6 +37,9 @@ class RunConfig:
     do_verify: bool = True
     repeat_impl: str | None = "torch.matmul"  # timed twice in every session: the noise
     retime: bool = False
+    # with retime: measure again only where no run after this one measured every implementation
+    # in that mode (a cut retime resumed in a later call)
+    retime_after: int | None = None
     deadline: float | None = None  # time.monotonic() after which no new problem starts
     seed: int = 0
 
@@ -157,8 +160,12 @@ def _one_problem(problem, impls, store, cfg, device, run_id, l2, counts, log):
         names = {i.name for i in impls}
         if cfg.repeat_impl in names:
             names.add(cfg.repeat_impl + REPEAT_SUFFIX)
-        have = store.measured_impls(device, problem, mode, cfg.protocol(mode))
-        if cfg.retime or not names <= have:
+        if cfg.retime_after is not None:
+            redo = not names <= store.measured_impls(device, problem, mode, cfg.protocol(mode),
+                                                     after_run=cfg.retime_after)
+        else:
+            redo = cfg.retime or not names <= store.measured_impls(device, problem, mode, cfg.protocol(mode))
+        if redo:
             todo_modes.append(mode)
         else:
             counts["skipped"] += 1

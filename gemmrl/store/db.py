@@ -396,13 +396,15 @@ class Store:
         ok = [(r[0], r[1]) for r in rows if r[1] is not None and is_baseline(r[0])]
         return min(ok, key=lambda x: (x[1], x[0])) if ok else None
 
-    def measured_impls(self, device: str, problem: Problem, mode: str, protocol: str) -> set[str]:
+    def measured_impls(self, device: str, problem: Problem, mode: str, protocol: str,
+                       after_run: int | None = None) -> set[str]:
         """Impls with a measurement here (ok or rejected: neither is measured again unless asked);
-        invalidated ones do not count, so a resumed run measures them again."""
+        invalidated ones do not count, so a resumed run measures them again. With `after_run`,
+        only measurements of later runs count (what `bench --retime-after RUN` keeps)."""
         rows = self.db.execute(
             "SELECT DISTINCT impl FROM measurements WHERE device=? AND mode=? AND protocol=? AND "
-            "M=? AND N=? AND K=? AND dtype=? AND acc=? AND status != 'invalid'",
-            (device, mode, protocol, *problem.key()))
+            "M=? AND N=? AND K=? AND dtype=? AND acc=? AND status != 'invalid' AND (? IS NULL OR run_id > ?)",
+            (device, mode, protocol, *problem.key(), after_run, after_run))
         return {r[0] for r in rows}
 
     def invalidate(self, run_id: int, impl: str | None, problems, reason: str, mode: str | None = None) -> int:
