@@ -135,15 +135,10 @@ def test_outside_a_worker_a_lost_context_raises_and_a_sound_one_is_left_alone(mo
         worker.stop_if_context_lost("cuda-l2 on 64x64x64")
 
 
-def test_the_runner_stops_at_the_implementation_that_lost_the_context(tmp_path, monkeypatch):
-    """Without the stop, every implementation after the culprit failed its verification too and
-    was stored as wrong (a bench of CUDA-L2's kernels, 2026-11-27: torch.matmul and cuBLAS
-    'rejected' on two shapes)."""
-    from gemmrl.bench import runner, worker
+def _fake_impls(*names):
+    """NN implementations that do nothing, named: for the runner's bookkeeping, with verify and
+    the timing patched."""
     from gemmrl.core.impl import Impl
-    from gemmrl.core.problem import Problem
-    from gemmrl.store.db import Store
-    from gemmrl.verify.checks import CheckResult
 
     class Fake(Impl):
         layout = "NN"
@@ -153,6 +148,18 @@ def test_the_runner_stops_at_the_implementation_that_lost_the_context(tmp_path, 
 
         def prepare(self, problem):
             return lambda a, b_nn, b_tn, c: None
+
+    return [Fake(n) for n in names]
+
+
+def test_the_runner_stops_at_the_implementation_that_lost_the_context(tmp_path, monkeypatch):
+    """Without the stop, every implementation after the culprit failed its verification too and
+    was stored as wrong (a bench of CUDA-L2's kernels, 2026-11-27: torch.matmul and cuBLAS
+    'rejected' on two shapes)."""
+    from gemmrl.bench import runner, worker
+    from gemmrl.core.problem import Problem
+    from gemmrl.store.db import Store
+    from gemmrl.verify.checks import CheckResult
 
     verified = []
 
@@ -166,7 +173,7 @@ def test_the_runner_stops_at_the_implementation_that_lost_the_context(tmp_path, 
     store = Store(tmp_path / "s.sqlite")
     run = store.start_run("test", "cpu", {}, {})
     p = Problem(64, 64, 64)
-    impls = [Fake("honest_first"), Fake("wild"), Fake("honest_after")]
+    impls = _fake_impls("honest_first", "wild", "honest_after")
     counts = {"sessions": 0, "skipped": 0, "rejected": 0}
     monkeypatch.setattr(worker, "cuda_context_error", lambda: None)  # a plain wrong answer: go on
     monkeypatch.setattr(runner.timing, "time_kernel", lambda *a, **k: {})
@@ -187,19 +194,9 @@ def test_retime_after_a_run_times_again_only_what_later_runs_did_not(tmp_path, m
     mode is skipped; one timed only before (or by a later run, in part) is timed again, and
     verified again as --retime does."""
     from gemmrl.bench import runner, worker
-    from gemmrl.core.impl import Impl
     from gemmrl.core.problem import Problem
     from gemmrl.store.db import Store
     from gemmrl.verify.checks import CheckResult
-
-    class Fake(Impl):
-        layout = "NN"
-
-        def __init__(self, name):
-            self.name = name
-
-        def prepare(self, problem):
-            return lambda a, b_nn, b_tn, c: None
 
     verified, timed = [], []
     monkeypatch.setattr(runner, "verify", lambda impl, problem, **kw: verified.append(impl.name) or CheckResult(True, ""))
@@ -212,7 +209,7 @@ def test_retime_after_a_run_times_again_only_what_later_runs_did_not(tmp_path, m
     monkeypatch.setattr(runner.timing, "time_kernel", time_kernel)
     store = Store(tmp_path / "s.sqlite")
     cfg0 = runner.RunConfig(repeat_impl=None)
-    impls = [Fake("a"), Fake("b")]
+    impls = _fake_impls("a", "b")
     done, half, old = Problem(64, 64, 64), Problem(64, 64, 128), Problem(64, 64, 192)
     counts = {"sessions": 0, "skipped": 0, "rejected": 0}
     first = store.start_run("bench", "cpu", {}, {})
