@@ -40,18 +40,16 @@ def _problems(spec: str, dtype: str, acc: str):
 def _check_run_exists(db: str, run_id: int, hint: str) -> None:
     """A BadParameter unless the store at `db` (or its committed .xz) holds run `run_id`: a run
     number past the store's last is a typo that would silently mean every run."""
-    import sqlite3
-
-    from gemmrl.store.db import packed_path, unpack_if_missing
+    from gemmrl.store.db import Store, packed_path, unpack_if_missing
 
     unpack_if_missing(db)
     if not Path(db).exists():
         raise click.BadParameter(f"no store at {db} (nor {packed_path(db)}), so no run {run_id}", param_hint=hint)
-    con = sqlite3.connect(f"file:{Path(db).resolve()}?mode=ro", uri=True)
+    store = Store(db, readonly=True)
     try:
-        last = con.execute("SELECT COALESCE(MAX(id), 0) FROM runs").fetchone()[0]
+        last = store.db.execute("SELECT COALESCE(MAX(id), 0) FROM runs").fetchone()[0]
     finally:
-        con.close()
+        store.close()
     if run_id > last:
         raise click.BadParameter(f"the store {db} has no run {run_id} (its last is {last})", param_hint=hint)
 

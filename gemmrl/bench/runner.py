@@ -160,12 +160,9 @@ def _one_problem(problem, impls, store, cfg, device, run_id, l2, counts, log):
         names = {i.name for i in impls}
         if cfg.repeat_impl in names:
             names.add(cfg.repeat_impl + REPEAT_SUFFIX)
-        if cfg.retime_after is not None:
-            redo = not names <= store.measured_impls(device, problem, mode, cfg.protocol(mode),
-                                                     after_run=cfg.retime_after)
-        else:
-            redo = cfg.retime or not names <= store.measured_impls(device, problem, mode, cfg.protocol(mode))
-        if redo:
+        # retime_after: what runs after it measured counts as done; plain retime: nothing does
+        if (cfg.retime and cfg.retime_after is None) or not names <= store.measured_impls(
+                device, problem, mode, cfg.protocol(mode), after_run=cfg.retime_after):
             todo_modes.append(mode)
         else:
             counts["skipped"] += 1
