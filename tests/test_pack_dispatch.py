@@ -313,8 +313,9 @@ def test_a_kernel_the_product_runs_slower_than_torch_in_kernel_time_leaves_the_p
 def test_product_sessions_of_a_kernels_host_only_variant_still_count(store, tmp_path):
     """The pack names a kernel by its source's hash, and the entry-point cache (on by default since
     2026-11-29) changed every CUTLASS source in host code only: product sessions timed while the
-    pack served the plain source still count for the kernel, in the export (its median) and in
-    `disputed`; a source of another spec does not."""
+    pack served the plain source still count for the kernel in the export (its median); a source
+    of another spec does not. `disputed` reads the sessions of the source the pack ships, as the
+    grid report does."""
     from gemmrl.runtime.pack import disputed, kernel_shas, sha256_text
     from gemmrl.space import registry
 
@@ -346,13 +347,23 @@ def test_product_sessions_of_a_kernels_host_only_variant_still_count(store, tmp_
     product(0, 9.86, 10.29, plain)  # 1.044, timed under the plain source
     m, e = export("a")
     assert e is not None and e["source_sha256"] == new_sha and e["product_sessions"] == 1
-    product(1, 9.49, 9.10, plain)  # 0.959, the newest: disputed though the pack now ships the new source
-    m, e = export("b")
+    product(1, 9.49, 9.10, plain)  # 0.959, the newest, but of the plain source: the grid report
+    m, e = export("b")  # counts the pair as not yet timed as the pack serves it, not as slower
     assert e is not None and e["product_sessions"] == 2
+    assert disputed(store, m, DEV) == []
+    product(2, 9.80, 10.29, plain)  # 1.050
+    product(3, 9.49, 9.10, new_sha)  # 0.959, the shipped source's one session, the newest
+    m, e = export("c")  # the median of the four, 1.0015, keeps it
+    assert e is not None and e["product_sessions"] == 4
+    # four sessions of the kernel, one of the source the pack ships: the report fails the pair on
+    # that one, so one more session of it decides (H200, runs 742-751)
     assert disputed(store, m, DEV) == [(512, 512, 4096, "TN", "kernel")]
-    product(2, 10.3, 9.10, sha256_text(cutlass_sm90.render(other, p)))  # another spec's kernel: not counted
-    m, e = export("c")
-    assert e is not None and e["product_sessions"] == 2
+    product(4, 10.3, 9.10, sha256_text(cutlass_sm90.render(other, p)))  # another spec's kernel: not counted
+    m, e = export("d")
+    assert e is not None and e["product_sessions"] == 4
+    assert disputed(store, m, DEV) == [(512, 512, 4096, "TN", "kernel")]
+    product(5, 9.70, 10.29, new_sha)  # 1.061: the shipped source's newest session is not slower
+    assert disputed(store, m, DEV) == []
 
 
 def test_a_kept_kernel_whose_newest_product_session_was_slower_is_disputed_until_it_has_three(store, tmp_path):
