@@ -9,7 +9,8 @@ served must then be timed again under the new serving (the thirty-third session,
 three device calls for it: 142, then 24, then 3 shapes). An export that changes nothing settles the
 pack only where nothing it serves is disputed: a kernel or algorithm whose newest product session
 ran slower than torch.matmul beyond the noise, kept by the median of its sessions, is timed again
-in that mode until it has --min-sessions (3) there (gemmrl.runtime.pack.disputed). Run on the
+in that mode until it has --min-sessions (3) there, sessions of the very source or algorithm the
+pack ships, as the grid report reads them (gemmrl.runtime.pack.disputed). Run on the
 device, beside the store the call sends back:
 
     python3 scripts/product-settle.py --device H200 --acc fp16 --pack packs/h200-fp16-F16F16F16F16 \\
