@@ -985,6 +985,77 @@ def test_gpu_identity_names_the_physical_gpu_and_its_limits(monkeypatch):
     assert env.gpu_identity(SimpleNamespace(uuid="GPU-x")) == {"uuid": "GPU-x"}
 
 
+class _FakeNvml:
+    """pynvml's calls gpu_state makes, for one GPU; `fail` names the calls that raise."""
+
+    NVML_FI_DEV_MEMORY_TEMP = 82
+
+    def __init__(self, uuid="GPU-abc", fail=(), mem_temp_type=1):
+        self.uuid, self.fail, self.mem_temp_type, self.inits = uuid, set(fail), mem_temp_type, 0
+
+    def _check(self, name):
+        if name in self.fail:
+            raise RuntimeError(f"NVML: {name} not supported")
+
+    def nvmlInit(self):
+        self._check("init")
+        self.inits += 1
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        if uuid != self.uuid:
+            raise RuntimeError("NVML_ERROR_NOT_FOUND")
+        return "handle"
+
+    def nvmlDeviceGetTemperature(self, h, sensor):
+        self._check("temp")
+        assert h == "handle" and sensor == 0
+        return 61
+
+    def nvmlDeviceGetFieldValues(self, h, ids):
+        from types import SimpleNamespace
+
+        self._check("fields")
+        assert ids == [82]
+        value = SimpleNamespace(uiVal=74, siVal=-1, dVal=-1.0)
+        return [SimpleNamespace(nvmlReturn=0, valueType=self.mem_temp_type, value=value)]
+
+    def nvmlDeviceGetClockInfo(self, h, clock):
+        self._check("clocks")
+        return {1: 1755, 2: 3201}[clock]
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        return 412345  # milliwatts
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h):
+        self._check("events")
+        return 0x4 | 0x20
+
+
+def test_gpu_state_reads_temperatures_clocks_power_and_throttling_and_never_raises(monkeypatch):
+    """env.gpu_state: the GPU's state for a session's record, through NVML; a reading NVML
+    refuses is left out, NVML missing or refusing the GPU gives {}, GEMMRL_GPU_STATE=0 turns it
+    off, and NVML is initialized once per process."""
+    from gemmrl.bench import env
+
+    monkeypatch.delenv(env.STATE_ENV, raising=False)
+    nvml = _FakeNvml()
+    want = {"temp_c": 61, "mem_temp_c": 74, "sm_mhz": 1755, "mem_mhz": 3201, "power_w": 412.3,
+            "clock_events": ["sw_power_cap", "sw_thermal"]}
+    assert env.gpu_state("abc", nvml=nvml) == want  # torch's UUID has no GPU- prefix
+    assert env.gpu_state("GPU-abc", nvml=nvml) == want and nvml.inits == 1
+    part = _FakeNvml(fail={"fields", "events"})
+    assert env.gpu_state("GPU-abc", nvml=part) == {"temp_c": 61, "sm_mhz": 1755, "mem_mhz": 3201, "power_w": 412.3}
+    assert env.gpu_state("GPU-other", nvml=_FakeNvml()) == {}
+    broken = _FakeNvml(fail={"init"})
+    assert env.gpu_state("GPU-abc", nvml=broken) == {}
+    broken.fail.clear()
+    assert env.gpu_state("GPU-abc", nvml=broken) == {} and broken.inits == 0  # not tried again
+    assert env.gpu_state("GPU-abc", nvml=_FakeNvml(mem_temp_type=5))["mem_temp_c"] == -1  # by its type
+    monkeypatch.setenv(env.STATE_ENV, "0")
+    assert env.gpu_state("GPU-abc", nvml=_FakeNvml()) == {}
+    assert env.clock_event_names(0) == [] and env.clock_event_names(0x1 | 0x400) == ["gpu_idle", "0x400"]
+
+
 def test_use_harness_settings_turns_reduced_precision_reduction_off(monkeypatch):
     import torch
 

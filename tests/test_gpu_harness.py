@@ -406,3 +406,27 @@ def test_an_old_autotuned_choice_is_made_again_and_verified_with_its_new_algorit
                device=dev, run_id=run, log=lambda m: None)
     assert again.choice_info == got["info"] and len(store.verifications(dev)) == n_ver
     store.close()
+
+
+def test_a_bench_records_the_gpu_state_after_each_session(tmp_path):
+    """env.gpu_state on the GPU: NVML (nvidia-ml-py, in the device image) finds the GPU torch
+    times on and reads plausible values, and a bench stores them with every record of a session."""
+    pytest.importorskip("pynvml")
+    from gemmrl.bench import env
+
+    got = env.gpu_state()
+    assert 5 <= got["temp_c"] <= 110 and got["sm_mhz"] > 0 and got["mem_mhz"] > 0, got
+    assert 10 <= got["power_w"] <= 2000 and isinstance(got.get("clock_events", []), list), got
+    db = tmp_path / "s.sqlite"
+    r = subprocess.run([sys.executable, "-m", "gemmrl.cli", "bench", "--shapes", "256x256x512", "--mode", "kernel",
+                        "--impl", "torch.matmul", "--db", str(db), "--out", str(tmp_path / "out"), "--no-report"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    from gemmrl.store.db import Store
+
+    store = Store(db, readonly=True)
+    rows = store.db.execute("SELECT impl, details FROM measurements WHERE status='ok'").fetchall()
+    assert rows
+    for impl, details in rows:
+        state = json.loads(details)["gpu_state"]
+        assert 5 <= state["temp_c"] <= 110 and state["sm_mhz"] > 0, (impl, state)

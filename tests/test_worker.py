@@ -189,6 +189,43 @@ def test_the_runner_stops_at_the_implementation_that_lost_the_context(tmp_path, 
     store.close()
 
 
+def test_each_session_records_the_gpu_state_after_it(tmp_path, monkeypatch):
+    """The runner stores env.gpu_state() with every implementation's record of a session, read
+    after that session's timing; where NVML says nothing, the records carry no state."""
+    import json
+
+    from gemmrl.bench import env, runner, worker
+    from gemmrl.core.problem import Problem
+    from gemmrl.store.db import Store
+    from gemmrl.verify.checks import CheckResult
+
+    monkeypatch.setattr(runner, "verify", lambda impl, problem, **kw: CheckResult(True, ""))
+    monkeypatch.delenv(worker.HEARTBEAT_ENV, raising=False)
+    monkeypatch.setattr(worker, "cuda_context_error", lambda: None)
+    order = []
+
+    def time_kernel(problem, calls, **kw):
+        order.append("timed")
+        return {n: {"median_us": 5.0, "n": 50, "status": "ok", "details": {"graph": True}} for n in calls}
+
+    states = iter([{"temp_c": 70, "sm_mhz": 1410, "clock_events": ["sw_power_cap"]}, {}])
+    monkeypatch.setattr(runner.timing, "time_kernel", time_kernel)
+    monkeypatch.setattr(env, "gpu_state", lambda: order.append("state") or next(states))
+    store = Store(tmp_path / "s.sqlite")
+    run = store.start_run("bench", "cpu", {}, {})
+    counts = {"sessions": 0, "skipped": 0, "rejected": 0}
+    for p in (Problem(64, 64, 64), Problem(64, 64, 128)):
+        runner._one_problem(p, _fake_impls("a", "b"), store, runner.RunConfig(repeat_impl=None), "cpu", run, 0,
+                            counts, lambda m: None)
+    assert order == ["timed", "state", "timed", "state"]
+    rows = store.db.execute("SELECT K, impl, details FROM measurements ORDER BY K, impl").fetchall()
+    got = {(k, impl): json.loads(d) for k, impl, d in rows}
+    assert got[(64, "a")] == got[(64, "b")] == {
+        "graph": True, "gpu_state": {"temp_c": 70, "sm_mhz": 1410, "clock_events": ["sw_power_cap"]}}
+    assert got[(128, "a")] == {"graph": True}
+    store.close()
+
+
 def test_retime_after_a_run_times_again_only_what_later_runs_did_not(tmp_path, monkeypatch):
     """RunConfig.retime_after: a shape whose every implementation a later run measured in the
     mode is skipped; one timed only before (or by a later run, in part) is timed again, and

@@ -96,6 +96,105 @@ def gpu_identity(props=None) -> dict:
     return parse_gpu_query(smi_id, text)
 
 
+# NVML's clock-event (throttle) reason bits (nvml.h, nvmlClocksEventReason*), by name
+CLOCK_EVENTS = {0x1: "gpu_idle", 0x2: "applications_clocks", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
+                0x10: "sync_boost", 0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake",
+                0x100: "display_clocks"}
+NVML_FI_DEV_MEMORY_TEMP = 82  # nvml.h: the memory (HBM) temperature, a field value
+STATE_ENV = "GEMMRL_GPU_STATE"  # "0": record no GPU state with the sessions
+
+
+def clock_event_names(mask: int) -> list[str]:
+    """NVML's clock-event reason bitmask -> the reasons' names, lowest bit first; an unknown bit
+    as its hex value. Pure."""
+    out = [name for bit, name in CLOCK_EVENTS.items() if mask & bit]
+    rest = mask & ~sum(CLOCK_EVENTS)
+    return out + ([hex(rest)] if rest else [])
+
+
+def _field_number(fv):
+    """One nvmlFieldValue_t's value as a number, by its valueType; None where NVML did not read it."""
+    if getattr(fv, "nvmlReturn", 1) != 0:
+        return None
+    attr = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal",
+            6: "usVal"}.get(getattr(fv, "valueType", -1))
+    return getattr(fv.value, attr, None) if attr else None
+
+
+_NVML: dict = {}  # (NVML module, GPU UUID) -> handle; ("init", module): NVML initialized there
+
+
+def _nvml_handle(nvml, uuid: str):
+    """NVML's handle of the GPU with this UUID, NVML initialized once per process (tried once)."""
+    key = (nvml, uuid)
+    if key not in _NVML:
+        if ("init", nvml) not in _NVML:
+            _NVML[("init", nvml)] = False  # a failed init (no driver) is not tried again
+            nvml.nvmlInit()
+            _NVML[("init", nvml)] = True
+        if not _NVML[("init", nvml)]:
+            raise RuntimeError("NVML did not initialize in this process")
+        try:
+            _NVML[key] = nvml.nvmlDeviceGetHandleByUUID(uuid)
+        except TypeError:  # an nvidia-ml-py that takes bytes only
+            _NVML[key] = nvml.nvmlDeviceGetHandleByUUID(uuid.encode())
+    return _NVML[key]
+
+
+def gpu_state(uuid: str | None = None, nvml=None) -> dict:
+    """The GPU's state now, for a session's record: temperatures (the GPU's, and the memory's where
+    NVML reports it), SM and memory clocks, power draw and the active clock-event (throttle)
+    reasons, read through NVML (nvidia-ml-py's pynvml; `nvml` stands in for it in tests). The same
+    stored cuBLASLt algorithm ran 7-12% slower on small shapes in some runs than in others
+    (2026-11-26/27 against 2026-11-28 on, results/README.md), and nothing recorded told those
+    sessions' GPUs apart. Microseconds, so read once per (shape, mode) session. `uuid`: the GPU
+    (default torch's current device's). Never raises: what cannot be read is left out; {} without
+    NVML or with GEMMRL_GPU_STATE=0."""
+    if os.environ.get(STATE_ENV, "1") == "0" or (nvml is None and _NVML.get("missing")):
+        return {}
+    try:
+        if nvml is None:
+            try:
+                import pynvml as nvml  # nvidia-ml-py
+            except ImportError:
+                _NVML["missing"] = True  # not looked for again in this process
+                raise
+        if uuid is None:
+            import torch
+
+            uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+        uuid = uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+        h = _nvml_handle(nvml, uuid)
+    except Exception:  # no NVML, no GPU, another GPU than NVML knows: nothing to say
+        return {}
+    out: dict = {}
+    reads = {
+        "temp_c": lambda: nvml.nvmlDeviceGetTemperature(h, 0),  # NVML_TEMPERATURE_GPU
+        "mem_temp_c": lambda: _field_number(nvml.nvmlDeviceGetFieldValues(
+            h, [getattr(nvml, "NVML_FI_DEV_MEMORY_TEMP", NVML_FI_DEV_MEMORY_TEMP)])[0]),
+        "sm_mhz": lambda: nvml.nvmlDeviceGetClockInfo(h, 1),  # NVML_CLOCK_SM
+        "mem_mhz": lambda: nvml.nvmlDeviceGetClockInfo(h, 2),  # NVML_CLOCK_MEM
+        "power_w": lambda: nvml.nvmlDeviceGetPowerUsage(h) / 1000.0,  # milliwatts
+    }
+    for key, read in reads.items():
+        try:
+            v = read()
+        except Exception:
+            continue
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[key] = round(float(v), 1) if key == "power_w" else int(v)
+    for name in ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"):
+        fn = getattr(nvml, name, None)
+        if fn is None:
+            continue
+        try:
+            out["clock_events"] = clock_event_names(int(fn(h)))
+            break
+        except Exception:
+            continue
+    return out
+
+
 def use_harness_settings() -> dict:
     """Set torch's matmul flags the way every gemmrl measurement runs them and return them: no
     reduced-precision reduction in fp16 or bf16 (torch.matmul then accumulates as the fp32

@@ -217,6 +217,10 @@ def _one_problem(problem, impls, store, cfg, device, run_id, l2, counts, log):
         else:
             res = timing.time_host(problem, calls, settings=getattr(cfg, mode), seed=cfg.seed)
         res = judge_floor(problem, res, store.latest_peaks(device), {i.name for i in impls if i.trusted})
+        state = env.gpu_state()  # the GPU right after the session: temperatures, clocks, throttling
+        if state:
+            for r in res.values():
+                r["details"] = {**(r.get("details") or {}), "gpu_state": state}
         store.record_session(run_id, session, device, problem, mode, cfg.protocol(mode), res)
         counts["sessions"] += 1
         for name, r in res.items():
