@@ -22,27 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from gemmrl.report.bias import CLASSES, SUBJECT, bias, latest_from, quantile, ratios  # noqa: E402
-
-
-def parse_runs(text: str) -> set[int]:
-    """'288-291,300' -> {288, 289, 290, 291, 300}."""
-    out: set[int] = set()
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        lo, sep, hi = part.partition("-")
-        try:
-            a, b = int(lo), int(hi) if sep else int(lo)
-        except ValueError:
-            raise ValueError(f"--runs {text!r}: give run ids and ranges, e.g. 288-291,300") from None
-        if b < a:
-            raise ValueError(f"--runs {text!r}: {part} runs backwards")
-        out.update(range(a, b + 1))
-    if not out:
-        raise ValueError("--runs names no run")
-    return out
+from gemmrl.report.bias import CLASSES, SUBJECT, bias, latest_from, parse_runs, quantile, ratios  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -2013,6 +2013,58 @@ def test_session_bias_compares_a_calls_ratios_with_the_same_kernels_elsewhere(tm
     assert none.returncode == 2 and "runs 9 timed no verified gemmrl-tuned winner" in none.stderr
 
 
+def test_library_state_names_the_runs_that_timed_the_libraries_slow(tmp_path):
+    """scripts/library-state.py (report.bias.library_state): per run, the share of its library
+    sessions (torch.matmul, cuBLAS, cuBLASLt heuristic; small shapes, one cuBLAS version, three
+    sessions or more) more than --above over the fastest, with the GPU state its sessions stored."""
+    from gemmrl.core.problem import Problem
+    from gemmrl.report.bias import library_state
+    from gemmrl.store.db import Store
+
+    db = tmp_path / "s.sqlite"
+    st = Store(db)
+    dev = "NVIDIA H200"
+    shapes = [Problem(64, 1024, 4096), Problem(128, 512, 4096), Problem(512, 256, 4096)]
+    hot = {"temp_c": 71, "mem_temp_c": 80, "sm_mhz": 1410, "power_w": 690.0, "clock_events": ["sw_power_cap"]}
+    # run 2 times every library kernel 12% slower, its sessions with a GPU state; run 4 is another cuBLAS
+    for run, factor, cublas, state in ((1, 1.0, "13.1", None), (2, 1.12, "13.1", hot), (3, 1.01, "13.1", None),
+                                       (4, 1.3, "12.9", None)):
+        rid = st.start_run("gemmrl bench", dev, {"cublas": cublas}, {})
+        assert rid == run
+        for i, p in enumerate(shapes):
+            res = {"torch.matmul": {"median_us": 7.0 * factor, "n": 5}, "cuBLAS-tn": {"median_us": 7.5 * factor, "n": 5},
+                   "gemmrl-tuned": {"median_us": 7.2, "n": 5}}
+            if state:
+                res = {k: {**v, "details": {"gpu_state": {**state, "temp_c": state["temp_c"] + i}}} for k, v in res.items()}
+            st.record_session(rid, f"s{run}{i}", dev, p, "kernel", "kernel:v3", res)
+        big = Problem(8192, 8192, 8192)  # over --under-us: not counted
+        st.record_session(rid, f"b{run}", dev, big, "kernel", "kernel:v3", {"torch.matmul": {"median_us": 900.0 * factor, "n": 5}})
+        st.finish_run(rid)
+    got = library_state(st.db, dev)
+    assert got[1] == {"sessions": 6, "slow": 0.0, "state": {"sessions": 0}}
+    assert got[2]["slow"] == 1.0 and got[3]["slow"] == 0.0 and 4 not in got  # run 4: one session per cuBLAS version
+    assert got[2]["state"] == {"sessions": 3, "temp_c": 72, "mem_temp_c": 80, "sm_mhz": 1410, "power_w": 690.0,
+                               "clock_events": {"sw_power_cap": 3}}
+    assert library_state(st.db, dev, above=1.2)[2]["slow"] == 0.0
+    assert set(library_state(st.db, dev, runs={2})) == {2}
+    st.close()
+    cmd = [sys.executable, str(ROOT / "scripts" / "library-state.py"), "--db", str(db), "--device", "H200",
+           "--min-sessions", "3"]
+    r = subprocess.run(cmd + ["--json", str(tmp_path / "s.json")], capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = {ln.split(" | ")[0]: ln for ln in r.stdout.splitlines() if ln.startswith("| ") and ln[2].isdigit()}
+    assert set(rows) == {"| 1", "| 2", "| 3"}
+    assert rows["| 2"].endswith("| 6 | 100.0% | 3 | 72 | 80 | 1410 | 690 | sw_power_cap 3 |")
+    assert rows["| 1"].endswith("| 6 | 0.0% | 0 | - | - | - | - | - |")
+    assert json.loads((tmp_path / "s.json").read_text())["runs"]["2"]["slow"] == 1.0
+    r = subprocess.run(cmd + ["--min-slow", "0.5"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0 and [ln[:4] for ln in r.stdout.splitlines() if ln[:3] == "| " + ln[2:3] and ln[2:3].isdigit()] == ["| 2 "]
+    bad = subprocess.run(cmd + ["--above", "0.9"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert bad.returncode == 2 and "more than 1" in bad.stderr
+    none = subprocess.run(cmd + ["--runs", "9"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert none.returncode == 2 and "in runs 9" in none.stderr
+
+
 LT_PROFILE_CSV = '''fp32 run: done
 ==PROF== Connected to process 77 (/usr/bin/python3)
 ==PROF== Profiling "sm90_xmma_gemm_f16f16_f32f32": 0%....50%....100% - 12 passes

@@ -86,6 +86,26 @@ def latest_from(rows, runs: set[int]) -> dict[str, list[tuple[int, int, int]]]:
     return dict(out)
 
 
+def parse_runs(text: str) -> set[int]:
+    """'288-291,300' -> {288, 289, 290, 291, 300} (the scripts' --runs)."""
+    out: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        try:
+            a, b = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ValueError(f"--runs {text!r}: give run ids and ranges, e.g. 288-291,300") from None
+        if b < a:
+            raise ValueError(f"--runs {text!r}: {part} runs backwards")
+        out.update(range(a, b + 1))
+    if not out:
+        raise ValueError("--runs names no run")
+    return out
+
+
 def quantile(a: list[float], q: float) -> float:
     a = sorted(a)
     return a[min(len(a) - 1, int(q * len(a)))]
@@ -109,4 +129,69 @@ def scan(rows, min_pairs: int = 8, threshold: float = 0.03) -> list[dict]:
             if len(f) >= min_pairs and abs(geo_median(f) - 1) > threshold:
                 out.append({"run": run, "class": k, "pairs": len(f), "median": round(geo_median(f), 4),
                             "report_rows": len(late.get(k, []))})
+    return out
+
+
+# the libraries' own kernels: the same choice in every session of one library version
+LIBRARY_IMPLS = ("torch.matmul", "torch.matmul-tn", "cuBLAS-nn", "cuBLAS-tn", "cuBLASLt-heuristic-nn",
+                 "cuBLASLt-heuristic-tn")
+
+
+def library_state(db: sqlite3.Connection, device: str, under_us: float = 15.0, above: float = 1.07,
+                  min_sessions: int = 3, runs=None) -> dict[int, dict]:
+    """Runs whose library baselines ran slow, from the store alone: for every (shape, dtype, acc,
+    implementation of LIBRARY_IMPLS, cuBLAS version) timed in kernel mode under `under_us` in
+    `min_sessions` sessions or more, each session's time over the fastest of them; per run
+    (`runs`, else every run), {'sessions': how many such sessions, 'slow': the share more than
+    `above` over the fastest, 'state': the medians of the GPU state its sessions recorded
+    (env.gpu_state: temp_c, mem_temp_c, sm_mhz, mem_mhz, power_w) with 'sessions' counting them
+    and 'clock_events': {reason: sessions}}. One stored algorithm ran 7-12% slower on small shapes
+    in some runs than in others (H200, runs 150-476 against 486 on, results/README.md
+    2026-11-30): a run with many slow sessions flatters every kernel of ours timed beside them."""
+    cublas = {}
+    for run, prov in db.execute("SELECT id, provenance FROM runs"):
+        try:
+            cublas[run] = str((json.loads(prov or "{}") or {}).get("cublas") or "")
+        except ValueError:
+            cublas[run] = ""
+    marks = ", ".join("?" * len(LIBRARY_IMPLS))
+    groups: dict = defaultdict(list)
+    for run, session, M, N, K, dt, acc, impl, med, details in db.execute(
+            "SELECT run_id, session, M, N, K, dtype, acc, impl, median_us, details FROM measurements WHERE "
+            f"device=? AND mode='kernel' AND status='ok' AND median_us > 0 AND median_us < ? AND impl IN ({marks})",
+            (device, under_us, *LIBRARY_IMPLS)):
+        groups[(M, N, K, dt, acc, impl, cublas.get(run, ""))].append((run, session, med, details))
+    per_run: dict = defaultdict(lambda: {"n": 0, "slow": 0, "states": {}})
+    for seen in groups.values():
+        if len(seen) < min_sessions:
+            continue
+        fastest = min(s[2] for s in seen)
+        for run, session, med, details in seen:
+            if runs is not None and run not in runs:
+                continue
+            got = per_run[run]
+            got["n"] += 1
+            got["slow"] += med > above * fastest
+            if session not in got["states"]:
+                try:
+                    state = (json.loads(details or "{}") or {}).get("gpu_state")
+                except ValueError:
+                    state = None
+                if isinstance(state, dict) and state:
+                    got["states"][session] = state
+    out = {}
+    for run, got in sorted(per_run.items()):
+        states = list(got["states"].values())
+        summary: dict = {"sessions": len(states)}
+        for key in ("temp_c", "mem_temp_c", "sm_mhz", "mem_mhz", "power_w"):
+            vals = [s[key] for s in states if isinstance(s.get(key), (int, float))]
+            if vals:
+                summary[key] = statistics.median(vals)
+        events: dict = defaultdict(int)
+        for s in states:
+            for e in s.get("clock_events") or []:
+                events[e] += 1
+        if events:
+            summary["clock_events"] = dict(sorted(events.items()))
+        out[run] = {"sessions": got["n"], "slow": round(got["slow"] / got["n"], 4), "state": summary}
     return out
