@@ -93,6 +93,21 @@ def _manifest(pack_dir):
     return json.loads((pack_dir / "manifest.json").read_text())
 
 
+def _product(store, p, i, ours, torch_us, served, mode="kernel"):
+    """One product session of gemmrl.matmul-tn on `p` at `ours` us beside torch.matmul-tn at
+    `torch_us`, in its own run, whose verification names the source `served` (torch.matmul and its
+    repeat agree: no noise)."""
+    prun = store.start_run("gemmrl bench --impl pack:DIR --mode " + mode, DEV, PROV, {})
+    store.record_verification(prun, DEV, p, "gemmrl.matmul-tn", True, "ok",
+                              {"impl": {"served": {"source_sha256": served, "shape": p.shape}}})
+    t = "mean_us" if mode == "server" else "median_us"
+    store.record_session(prun, f"{mode}{i}", DEV, p, mode, f"{mode}:v2", {
+        "gemmrl.matmul-tn": {t: ours, "median_us": ours, "n": 50},
+        "torch.matmul-tn": {t: torch_us, "median_us": torch_us, "n": 50},
+        "torch.matmul": {t: 10.0, "median_us": 10.0, "n": 50},
+        "torch.matmul@repeat": {t: 10.0, "median_us": 10.0, "n": 50}})
+
+
 # ------------------------------------------------------------------------------- export / load
 
 def test_export_writes_verified_winners_that_beat_the_baselines(pack_dir):
@@ -333,12 +348,7 @@ def test_product_sessions_of_a_kernels_host_only_variant_still_count(store, tmp_
     assert kernel_shas(registry.get("raw"), rspec, p) == {sha256_text(raw.render(rspec, p))}
 
     def product(i, ours, torch_us, served):
-        prun = store.start_run("gemmrl bench --impl pack:DIR --mode kernel", DEV, PROV, {})
-        store.record_verification(prun, DEV, p, "gemmrl.matmul-tn", True, "ok",
-                                  {"impl": {"served": {"source_sha256": served, "shape": p.shape}}})
-        store.record_session(prun, f"k{i}", DEV, p, "kernel", "kernel:v2", {
-            "gemmrl.matmul-tn": {"median_us": ours, "n": 50}, "torch.matmul-tn": {"median_us": torch_us, "n": 50},
-            "torch.matmul": {"median_us": 10.0, "n": 50}, "torch.matmul@repeat": {"median_us": 10.0, "n": 50}})
+        _product(store, p, i, ours, torch_us, served)
 
     def export(name):
         m = _manifest(export_pack(store, DEV, tmp_path / name, "fp16", "fp32"))
@@ -366,6 +376,44 @@ def test_product_sessions_of_a_kernels_host_only_variant_still_count(store, tmp_
     assert disputed(store, m, DEV) == []
 
 
+def test_once_the_shipped_build_has_three_sessions_its_older_builds_stop_counting(store, tmp_path):
+    """pack.own_build_first: a kernel's product sessions of a host-only variant (an older build of
+    the same device code) count until the shipped source has three in that mode; then the
+    shipped source's alone decide, so the export agrees with the grid report (H200, 2026-11-30:
+    older-build sessions beside slow library kernels kept ten kernels the new build's sessions
+    ran slower)."""
+    from gemmrl.runtime.pack import disputed, own_build_first, sha256_text
+
+    rows = [("old", "kernel", 1), ("new", "kernel", 2), ("new", "kernel", 3), ("new", "kernel", 4),
+            ("old", "offline", 5), ("new", "offline", 6)]
+    assert own_build_first(rows, "new") == [r for r in rows if r[0] == "new" or r[1] == "offline"]
+    assert own_build_first(rows, "new", min_own=4) == rows and own_build_first([], "new") == []
+
+    p = Problem(512, 512, 4096)
+    new_sha = _tuned_tn(store, p, 9.0, 10.0, 2)
+    spec = cutlass_sm90.heuristic_specs(p, "TN")[0]
+    old = sha256_text(cutlass_sm90.render(spec, p, entry_cache=False))
+    assert old != new_sha
+
+    def export(name):
+        m = _manifest(export_pack(store, DEV, tmp_path / name, "fp16", "fp32"))
+        return m, {(r["M"], r["N"], r["K"]): r for r in m["entries"]}.get((512, 512, 4096))
+
+    for i in range(3):
+        _product(store, p, i, 9.50, 10.0, old)  # 1.053 of torch.matmul-tn, the older build
+    for i in range(3, 5):
+        _product(store, p, i, 10.31, 10.0, new_sha)  # 0.970, the shipped build
+    m, e = export("a")  # the median of the five, 1.053: kept; two of the shipped build's: disputed
+    assert e is not None and e["product_sessions"] == 5
+    assert disputed(store, m, DEV) == [(512, 512, 4096, "TN", "kernel")]
+    _product(store, p, 5, 10.31, 10.0, new_sha)  # the shipped build's third: its own decide
+    m, e = export("b")
+    assert e is None and disputed(store, m, DEV) == []
+    # its speedups: the two tuning sessions' 1.111 and the shipped build's three 0.970
+    assert any("512x512x4096" in n and "median speedup 0.9699 over the best baseline in 5 sessions" in n
+               for n in m["skipped"]), m["skipped"]
+
+
 def test_a_kept_kernel_whose_newest_product_session_was_slower_is_disputed_until_it_has_three(store, tmp_path):
     """gemmrl.runtime.pack.disputed: a kernel the export keeps (the median of its product
     sessions is within the noise) but whose newest session ran slower than torch.matmul beyond
@@ -378,15 +426,7 @@ def test_a_kept_kernel_whose_newest_product_session_was_slower_is_disputed_until
     sha = _tuned_tn(store, p, 9.0, 10.0, 2)
 
     def product(i, ours, torch_us, served=sha, mode="kernel"):
-        prun = store.start_run("gemmrl bench --impl pack:DIR --mode " + mode, DEV, PROV, {})
-        store.record_verification(prun, DEV, p, "gemmrl.matmul-tn", True, "ok",
-                                  {"impl": {"served": {"source_sha256": served, "shape": p.shape}}})
-        t = "mean_us" if mode == "server" else "median_us"
-        store.record_session(prun, f"{mode}{i}", DEV, p, mode, f"{mode}:v2", {
-            "gemmrl.matmul-tn": {t: ours, "median_us": ours, "n": 50},
-            "torch.matmul-tn": {t: torch_us, "median_us": torch_us, "n": 50},
-            "torch.matmul": {t: 10.0, "median_us": 10.0, "n": 50},
-            "torch.matmul@repeat": {t: 10.0, "median_us": 10.0, "n": 50}})
+        _product(store, p, i, ours, torch_us, served, mode)
 
     def export(name):
         m = _manifest(export_pack(store, DEV, tmp_path / name, "fp16", "fp32"))
