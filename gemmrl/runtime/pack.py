@@ -447,10 +447,9 @@ def disputed(store, manifest: dict, device: str, min_sessions: int = 3) -> list[
     export kept it, the product target failed on it). Sessions of the very source the pack ships,
     as the grid report reads them: the export's median also counts the kernel's host-only variants
     (kernel_shas) until the shipped source has three (own_build_first), but a kernel with two
-    sessions of its old build and one of the shipped one was
-    left undisputed at three while the report failed it on that one (H200, runs 742-751: six
-    kernels, torch.matmul up to 12% faster in that session than in each earlier one). Sorted by
-    FLOPs."""
+    sessions of its old build and one of the shipped one was left undisputed at three while the
+    report failed it on that one (H200, runs 742-751: six kernels, torch.matmul up to 12% faster
+    in that session than in each earlier one). Sorted by FLOPs."""
     from gemmrl.runtime.pack_impl import served_lt
 
     dtype, acc = manifest.get("dtype", "fp16"), manifest.get("acc", "fp32")
