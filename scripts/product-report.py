@@ -343,6 +343,20 @@ def main(argv=None) -> int:
     if not res:
         print(f"{label} timed no gemmrl.matmul beside torch.matmul", file=sys.stderr)
         return 1
+    # a slower pair whose kernel or algorithm the export still keeps, with fewer than three sessions
+    # of it in that mode: product-settle times it again (gemmrl.runtime.pack.disputed, whole store)
+    from gemmrl.runtime.pack import disputed
+    from gemmrl.store.db import Store
+
+    store = Store(a.db, readonly=True)
+    try:
+        disp = set(disputed(store, manifest, rows[max(runs)][0]))
+    finally:
+        store.close()
+    for mode, per in res.items():
+        for b in per.get("beyond_noise", []):
+            M, N, K = (int(x) for x in b["shape"].split("x"))
+            b["disputed"] = (M, N, K, b["layout"], mode) in disp
     prov = json.loads(row[1] or "{}")
     print(f"{label} on {row[0]} (driver {prov.get('driver')}, CUDA {prov.get('cuda')}, torch {prov.get('torch')}, "
           f"commit {prov.get('commit')}, {prov.get('date')}); pack {mf.parent}"
@@ -360,7 +374,9 @@ def main(argv=None) -> int:
     for mode, per in res.items():
         for b in per.get("beyond_noise", []):
             print(f"{mode}: {b['shape']} {b['layout']} ({b['call']}) at {b['ratio']:.4f} of torch.matmul, "
-                  f"slower beyond the noise (torch.matmul within {b['noise']:.2%} of its repeat there)")
+                  f"slower beyond the noise (torch.matmul within {b['noise']:.2%} of its repeat there)"
+                  + ("; disputed: the pack keeps it on fewer than three sessions of it, product-settle.py times "
+                     "it again" if b["disputed"] else ""))
     for mode, per in res.items():
         for b in per.get("stale", []):
             print(f"{mode}: {b['shape']} {b['layout']} timed with {b['timed']} (at {b['ratio']:.4f} of torch.matmul); "

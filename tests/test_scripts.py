@@ -676,7 +676,7 @@ def test_product_report_splits_served_and_fallback_calls_per_session(tmp_path):
     # each (shape, layout) slower than torch.matmul beyond its session's noise, in each mode
     for mode in ("kernel", "offline"):
         assert res[mode]["beyond_noise"] == [{"shape": "128x64x64", "layout": "NN", "call": "fallback",
-                                              "ratio": 0.9091, "noise": 0.0099}]
+                                              "ratio": 0.9091, "noise": 0.0099, "disputed": False}]
     assert "offline: 128x64x64 NN (fallback) at 0.9091 of torch.matmul, slower beyond the noise" in r.stdout
     assert "| kernel | NN served | torch.matmul | 2 | 1.369 |" in r.stdout
     assert k["NN neighbour"]["shapes"] == 1 and abs(k["NN neighbour"]["geomean"] - 10 / 9) < 1e-9
@@ -741,6 +741,10 @@ def test_product_report_lists_apart_pairs_timed_with_another_serving(tmp_path):
     assert [(b["shape"], b["timed"], b["pack"]) for b in k["stale"]] == [
         ("64x64x64", "kernel aa", "cuBLASLt algorithm 42ab"), ("128x64x64", "the library", "cuBLASLt algorithm 42ab")]
     assert {b["shape"] for b in k["beyond_noise"]} == {"256x64x64", "512x64x64"}
+    # the algorithm the pack keeps, one session of it slower: disputed; 512x64x64's record cannot say what served
+    assert {b["shape"]: b["disputed"] for b in k["beyond_noise"]} == {"256x64x64": True, "512x64x64": False}
+    assert "256x64x64 TN (fallback) at 0.8000 of torch.matmul, slower beyond the noise" in r.stdout
+    assert "; disputed: the pack keeps it on fewer than three sessions of it" in r.stdout
     assert k["TN fallback"]["shapes"] == 4  # measured ratios all stay in the stats
     assert "kernel: 64x64x64 TN timed with kernel aa (at 0.8000 of torch.matmul); the pack now serves" in r.stdout
 

@@ -108,6 +108,11 @@ def test_product_never_slower_beyond_noise():
     assert t.met is False and "1 of 8" in t.detail and "each session's noise" in t.detail
     t = _by_key(grid_targets({}, _product(0.985, 0.0, beyond=[]), None, None))["product-vs-torch"]
     assert t.met is True
+    # disputed pairs (the settle times them again) are counted in the detail and still fail the target
+    two = slow + [{"shape": "128x512x4096", "layout": "TN", "ratio": 0.974, "disputed": True}]
+    t = _by_key(grid_targets({}, _product(0.95, 0.2, beyond=two), None, None))["product-vs-torch"]
+    assert t.met is False and "2 of 8" in t.detail and ", 1 of them disputed (fewer than three sessions" in t.detail
+    assert "disputed" not in _by_key(grid_targets({}, _product(0.95, 0.2, beyond=slow), None, None))["product-vs-torch"].detail
 
 
 def test_pairs_timed_with_another_serving_than_the_packs_are_not_judged_met():

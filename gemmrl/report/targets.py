@@ -244,7 +244,10 @@ def grid_targets(speedups: Mapping[str, Mapping[str, Mapping[str, float]] | None
             f"{m}: {len(beyond[m])} of {shapes[m]} (shape, layout) pairs slower beyond {judged[m]}"
             + ("" if not beyond[m] else " (" + ", ".join(
                 f"{b['shape']} {b['layout']} {b['ratio']:.3f}" for b in sorted(beyond[m], key=lambda b: b["ratio"])[:3])
-               + ")") for m in judged)
+               + ")")
+            + ("" if not any(b.get("disputed") for b in beyond[m]) else
+               f", {sum(bool(b.get('disputed')) for b in beyond[m])} of them disputed (fewer than three sessions "
+               "of what the pack serves there: product-settle.py times them again)") for m in judged)
         changed = [m for m in (product or {}).get("pack_changed") or [] if m in judged]
         if changed:  # the reports judge the pack they measured; the one here serves some pairs otherwise
             detail += (f"; the pack was exported again after the {', '.join(changed)} report"

@@ -453,8 +453,9 @@ def disputed(store, manifest: dict, device: str, min_sessions: int = 3) -> list[
     from gemmrl.runtime.pack_impl import served_lt
 
     dtype, acc = manifest.get("dtype", "fp16"), manifest.get("acc", "fp32")
-    serving = {(e["M"], e["N"], e["K"], e["layout"]): {e["source_sha256"]} for e in manifest.get("entries", [])}
-    algos = {(a["M"], a["N"], a["K"], a["layout"]): {a["algo"]} for a in manifest.get("lt_algos", [])}
+    serving = {(e["M"], e["N"], e["K"], e["layout"]): {e["source_sha256"].lower()}
+               for e in manifest.get("entries", []) if e.get("source_sha256")}
+    algos = {(a["M"], a["N"], a["K"], a["layout"]): {str(a["algo"]).lower()} for a in manifest.get("lt_algos", [])}
     out = set()
     for table, read, floor in ((serving, _served_sha, None), (algos, served_lt, LT_HOST_SLOWER)):
         if not table:
@@ -464,7 +465,7 @@ def disputed(store, manifest: dict, device: str, min_sessions: int = 3) -> list[
                 continue
             per_mode: dict = {}
             for what, mode, ratio, noise, created in got:
-                if what in table[key]:
+                if str(what).lower() in table[key]:  # hex, in either case
                     per_mode.setdefault(mode, []).append((created, ratio, noise))
             for mode, rows in per_mode.items():
                 rows.sort()
