@@ -160,10 +160,15 @@ def serving_digest(manifest: Mapping) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def variant_shas(fam, spec, problem) -> list[str]:
+    """sha256 of every source of this one kernel (Family.source_variants), in its order: the one
+    render() gives now (what a pack ships) first, then those that differ from it in host code only."""
+    return [sha256_text(src) for src in fam.source_variants(spec, problem)]
+
+
 def kernel_shas(fam, spec, problem) -> frozenset:
-    """sha256 of every source of this one kernel (Family.source_variants): the one render() gives
-    now and those that differ from it in host code only."""
-    return frozenset(sha256_text(src) for src in fam.source_variants(spec, problem))
+    """variant_shas as a set: every source a product session of this kernel may name."""
+    return frozenset(variant_shas(fam, spec, problem))
 
 
 def sha256_text(text: str) -> str:
@@ -553,8 +558,9 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
         sessions: dict = {}
         # the hashes this kernel's product sessions may name: its source now and its host-only
         # variants (CUTLASS's before the entry-point cache became the default); rendered once, if at all
-        own_shas = functools.cache(lambda: kernel_shas(fam, spec, problem))
-        shipped = functools.cache(lambda: sha256_text(fam.render(spec, problem)))  # the source the pack ships
+        variants = functools.cache(lambda: variant_shas(fam, spec, problem))
+        own_shas = functools.cache(lambda: frozenset(variants()))
+        shipped = lambda: variants()[0]  # noqa: E731  render()'s own: the source the pack ships
         if ours is not None:
             if ours.get("status") != "ok" or not ours.get("median_us"):
                 skipped.append(f"{problem.shape} {impl}: kernel timing {ours.get('status')}")
