@@ -74,7 +74,7 @@ def read_shapes(path: str) -> list[str]:
 
 
 def settle(run, *, device: str, acc: str, pack: str, db: str, work: str, shapes: str | None = None,
-           rounds: int = 3, modes=MODES, gpus: int = 1, quick_host: bool = True, deadline_s: float | None = None,
+           rounds: int = 5, modes=MODES, gpus: int = 1, quick_host: bool = True, deadline_s: float | None = None,
            bench_s: float = 120.0, clock=time.monotonic, log=print, disputes=None) -> dict:
     """The settling loop. `run(argv, label)` runs one gemmrl command (argv after `gemmrl`) and
     returns its exit status; `work` is a directory for the changed-shapes files. Each round:
@@ -210,7 +210,10 @@ def main(argv=None) -> int:
     ap.add_argument("--pack", required=True, help="the pack directory, exported again in place")
     ap.add_argument("--db", default="results/gemmrl.sqlite")
     ap.add_argument("--shapes", help="time these shapes first, before any export")
-    ap.add_argument("--rounds", type=int, default=3, help="timing rounds at most (default 3)")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="timing rounds at most (default 5; --deadline-s bounds the time): a disputed kernel "
+                         "that the export then drops takes three (its first session, its third, the fallback "
+                         "timed as served), four where an export also changed another shape (2026-11-30)")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--gpus", type=int, default=1)
     ap.add_argument("--full-host", action="store_true", help="the host modes to the precision target (no --quick)")

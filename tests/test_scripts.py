@@ -1732,6 +1732,26 @@ def test_product_settle_times_disputed_shapes_again_before_it_calls_the_pack_set
     assert [label for label, _ in fake.calls] == ["export 0", "build 0", "bench 0 server", "export 1"]
 
 
+def test_product_settle_by_default_times_the_fallback_of_a_disputed_kernel_the_export_dropped(tmp_path):
+    """The fifty-seventh session's settle, as it ran (H200, runs 760-767): the given shapes timed,
+    an export that changed two, a disputed kernel timed a third time, an export that dropped it;
+    with the old default of three rounds the loop stopped there, the fallback untimed, with half its
+    deadline left. The default rounds now reach the export that finds the pack settled."""
+    mod = _script("product-settle.py")
+    given = tmp_path / "given.txt"
+    given.write_text("128x512x4096\n1024x256x4096\n")
+    answers = [[(128, 512, 4096, "TN", "kernel")], []]
+    fake = _FakeGemmrl([["128x512x4096", "1024x256x4096"], [], ["128x512x4096"], []])
+    got = mod.settle(fake, device="H200", acc="fp16", pack="p", db="s", work=str(tmp_path), shapes=str(given),
+                     log=lambda *_: None, disputes=lambda: answers.pop(0))
+    assert got["settled"] and got["stopped"] is None
+    assert [r["shapes"] for r in got["rounds"]] == [
+        ["128x512x4096", "1024x256x4096"], ["128x512x4096", "1024x256x4096"], ["128x512x4096"], ["128x512x4096"]]
+    assert [r.get("disputed", False) for r in got["rounds"]] == [False, False, True, False]
+    assert [label for label, _ in fake.calls][-5:] == [
+        "build 3", "bench 3 kernel", "bench 3 offline", "bench 3 server", "export 4"]
+
+
 def test_product_settle_names_the_runs_of_each_mode_and_refuses_bad_arguments(tmp_path):
     from gemmrl.core.problem import Problem
     from gemmrl.store.db import Store
