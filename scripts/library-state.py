@@ -9,6 +9,11 @@ it (H200: runs 288-291 and 450-476 at 41-73%, none since 486 above 6%; results/R
 2026-11-30).
 
     python3 scripts/library-state.py --device H200 [--runs 700-760] [--min-slow 0.1] [--json FILE]
+
+With --pack DIR --changed-shapes FILE (and --min-slow above 0), the runs listed are left out of a
+copy of the store and DIR's pack is exported again from it: FILE gets the shapes whose entries
+rest on those runs (report.bias.pack_without_runs), to time again in today's state (`bench
+--shapes FILE --mode kernel --impl baselines --impl tuned --retime`, then scripts/product-settle.py).
 """
 
 from __future__ import annotations
@@ -35,7 +40,15 @@ def main(argv=None) -> int:
                     "sessions (default 10)")
     ap.add_argument("--min-slow", type=float, default=0.0, help="list runs whose slow share is at least this")
     ap.add_argument("--json", type=Path, help="also write every run's numbers here")
+    ap.add_argument("--pack", type=Path, help="with --changed-shapes: the pack to export again without the runs listed")
+    ap.add_argument("--changed-shapes", type=Path, help="with --pack: write the shapes whose entries rest on the "
+                    "runs listed here, one a line")
     a = ap.parse_args(argv)
+    if (a.pack is None) != (a.changed_shapes is None):
+        ap.error("--pack and --changed-shapes go together")
+    if a.pack is not None and a.min_slow <= 0:
+        ap.error("--pack leaves the runs listed out of the export: give --min-slow above 0 (0.1: runs with 10%% "
+                 "or more slow sessions), or every run would go")
     if a.above <= 1.0:
         ap.error("--above is a factor over the fastest session: more than 1 (1.07: 7% slower)")
     try:
@@ -81,6 +94,26 @@ def main(argv=None) -> int:
         a.json.write_text(json.dumps({"device": device, "under_us": a.under_us, "above": a.above,
                                       "runs": {str(r): v for r, v in got.items()}}, indent=1) + "\n")
         print(f"wrote {a.json}", file=sys.stderr)
+    if a.pack is not None:
+        import tempfile
+
+        from gemmrl.report.bias import pack_without_runs
+        from gemmrl.runtime.pack import PackError
+
+        with tempfile.TemporaryDirectory(prefix="gemmrl-without-") as work:
+            try:
+                shapes, lines = pack_without_runs(store, device, set(shown), a.pack, work)
+            except PackError as e:
+                print(f"library-state.py: {e}", file=sys.stderr)
+                return 1
+        for line in lines:
+            print(line, file=sys.stderr)
+        a.changed_shapes.parent.mkdir(parents=True, exist_ok=True)
+        a.changed_shapes.write_text(
+            f"# {device}: the {len(shapes)} shapes whose entries in {a.pack} change when runs "
+            f"{','.join(map(str, shown))} ({len(shown)}: {a.min_slow:.0%} or more of their library sessions slow) "
+            "are left out of the export\n" + "".join(f"{m}x{n}x{k}\n" for m, n, k in shapes))
+        print(f"{len(shapes)} shapes in {a.changed_shapes}", file=sys.stderr)
     return 0
 
 

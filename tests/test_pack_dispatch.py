@@ -414,6 +414,47 @@ def test_once_the_shipped_build_has_three_sessions_its_older_builds_stop_countin
                for n in m["skipped"]), m["skipped"]
 
 
+def test_an_export_without_the_slow_runs_names_the_entries_that_rest_on_them(store, tmp_path):
+    """report.bias.pack_without_runs: the pack exported again from a copy of the store without some
+    runs' measurements (the runs whose library kernels ran slow, H200 2026-11-26/27), against the
+    pack as it is: the shapes whose entries those runs alone keep, to time again; the store itself
+    keeps every measurement."""
+    from gemmrl.report.bias import pack_without_runs
+
+    p = Problem(512, 512, 4096)
+    _tuned_tn(store, p, 9.0, 10.0, 1)  # its tuning run: cuBLAS-tn slow at 10.0, 1.111
+    slow_run = store.db.execute("SELECT MAX(id) FROM runs").fetchone()[0]
+    fast = store.start_run("gemmrl bench", DEV, PROV, {})
+    store.record_verification(fast, DEV, p, "gemmrl-tuned", True, "ok", {})
+    for i in range(2):  # today's state: cuBLAS-tn at 8.6, 0.956 and 0.956
+        store.record_session(fast, f"f{i}", DEV, p, "kernel", "kp1", {
+            "gemmrl-tuned": {"median_us": 9.0, "n": 50}, "cuBLAS-tn": {"median_us": 8.6, "n": 50}})
+    tuned = store.start_run("gemmrl bench", DEV, PROV, {})  # a third session, in a run of its own
+    store.record_verification(tuned, DEV, p, "gemmrl-tuned", True, "ok", {})
+    store.record_session(tuned, "t9", DEV, p, "kernel", "kp1", {
+        "gemmrl-tuned": {"median_us": 9.0, "n": 50}, "cuBLAS-tn": {"median_us": 10.2, "n": 50}})
+    pack = export_pack(store, DEV, tmp_path / "pack", "fp16", "fp32")
+    keys = lambda m: {(r["M"], r["N"], r["K"], r["layout"]) for r in m["entries"]}  # noqa: E731
+    assert (512, 512, 4096, "TN") in keys(_manifest(pack))  # the median of 1.111, 0.956, 0.956, 1.133: 1.033
+    before = store.db.execute("SELECT COUNT(*) FROM measurements").fetchone()[0]
+    text = (pack / "manifest.json").read_text()
+
+    # without the slow run: 0.956, 0.956, 1.133, median 0.956: the entry goes
+    shapes, lines = pack_without_runs(store, DEV, {slow_run}, pack, tmp_path / "w")
+    assert shapes == [(512, 512, 4096)]
+    assert any("512x512x4096 TN" in ln for ln in lines), lines
+    assert (512, 512, 4096, "TN") not in keys(_manifest(tmp_path / "w" / "pack"))
+    assert store.db.execute("SELECT COUNT(*) FROM measurements").fetchone()[0] == before
+    assert (pack / "manifest.json").read_text() == text  # the pack compared with is not rewritten
+    # without the fast-state run: 1.111 and 1.133, kept as it is; without none: the same export
+    assert pack_without_runs(store, DEV, {fast}, pack, tmp_path / "w2")[0] == []
+    assert pack_without_runs(store, DEV, set(), pack, tmp_path / "w3")[0] == []
+    # a work directory used twice starts from a fresh copy
+    assert pack_without_runs(store, DEV, {slow_run}, pack, tmp_path / "w")[0] == [(512, 512, 4096)]
+    with pytest.raises(PackError, match="no readable manifest.json"):
+        pack_without_runs(store, DEV, {slow_run}, tmp_path / "nowhere", tmp_path / "w4")
+
+
 def test_a_kept_kernel_whose_newest_product_session_was_slower_is_disputed_until_it_has_three(store, tmp_path):
     """gemmrl.runtime.pack.disputed: a kernel the export keeps (the median of its product
     sessions is within the noise) but whose newest session ran slower than torch.matmul beyond

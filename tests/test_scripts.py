@@ -2102,6 +2102,47 @@ LT-PROFILE-DESCRIBE {"impl": "cuBLASLt-auto-tuning-nn", "device": "NVIDIA H200",
 '''
 
 
+
+def test_library_state_lists_the_pack_entries_that_rest_on_the_slow_runs(tmp_path):
+    """scripts/library-state.py --pack DIR --changed-shapes FILE: DIR exported again without the
+    runs it lists (report.bias.pack_without_runs); FILE names the shapes whose entries only those
+    runs' slow library sessions kept."""
+    from gemmrl.core.problem import Problem
+    from gemmrl.runtime.pack import export_pack
+    from gemmrl.space import cutlass_sm90
+    from gemmrl.store.db import Store
+
+    db = tmp_path / "s.sqlite"
+    st = Store(db)
+    dev = "NVIDIA H200"
+    prov = {"device": dev, "gpu": "h200", "cuda": "13.0", "capability": "9.0", "sm_count": 132, "cublas": "13.1"}
+    p = Problem(128, 512, 4096)
+    spec = cutlass_sm90.heuristic_specs(p, "TN")[0]
+    choice = json.dumps({"family": "cutlass_sm90", "spec": dict(spec.__dict__)}, sort_keys=True).encode()
+    st.put_tuning(dev, p, "gemmrl-tuned", choice, spec.name, 7.2)
+    # runs 2 and 4 time cuBLAS 12% slow: ours at 7.2 us reads 0.972, 1.089, 0.982, 1.089 of it
+    for run, factor in ((1, 1.0), (2, 1.12), (3, 1.01), (4, 1.12)):
+        rid = st.start_run("gemmrl bench", dev, prov, {})
+        assert rid == run
+        st.record_verification(rid, dev, p, "gemmrl-tuned", True, "ok", {})
+        st.record_session(rid, f"s{run}", dev, p, "kernel", "kernel:v3", {
+            "gemmrl-tuned": {"median_us": 7.2, "n": 5}, "cuBLAS-tn": {"median_us": 7.0 * factor, "n": 5}})
+        st.finish_run(rid)
+    pack = export_pack(st, dev, tmp_path / "pack", "fp16", "fp32")
+    assert [(e["M"], e["layout"]) for e in json.loads((pack / "manifest.json").read_text())["entries"]] == [(128, "TN")]
+    st.close()
+    cmd = [sys.executable, str(ROOT / "scripts" / "library-state.py"), "--db", str(db), "--device", "H200",
+           "--min-sessions", "1", "--pack", str(pack), "--changed-shapes", str(tmp_path / "again.txt")]
+    r = subprocess.run(cmd + ["--min-slow", "0.5"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = (tmp_path / "again.txt").read_text().splitlines()
+    assert lines[0].startswith("# NVIDIA H200: the 1 shapes whose entries") and "runs 2,4 (2:" in lines[0]
+    assert lines[1:] == ["128x512x4096"] and "128x512x4096 TN" in r.stderr
+    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 2 and "--min-slow above 0" in r.stderr
+    r = subprocess.run(cmd[:-2] + ["--min-slow", "0.5"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 2 and "go together" in r.stderr
+
 def test_lt_profile_reads_every_kernel_in_launch_order_and_tables_them():
     m = _script("lt-profile.py")
     rows = m.parse_rows(LT_PROFILE_CSV)

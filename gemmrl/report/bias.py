@@ -195,3 +195,50 @@ def library_state(db: sqlite3.Connection, device: str, under_us: float = 15.0, a
             summary["clock_events"] = dict(sorted(events.items()))
         out[run] = {"sessions": got["n"], "slow": round(got["slow"] / got["n"], 4), "state": summary}
     return out
+
+
+def pack_without_runs(store, device: str, runs, pack_dir, work_dir) -> tuple[list[tuple[int, int, int]], list[str]]:
+    """What the export of a pack would change were `runs`' measurements not in the store (the runs
+    library_state finds slow: their library sessions flatter the kernels timed beside them). The
+    pack at `pack_dir` is exported again, with its own dtype, accumulator and min_speedup, from a
+    copy of the store (in `work_dir`) without those runs' measurements; the store is not touched.
+    Returns the (M, N, K) whose entries would come, go or change (pack.changed_shapes, against
+    `pack_dir`) and pack.pack_changes' lines: the shapes to time again in today's state, so that
+    the export's medians stop resting on the slow runs (H200, 2026-11-30: 20-30 kernel entries a
+    pack). Where the copy has nothing to export, every entry goes. Raises PackError where
+    `pack_dir` holds no pack."""
+    from pathlib import Path
+
+    from gemmrl.runtime.pack import MANIFEST, PackError, changed_shapes, export_pack, pack_changes
+    from gemmrl.store.db import Store
+
+    pack_dir, work_dir = Path(pack_dir), Path(work_dir)
+    try:
+        old = json.loads((pack_dir / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise PackError(f"{pack_dir}: no readable {MANIFEST} ({e})") from None
+    work_dir.mkdir(parents=True, exist_ok=True)
+    path = work_dir / "without-runs.sqlite"
+    path.unlink(missing_ok=True)
+    copy = sqlite3.connect(path)
+    try:
+        store.db.backup(copy)
+        runs = sorted({int(r) for r in runs})
+        for i in range(0, len(runs), 500):
+            chunk = runs[i:i + 500]
+            copy.execute(f"DELETE FROM measurements WHERE run_id IN ({', '.join('?' * len(chunk))})", chunk)
+        copy.commit()
+    finally:
+        copy.close()
+    other = Store(path)
+    try:
+        new_dir = export_pack(other, device, work_dir / "pack", old.get("dtype", "fp16"), old.get("acc", "fp32"),
+                              min_speedup=float(old.get("min_speedup", 1.0)))
+        new = json.loads((new_dir / MANIFEST).read_text())
+    except PackError as e:
+        if not str(e).startswith("nothing to export"):
+            raise
+        new = {"entries": [], "lt_algos": []}  # every entry rested on those runs
+    finally:
+        other.close()
+    return changed_shapes(new, old), pack_changes(new, old)
