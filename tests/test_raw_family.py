@@ -20,6 +20,7 @@ anything about speed (tests/test_raw_family_gpu.py, on a GPU).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import itertools
 import json
 import os
@@ -84,6 +85,8 @@ RULES = [
     # exactly 48 KB of dynamic shared memory, no opt-in, and split-K's static flag on top
     (S(block_m=64, block_n=16, block_k=64, warps_m=4, warps_n=1, stages=4, split_k=2),
      Problem(8192, 128, 8192), "split-K's static flag"),
+    (S(split_k=2, arrive="xchg"), P, "arrive must be one of"),
+    (S(arrive="add"), P, "split_k must be more than 1"),
 ]
 
 
@@ -145,15 +148,19 @@ def _spec_grid():
             (32, 64), (32, 64), (32, 64), ((1, 1), (2, 2)), (2, 4), (1, 4), (False, True),
             ("NN", "TN"), ("fp32", "fp16")):
         yield RawSpec(bm, bn, bk, wm, wn, st, sk, sw, lay, acc)
+        if sk > 1:
+            yield RawSpec(bm, bn, bk, wm, wn, st, sk, sw, lay, acc, "add")
 
 
 def test_names_and_keys_are_unique_and_encode_every_field():
     specs = list(_spec_grid())
     assert len({s.name for s in specs}) == len(specs) == len({s.key() for s in specs})
-    base = RawSpec()
+    base = RawSpec(split_k=2)
     changes = {"block_m": 128, "block_n": 32, "block_k": 32, "warps_m": 4, "warps_n": 1,
-               "stages": 4, "split_k": 2, "swap_ab": True, "layout": "TN", "acc": "fp16"}
+               "stages": 4, "split_k": 4, "swap_ab": True, "layout": "TN", "acc": "fp16", "arrive": "add"}
     assert set(changes) == {f.name for f in dataclasses.fields(RawSpec)}
+    # the default arrival keeps the names and keys every stored raw winner has
+    assert RawSpec(split_k=2).name == "raw_nn_fp32_64x64x64_w2x2_s3_k2" and len(RawSpec().key()) == 11
     for field, value in changes.items():
         other = dataclasses.replace(base, **{field: value})
         assert other.name != base.name and other.key() != base.key(), field
@@ -514,6 +521,36 @@ def test_deep_split_kernel_builds_for_sm90a_without_spills(tmp_path):
         == 16 * 32 * 64 * 64 * 4 + 8 * 16  # 16 tiles x 32 partials of 16 KiB, then the counters
 
 
+def test_a_fetch_add_twin_differs_from_its_cas_twin_only_in_the_arrival_and_builds_alike(tmp_path):
+    """arrive='add': the same kernel but for the arrival on the tile's counter (one fetch-add, after
+    a CAS that tags a never-initialised word, instead of the CAS loop), built by nvcc for sm_90a
+    with the CAS twin's registers and no spills; the default arrival renders what it always did."""
+    from gemmrl.build.nvcc import NvccNotFound, build_shared, nvcc_path
+
+    spec, problem = DEEP
+    add = dataclasses.replace(spec, arrive="add")
+    cas_src, add_src = render(spec, problem), render(add, problem)
+    assert "arrive_is_last_add" not in cas_src and "ctr_seen" not in cas_src
+    assert "atomicAdd(ctr, 1ull)" in add_src and "arrive_is_last_add(counters + tile, ctr_seen)" in add_src
+    removed = [ln for ln in difflib.ndiff(cas_src.splitlines(), add_src.splitlines()) if ln.startswith("- ")]
+    assert len(removed) == 4, removed  # the name (twice: comment and meta), the fields line, the arrival call
+    assert kernel_name(add, problem).endswith("_k32_fa_256x256x16384") and workspace_bytes(add, problem) == \
+        workspace_bytes(spec, problem)
+    try:
+        nvcc_path()
+    except NvccNotFound:
+        pytest.skip("nvcc not found")
+    builds = [build_shared(src, name=kernel_name(s, problem), arch="sm_90a", cache_dir=tmp_path)
+              for s, src in ((spec, cas_src), (add, add_src))]
+    assert all(b.ok for b in builds), builds[1].log[-3000:]
+    regs = []
+    for b in builds:
+        k = [k for k in b.resources if "gemmrl_raw_gemm" in k.name][0]
+        assert b.spills == 0 and k.spill_stores == 0 and k.stack_bytes == 0, k
+        regs.append(k.registers)
+    assert regs[1] <= regs[0] + 2, regs
+
+
 def test_golden_kernels_run_hmma_ldsm_and_cp_async_in_sass(golden_builds):
     tool = _cuobjdump()
     if tool is None:
@@ -545,6 +582,10 @@ EMU_CASES = [
     (S(block_m=16, block_n=16, warps_m=1, warps_n=1, stages=4, split_k=4), Problem(40, 24, 512)),
     (S(block_m=128, block_n=64, block_k=32, warps_m=4, warps_n=2), Problem(130, 72, 64)),
     (S(block_k=32, stages=3, split_k=32, layout="TN"), Problem(72, 64, 2048)),    # deep split: 32 partials
+    # the fetch-add arrival (arrive='add'): from a garbage workspace, blocks at once and shuffled
+    (S(block_m=16, block_n=16, warps_m=1, warps_n=1, stages=4, split_k=4, arrive="add"), Problem(40, 24, 512)),
+    (S(block_n=32, split_k=3, swap_ab=True, arrive="add"), Problem(65, 72, 264)),
+    (S(block_k=32, stages=3, split_k=32, layout="TN", arrive="add"), Problem(72, 64, 2048)),
 ]
 EMU_IDS = [kernel_name(s, p) for s, p in EMU_CASES]
 # each call: inputs, cp.async applied lazily?, blocks run at once, block order (0 in order, -1 reversed, else a shuffle seed)
@@ -569,12 +610,16 @@ def cpu_source(source: str) -> str:
 
 # planted bugs the emulation must catch: (id, case, text in the source, its replacement)
 _MUT = (S(block_n=32, split_k=2, swap_ab=True), Problem(40, 64, 256))  # NN swap: .trans, lane trade, split-K
+_MUT_ADD = (S(block_m=16, block_n=16, warps_m=1, warps_n=1, split_k=4, arrive="add"), Problem(40, 24, 512))
 MUTANTS = [
     ("wait-one-group-too-few", _MUT, "cp_async_wait<STAGES - 2>();", "cp_async_wait<STAGES - 1>();"),
     ("trans-fragment-column", _MUT, "(((lane >> 3) & 1) * 8)) * 2u);", "0) * 2u);"),
     ("swap-trade-wrong-value", _MUT, "odd ? v0 : v1, 4)", "odd ? v1 : v0, 4)"),
     ("split-k-sum-skips-last", _MUT, "s < SPLIT_K; ++s)", "s < SPLIT_K - 1; ++s)"),
     ("k-tail-unpredicated", (S(layout="TN"), Problem(40, 64, 200)), "(FULL_K || gk < K)", "true"),
+    # the fetch-add arrival without its fix of an untagged (garbage) word, and without its reset
+    ("add-adds-to-garbage", _MUT_ADD, "if ((seen >> 16) != TAG) atomicCAS(ctr, seen, TAG << 16);", ""),
+    ("add-never-resets", _MUT_ADD, "if (last) atomicExch(ctr, TAG << 16);", ""),
 ]
 
 
@@ -790,6 +835,14 @@ inline float4 __ldcg(const float4* p) { check_global(p, 16, "__ldcg outside the 
 inline unsigned long long atomicCAS(unsigned long long* p, unsigned long long c, unsigned long long v) {
   check_global(p, 8, "atomicCAS outside the workspace");
   return __sync_val_compare_and_swap(p, c, v);
+}
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+  check_global(p, 8, "atomicAdd outside the workspace");
+  return __sync_fetch_and_add(p, v);
+}
+inline unsigned long long atomicExch(unsigned long long* p, unsigned long long v) {
+  check_global(p, 8, "atomicExch outside the workspace");
+  return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST);
 }
 inline float __shfl_xor_sync(unsigned, float v, int mask) {
   std::memcpy(emu_slot(emu_lane()), &v, 4);

@@ -23,6 +23,9 @@ CASES = [
     (RawSpec(32, 64, 32, 1, 2, 4, 1, False, "TN", "fp32"), Problem(33, 71, 4096)),   # odd N
     (RawSpec(64, 32, 64, 2, 2, 3, 4, True, "NN", "fp16"), Problem(65, 72, 4096, "fp16", "fp16")),
     (RawSpec(64, 64, 64, 2, 2, 3, 1, False, "TN", "fp16"), Problem(128, 64, 64, "fp16", "fp16")),
+    # the fetch-add arrival (arrive='add', 2026-11-30): a deep split, a swapped NN split with residues
+    (RawSpec(64, 64, 64, 2, 2, 4, 16, False, "TN", "fp32", "add"), Problem(512, 64, 12288)),
+    (RawSpec(64, 32, 64, 2, 2, 3, 4, True, "NN", "fp32", "add"), Problem(65, 72, 4096)),
 ]
 
 

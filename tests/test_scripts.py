@@ -22,7 +22,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTH
     ("server-noise.py", "--rounds"), ("fallback-gap.py", "pack"), ("product-gap.py", "pack"),
     ("protocol-gap.py", "--repeats"), ("launch-gap.py", "--calls"), ("cuda-l2-prebuild.py", "--shapes"),
     ("autotune-check.py", "--layouts"), ("kernel-noise.py", "--rounds"), ("lt-host-cost.py", "--bursts"),
-    ("nearest-loo.py", "--no-library"), ("product-settle.py", "--min-sessions")])
+    ("nearest-loo.py", "--no-library"), ("product-settle.py", "--min-sessions"), ("arrive-twins.py", "--splits")])
 def test_gpu_scripts_load_and_show_their_arguments(script, words):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--help"], capture_output=True,
                        text=True, env=ENV, timeout=300)
@@ -2360,3 +2360,63 @@ def test_gpu_tests_unpacks_the_carried_headers(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert f"CUTLASS headers: {tmp_path / 'unpacked' / 'cutlass-9.8.7' / 'include'}" in r.stdout, r.stdout + r.stderr
     assert (tmp_path / "out" / "logs" / "gpu-tests" / "gpu-tests.log").exists()
+
+
+def test_arrive_twins_renders_each_split_kernels_fetch_add_twin_and_reads_their_sessions(tmp_path):
+    """scripts/arrive-twins.py: for each shape, the split-K raw spec of its fastest stored trial (else
+    the heuristic's), at each --split valid() accepts, rendered as its CAS and fetch-add twins;
+    --plan lists one kernel-mode bench a shape timing them together; the report takes the fetch-add
+    twin's speedup from the session's paired ratio."""
+    import dataclasses
+
+    from gemmrl.core.problem import Problem
+    from gemmrl.space import raw
+    from gemmrl.store.db import Store
+
+    mod = _script("arrive-twins.py")
+    db = tmp_path / "s.sqlite"
+    st = Store(db)
+    dev = "NVIDIA H200"
+    run = st.start_run("gemmrl tune", dev, {"device": dev}, {})
+    p = Problem(128, 64, 8192)
+    fast = raw.RawSpec(16, 32, 128, 1, 2, 3, 8, False, "TN", "fp32")
+    plain = dataclasses.replace(fast, split_k=1)
+    for spec, t in ((plain, 6.0), (fast, 9.5), (dataclasses.replace(fast, stages=4), 9.9)):
+        st.record_trial(run, dev, p, spec.name, "ok", 1.0, t, {"family": "raw", "spec": dict(spec.__dict__)})
+    # the fastest split-K trial is the base, not the faster unsplit one
+    assert mod.base_spec(st.db, dev, p) == fast
+    other = Problem(64, 64, 2048)  # nothing stored: the heuristic's best split-K spec
+    assert mod.base_spec(st.db, dev, other).split_k > 1
+    assert [(c.split_k, c.arrive, a.arrive) for c, a in mod.twins(fast, p, (4, 16, 128))] == \
+        [(4, "cas", "add"), (16, "cas", "add")]  # split 128 would leave splits empty
+    entries = mod.plan([p], st.db, dev, (4, 16), tmp_path / "w")
+    assert [e["shape"] for e in entries] == ["128x64x8192"]
+    (cas4, add4, s4), (cas16, add16, s16) = entries[0]["pairs"]
+    assert (s4, s16) == (4, 16) and Path(add16).name == "raw_tn_fp32_16x32x128_w1x2_s3_k16_fa_128x64x8192.cu"
+    assert "arrive_is_last_add" in Path(add16).read_text() and "arrive_is_last_add" not in Path(cas16).read_text()
+    argv = mod.bench_argv(entries[0], "store.sqlite")
+    assert argv[argv.index("--shapes") + 1] == "128x64x8192" and argv[argv.index("--mode") + 1] == "kernel"
+    assert [a for a in argv if a.startswith("kernel:")] == [f"kernel:{f}" for f in (cas4, add4, cas16, add16)]
+
+    # a bench run's session: the fetch-add twin 25% faster at split 16 by its paired ratio (20% by the
+    # medians, which the paired ratio outranks); split 4 untimed
+    brun = st.start_run("gemmrl bench", dev, {"device": dev}, {})
+    a, b = f"kernel:{Path(cas16).stem}", f"kernel:{Path(add16).stem}"
+    st.record_session(brun, "k1", dev, p, "kernel", "kernel:v3", {
+        "torch.matmul": {"median_us": 9.0, "n": 50}, a: {"median_us": 12.0, "n": 50},
+        b: {"median_us": 10.0, "n": 50, "details": {"paired": {a: 1.25}}}})
+    rows = mod.ratios(st.db, [brun], entries)
+    assert rows[0] == {"shape": "128x64x8192", "split": 4, "cas": Path(cas4).stem, "timed": False}
+    assert rows[1]["timed"] and rows[1]["add_speedup"] == pytest.approx(1.25) and rows[1]["torch_us"] == 9.0
+    st.close()
+
+    cmd = [sys.executable, str(ROOT / "scripts" / "arrive-twins.py"), "--db", str(db), "--device", "H200",
+           "--shapes", "128x64x8192"]
+    r = subprocess.run(cmd + ["--splits", "4,16", "--report-runs", str(brun), "--json", str(tmp_path / "t.json"),
+                              "--work", str(tmp_path / "w2")], capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "| 128x64x8192 | 16 | raw_tn_fp32_16x32x128_w1x2_s3_k16_128x64x8192 | 12.00 | 10.00 | 1.250 | 9.00 |" \
+        in r.stdout
+    assert json.loads((tmp_path / "t.json").read_text())["runs"] == [brun]
+    r = subprocess.run(cmd + ["--splits", "1,4", "--plan"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 2 and "--splits" in r.stderr

@@ -135,7 +135,9 @@ def candidate_pool(problem: Problem, layouts: tuple = ("NN", "TN"),
     (787 specs per layout; for K <= 512, or 1024 on a skinny output, their resident twins,
     cutlass_sm90.resident_pool; with their swapped twins for a narrow N over many rows,
     cutlass_sm90.skinny_n); raw: every tile of the family's warp table x block_k 32/64/128 x
-    stages 3/4 x split_k 1..16 (powers of 2) x swap_ab, those valid() accepts."""
+    stages 3/4 x split_k 1..16 (powers of 2) x swap_ab, those valid() accepts. A split's
+    fetch-add arrival (raw arrive='add', 2026-11-30) is in neither the pool nor the mutations
+    until it has been timed beside its CAS twin (scripts/arrive-twins.py)."""
     out, seen = [], set()
     for name in families:
         fam = registry.get(name)
@@ -160,7 +162,7 @@ _LADDERS = {
     "raw": {
         "block_m": (16, 32, 64, 128, 256), "block_n": (16, 32, 64, 128, 256), "block_k": (16, 32, 64, 128),
         "warps_m": (1, 2, 4, 8), "warps_n": (1, 2, 4, 8), "stages": (2, 3, 4),
-        "split_k": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)},
+        "split_k": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), "arrive": ("cas",)},
 }
 # dtype and acc: set by the problem; pdl: a launch that overlaps consecutive calls, which the
 # kernel-mode timing would credit, so never a search candidate (results/README.md, eleventh session)
@@ -313,7 +315,8 @@ def _features(family: str, spec, problem: Problem, est_us: float) -> list[float]
         swap = float(spec.swap_ab)
         st = spec.stages / 4
         f += [swap, swap * lM, swap * lN, st, st * lK, _log2(spec.threads) / 8,
-              float(spec.split_k > 1), float(spec.layout == "NN"), float(spec.acc == "fp16")]
+              float(spec.split_k > 1), float(spec.layout == "NN"), float(spec.acc == "fp16"),
+              float(getattr(spec, "arrive", "cas") == "add") * lsp]  # the fetch-add arrival, by split depth
     return f
 
 

@@ -49,6 +49,7 @@ MAX_SPLIT_K = 256              # the counter keeps 16 bits of count
 MAX_REDUCE_BYTES = 1 << 20     # heuristic: fp32 partials the reducing CTA may read per tile (_splits)
 TENSOR_WARPS = 8               # estimate_us: resident warps per SM that keep mma.sync busy
 SPLIT_US = 0.2                 # estimate_us: reduction latency per split (fences, counter CAS)
+ARRIVALS = ("cas", "add")      # split-K arrival: a CAS loop (retries per earlier arrival) or one fetch-add
 DEEP_CTAS_PER_SM = 3           # heuristic: a grid this many CTAs per SM deep is a 'deep split'
 DEEP_MIN_KT = 4                # heuristic: K tiles per split below which no deep split is offered
 COUNTER_TAG = 0x67656D6D726C   # 'gemmrl': the 48-bit tag of a live counter word
@@ -83,16 +84,18 @@ class RawSpec:
     swap_ab: bool = False
     layout: str = "NN"
     acc: str = "fp32"
+    arrive: str = "cas"   # split-K arrival on the tile's counter: 'cas' (a CAS loop) or 'add' (one fetch-add)
 
     @property
     def name(self) -> str:
         return (f"raw_{self.layout.lower()}_{self.acc}_{self.block_m}x{self.block_n}x{self.block_k}"
                 f"_w{self.warps_m}x{self.warps_n}_s{self.stages}_k{self.split_k}"
-                f"{'_swap' if self.swap_ab else ''}")
+                f"{'_swap' if self.swap_ab else ''}{'_fa' if self.arrive == 'add' else ''}")
 
     def key(self) -> tuple:
         return ("raw", self.layout, self.acc, self.block_m, self.block_n, self.block_k,
-                self.warps_m, self.warps_n, self.stages, self.split_k, bool(self.swap_ab))
+                self.warps_m, self.warps_n, self.stages, self.split_k, bool(self.swap_ab)) + (
+            (self.arrive,) if self.arrive != "cas" else ())
 
     @property
     def threads(self) -> int:
@@ -207,6 +210,10 @@ def valid(spec: RawSpec, problem: Problem) -> str | None:
                 f"split empty")
     if g.tiles * s.split_k > 2**31 - 1:
         return "grid too large"
+    if s.arrive not in ARRIVALS:
+        return f"arrive must be one of {ARRIVALS}, got {s.arrive!r}"
+    if s.arrive != "cas" and s.split_k == 1:
+        return f"arrive={s.arrive!r} is how split-K CTAs arrive on a tile's counter: split_k must be more than 1"
     return None
 
 
@@ -314,6 +321,33 @@ __device__ __forceinline__ bool arrive_is_last(unsigned long long* ctr) {
 }
 """
 
+_SPLITK_DEVICE_ADD = """\
+// arrive='add': one fetch-add per CTA, where the CAS loop above retries once for every CTA that
+// arrived between its read and its swap (the arrivals of one tile come close together, so the
+// last of S waits about S round trips). `seen` is the word this CTA read at its start: a word
+// without the tag (never-initialised memory) is first set to (TAG << 16) | 0 by a CAS from exactly
+// that value; a CAS that fails means another CTA did it first, since the word only ever changes
+// from untagged to tagged. So no CTA adds to an untagged word, and the last arrival writes
+// (TAG << 16) | 0 back, as above.
+__device__ __forceinline__ bool arrive_is_last_add(unsigned long long* ctr, unsigned long long seen) {
+  constexpr unsigned long long TAG = ${tag}ull;
+  if ((seen >> 16) != TAG) atomicCAS(ctr, seen, TAG << 16);
+  const unsigned long long old = atomicAdd(ctr, 1ull);
+  const bool last = (old & 0xFFFFull) + 1 == (unsigned long long)SPLIT_K;
+  if (last) atomicExch(ctr, TAG << 16);
+  return last;
+}
+"""
+
+_SPLITK_START = """\
+  // split-K, arrive='add': this tile's counter word, read now and used at the arrival (the load's
+  // latency hides behind the main loop)
+  unsigned long long ctr_seen = 0ull;
+  if (tid == 0)
+    ctr_seen = *reinterpret_cast<volatile unsigned long long*>(
+        reinterpret_cast<char*>(ws) + COUNTER_OFFSET + (size_t)tile * sizeof(unsigned long long));
+"""
+
 _SPLITK_BLOCK = """\
   // ---- split-K: partial to the workspace in fragment order, the last CTA to arrive reduces
   {
@@ -332,7 +366,7 @@ _SPLITK_BLOCK = """\
       __threadfence();
       unsigned long long* counters =
           reinterpret_cast<unsigned long long*>(reinterpret_cast<char*>(ws) + COUNTER_OFFSET);
-      s_last = arrive_is_last(counters + tile) ? 1 : 0;
+      s_last = ${arrive_call} ? 1 : 0;
       __threadfence();
     }
     __syncthreads();
@@ -470,7 +504,7 @@ gemmrl_raw_gemm(const __half* __restrict__ Pg, const __half* __restrict__ Qg, __
   const int m0 = (tile / TILES_N) * BM, n0 = (tile % TILES_N) * BN;
   const int kt0 = split * KT_PER;
   const int nkt = min(KT, kt0 + KT_PER) - kt0;  // >= 1 (static_assert above)
-
+${splitk_start}
 ${acc_decl}
 
   // prologue: STAGES-1 tiles in flight (one commit group per tile, empty groups past the end)
@@ -603,7 +637,7 @@ def render(spec: RawSpec, problem: Problem) -> str:
     meta = json.dumps({"layout": spec.layout, "dtype": "fp16", "acc": spec.acc, "name": name})
     fields = ", ".join(f"{k}={getattr(spec, k)}" for k in
                        ("block_m", "block_n", "block_k", "warps_m", "warps_n", "stages", "split_k",
-                        "swap_ab", "layout", "acc"))
+                        "swap_ab", "layout", "acc") + (("arrive",) if spec.arrive != "cas" else ()))
     return _SOURCE.substitute(
         kname=name, M=M, N=N, K=K, acc=spec.acc, fields=fields,
         bdesc="B[K,N]" if nn else "B[N,K]^T",
@@ -619,10 +653,14 @@ def render(spec: RawSpec, problem: Problem) -> str:
         mma=_MMA_F32 if spec.acc == "fp32" else _MMA_F16,
         load_p=_loader("P", g.p_store, "BM", "FULL_M"),
         load_q=_loader("Q", g.q_store, "BN", "FULL_N"),
-        splitk_device=Template(_SPLITK_DEVICE).substitute(tag=f"0x{COUNTER_TAG:X}") if split else "",
+        splitk_device=Template(_SPLITK_DEVICE + (_SPLITK_DEVICE_ADD if spec.arrive == "add" else "")).substitute(
+            tag=f"0x{COUNTER_TAG:X}") if split else "",
         acc_decl=acc_decl, frag_p=_frag_p(g.p_store), frag_q=_frag_q(g.q_store),
         acc_name=acc_name, acc_convert=acc_convert,
-        splitk_block=_SPLITK_BLOCK if split else "",
+        splitk_block=Template(_SPLITK_BLOCK).substitute(arrive_call=(
+            "arrive_is_last_add(counters + tile, ctr_seen)" if spec.arrive == "add"
+            else "arrive_is_last(counters + tile)")) if split else "",
+        splitk_start=_SPLITK_START if split and spec.arrive == "add" else "",
         epilogue=epi, meta=json.dumps(meta),
         p_arg="B" if spec.swap_ab else "A", q_arg="A" if spec.swap_ab else "B")
 
@@ -663,7 +701,11 @@ def estimate_us(spec: RawSpec, problem: Problem) -> float:
     Rank correlation with the measured times within a shape (22 shapes with 4+ trials): 0.45
     before, 0.58 after; the split-16 trials were the worst modelled before (7 of them, all
     slower than modelled) and still are. Deep splits (split_k 32+) have no timings yet; the
-    per-tile partial bandwidth (5e4 B/us) is a guess the data does not constrain."""
+    per-tile partial bandwidth (5e4 B/us) is a guess the data does not constrain.
+
+    arrive='add' (2026-11-30) replaces the CAS retries with one fetch-add a CTA, which should
+    take most of SPLIT_US * S away; untimed, it is priced here as its CAS twin, and the search's
+    learned model (policy._features) takes the difference from the trials once there are some."""
     g = geometry(spec, problem)
     S, bm, bn, bk = spec.split_k, spec.block_m, spec.block_n, spec.block_k
     ctas = g.tiles * S
