@@ -28,7 +28,10 @@ counter is a 64-bit word: a 48-bit tag and a 16-bit count. Arrival is a CAS loop
 any word without the tag as count 0, and the last arrival writes (tag, 0) back: the counters
 reset themselves, so the kernel is re-launchable and graph-replayable with no memset, and it
 also tolerates a never-initialised workspace (torch.empty) unless its garbage happens to equal
-the 48-bit tag with a count in 1..S-1.
+the 48-bit tag with a count in 1..S-1. With arrive='add' (`_fa`) a CTA arrives with one fetch-add
+instead of the CAS loop (which retries once per CTA that arrived between its read and its swap),
+after tagging an untagged word by a CAS from the value it read at its start; the same word, the
+same reset, the same tolerance.
 """
 
 from __future__ import annotations
