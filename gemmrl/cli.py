@@ -1198,8 +1198,9 @@ def pack(db, device, dtype, acc, min_speedup, out_dir, against, changed_file, ag
 
 def _write_shape_list(path, shapes, comment: str) -> None:
     """A shape file (`--shapes FILE`): `comment` as its first line, then one MxNxK a line."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(f"# {comment}\n" + "".join(f"{m}x{n}x{k}\n" for m, n, k in shapes))
+    from gemmrl.core.shapes import write_shape_file
+
+    write_shape_file(path, shapes, comment)
 
 
 @main.command(name="store")

@@ -155,10 +155,11 @@ def main(argv=None) -> int:
                     "temporary directory)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="nvcc processes at once")
     ap.add_argument("--plan", action="store_true", help="render the twins and list the benches; no nvcc, no GPU")
-    ap.add_argument("--report-runs", help="read these runs of the store (comma-separated) instead of timing")
+    ap.add_argument("--report-runs", help="read these runs of the store (ids and ranges: 790-795,801) instead of timing")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     a = ap.parse_args(argv)
     from gemmrl.core.shapes import resolve
+    from gemmrl.report.bias import parse_runs
     from gemmrl.store.db import Store, device_by_part
 
     try:
@@ -195,7 +196,10 @@ def main(argv=None) -> int:
             print(" ".join(bench_argv(e, a.db)))
         return 0
     if a.report_runs:
-        runs = [int(r) for r in a.report_runs.split(",") if r.strip()]
+        try:
+            runs = sorted(parse_runs(a.report_runs))
+        except ValueError as e:
+            ap.error(str(e))
     else:
         if store is not None:
             store.close()

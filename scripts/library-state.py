@@ -97,6 +97,7 @@ def main(argv=None) -> int:
     if a.pack is not None:
         import tempfile
 
+        from gemmrl.core.shapes import write_shape_file
         from gemmrl.report.bias import pack_without_runs
         from gemmrl.runtime.pack import PackError
 
@@ -108,11 +109,10 @@ def main(argv=None) -> int:
                 return 1
         for line in lines:
             print(line, file=sys.stderr)
-        a.changed_shapes.parent.mkdir(parents=True, exist_ok=True)
-        a.changed_shapes.write_text(
-            f"# {device}: the {len(shapes)} shapes whose entries in {a.pack} change when runs "
-            f"{','.join(map(str, shown))} ({len(shown)}: {a.min_slow:.0%} or more of their library sessions slow) "
-            "are left out of the export\n" + "".join(f"{m}x{n}x{k}\n" for m, n, k in shapes))
+        write_shape_file(a.changed_shapes, shapes,
+                         f"{device}: the {len(shapes)} shapes whose entries in {a.pack} change when runs "
+                         f"{','.join(map(str, shown))} ({len(shown)}: {a.min_slow:.0%} or more of their library "
+                         "sessions slow) are left out of the export")
         print(f"{len(shapes)} shapes in {a.changed_shapes}", file=sys.stderr)
     return 0
 

@@ -77,6 +77,14 @@ def parse_shape_file(path: str | Path, dtype: str = "fp16", acc: str = "fp32") -
     return problems
 
 
+def write_shape_file(path: str | Path, shapes, comment: str) -> None:
+    """The file parse_shape_file reads: `comment` as its first line ('# ...'), then one MxNxK a
+    line for each (M, N, K) of `shapes`; parent directories made."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"# {comment}\n" + "".join(f"{m}x{n}x{k}\n" for m, n, k in shapes))
+
+
 def resolve(spec: str, dtype: str = "fp16", acc: str = "fp32") -> list[Problem]:
     """The CLI's --shapes: 'grid', 'subset', 'subset:N', 'preset:MODEL[@tokens=1,64][@fused]'
     (an LLM's projections, gemmrl/core/presets.py), a file path, or comma/space separated
