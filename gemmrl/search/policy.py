@@ -103,8 +103,9 @@ def _raw_pool(problem: Problem, layout: str) -> list:
         for (bm, bn), (wm, wn) in raw._WARPS.items():
             for bk in (32, 64, 128):
                 for stages in (3, 4):
-                    for split in (1, 2, 4, 8, 16):
-                        out.append(raw.RawSpec(bm, bn, bk, wm, wn, stages, split, swap, layout, problem.acc))
+                    for split in (1, 2, 4, 8, 16):  # split-K with the fetch-add arrival (runs 810-817)
+                        out.append(raw.RawSpec(bm, bn, bk, wm, wn, stages, split, swap, layout, problem.acc,
+                                               "add" if split > 1 else "cas"))
     return out
 
 
@@ -135,9 +136,10 @@ def candidate_pool(problem: Problem, layouts: tuple = ("NN", "TN"),
     (787 specs per layout; for K <= 512, or 1024 on a skinny output, their resident twins,
     cutlass_sm90.resident_pool; with their swapped twins for a narrow N over many rows,
     cutlass_sm90.skinny_n); raw: every tile of the family's warp table x block_k 32/64/128 x
-    stages 3/4 x split_k 1..16 (powers of 2) x swap_ab, those valid() accepts. A split's
-    fetch-add arrival (raw arrive='add', 2026-11-30) is in neither the pool nor the mutations
-    until it has been timed beside its CAS twin (scripts/arrive-twins.py)."""
+    stages 3/4 x split_k 1..16 (powers of 2) x swap_ab, those valid() accepts. Split-K raw
+    specs arrive with one fetch-add (arrive='add'), which beat the CAS loop in all 24 twins timed
+    side by side (scripts/arrive-twins.py, runs 810-817, by 1.02x-1.96x); the CAS arrival is a
+    mutation away (the raw ladder)."""
     out, seen = [], set()
     for name in families:
         fam = registry.get(name)
@@ -162,7 +164,7 @@ _LADDERS = {
     "raw": {
         "block_m": (16, 32, 64, 128, 256), "block_n": (16, 32, 64, 128, 256), "block_k": (16, 32, 64, 128),
         "warps_m": (1, 2, 4, 8), "warps_n": (1, 2, 4, 8), "stages": (2, 3, 4),
-        "split_k": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), "arrive": ("cas",)},
+        "split_k": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), "arrive": ("cas", "add")},
 }
 # dtype and acc: set by the problem; pdl: a launch that overlaps consecutive calls, which the
 # kernel-mode timing would credit, so never a search candidate (results/README.md, eleventh session)
@@ -192,7 +194,12 @@ def _repairs(family: str, spec) -> list:
 
         grids = [raw._WARPS.get((spec.block_m, spec.block_n), (2, 2)), (2, 4), (4, 2), (2, 2), (4, 1),
                  (1, 4), (2, 1), (1, 2), (1, 1)]
-        return [replace(spec, warps_m=wm, warps_n=wn) for wm, wn in grids]
+        out = [replace(spec, warps_m=wm, warps_n=wn) for wm, wn in grids]
+        # an arrival needs a split: split_k 1 drops the fetch-add, a fetch-add on split 1 takes split 2
+        if spec.split_k == 1 and spec.arrive != "cas":
+            out.insert(0, replace(spec, arrive="cas"))
+            out.insert(1, replace(spec, split_k=2))
+        return out
     return []
 
 
@@ -565,6 +572,20 @@ class ModelFreePolicy(_Tracking):
                       key=lambda p: (_distance(p, problem), p.key()))[:self.neighbours]
         return [s for p in near for s in self.prior[p][:self.transfer_top]]
 
+    def _prior_paying(self, problem: Problem) -> list:
+        """The problem's own prior on a shape searched here, while it pays: once `prior_top` or more
+        of its suggestions have been timed here and none of them is the fastest kernel timed here,
+        nothing. On the simulated pair of GPUs (tests/test_search.py) a prior whose other GPU had
+        searched a poor region took three slots of every batch, 12 of 32 candidates, and the warm
+        search missed a target the cold one reached in 6 (512x512x512)."""
+        prior = self.prior.get(problem, [])
+        keys = {(f, s.name) for f, s in prior}
+        mine = [t for t in self.ok.get(problem, ()) if t.time_us]
+        timed = [t for t in mine if t.key() in keys]
+        if len(timed) >= self.prior_top and min(mine, key=lambda t: t.time_us).key() not in keys:
+            return []
+        return prior
+
     def _options(self, problem: Problem) -> dict:
         """key -> [family, spec, origin] of every open option, first origin wins."""
         tried, quarantined = self.blocked(problem)
@@ -589,7 +610,7 @@ class ModelFreePolicy(_Tracking):
         # offered once each, those not tried yet: a seed from the other accumulator's tuning, or
         # from another GPU, on shapes this search has visited
         # (the cap is on those offered: a prior whose first suggestions were tried offers the next)
-        prior = self._prior(problem) if not tried else self.prior.get(problem, [])
+        prior = self._prior(problem) if not tried else self._prior_paying(problem)
         for family, spec in prior:
             if sum(o[2] == "prior" for o in opts.values()) >= self.prior_top:
                 break

@@ -51,8 +51,8 @@ MAX_ACC_PER_THREAD = 128       # fp32 accumulators per thread above which ptxas 
 MAX_SPLIT_K = 256              # the counter keeps 16 bits of count
 MAX_REDUCE_BYTES = 1 << 20     # heuristic: fp32 partials the reducing CTA may read per tile (_splits)
 TENSOR_WARPS = 8               # estimate_us: resident warps per SM that keep mma.sync busy
-SPLIT_US = 0.2                 # estimate_us: reduction latency per split (fences, counter CAS)
 ARRIVALS = ("cas", "add")      # split-K arrival: a CAS loop (retries per earlier arrival) or one fetch-add
+SPLIT_US = {"cas": 0.4, "add": 0.1}  # estimate_us: reduction latency per split, by arrival (runs 810-817)
 DEEP_CTAS_PER_SM = 3           # heuristic: a grid this many CTAs per SM deep is a 'deep split'
 DEEP_MIN_KT = 4                # heuristic: K tiles per split below which no deep split is offered
 COUNTER_TAG = 0x67656D6D726C   # 'gemmrl': the 48-bit tag of a live counter word
@@ -698,17 +698,20 @@ def estimate_us(spec: RawSpec, problem: Problem) -> float:
       SM runs its mma.sync chain at about half the rate (1024x512x2048 on 128 CTAs, split 1:
       18.9 us measured, 13.2 us modelled before, 17.0 us now); this is what rewards grids of
       several CTAs per SM, i.e. deeper splits on long-K small-MN shapes;
-    - each split adds SPLIT_US of latency to the reduction (the arrivals' fences and CAS
-      retries on one counter): 128x64x8192 16x32x128 went from 9.5 us at split 8 to 12.2 us at
-      split 16, where the partial bytes alone account for 0.3 us.
+    - each split adds SPLIT_US[arrive] of latency to the reduction (the arrivals' fences, and the
+      CAS loop's retries on one counter): 128x64x8192 16x32x128 went from 9.5 us at split 8 to
+      12.2 us at split 16, where the partial bytes alone account for 0.3 us.
     Rank correlation with the measured times within a shape (22 shapes with 4+ trials): 0.45
     before, 0.58 after; the split-16 trials were the worst modelled before (7 of them, all
     slower than modelled) and still are. Deep splits (split_k 32+) have no timings yet; the
     per-tile partial bandwidth (5e4 B/us) is a guess the data does not constrain.
 
-    arrive='add' (2026-11-30) replaces the CAS retries with one fetch-add a CTA, which should
-    take most of SPLIT_US * S away; untimed, it is priced here as its CAS twin, and the search's
-    learned model (policy._features) takes the difference from the trials once there are some."""
+    The arrivals, timed side by side (scripts/arrive-twins.py, runs 810-817, H200, 2026-11-30: 24
+    CAS/fetch-add twins, 8 shapes, splits 4/8/16): the fetch-add twin was faster in all 24, by
+    0.32 us a split (median; 1.02x-1.96x), which is the CAS loop's retries. Fitted on those times,
+    the CAS twins' per-split term is 0.4 us (log error sd 0.140 at 0.4, 0.208 at the old 0.2; over
+    the store's CAS trials, 249 shapes with 4 or more specs timed, the within-shape rank
+    correlation is 0.375-0.391 anywhere in 0.1-0.5) and the fetch-add twins' 0.1 us (mean log error -0.003, sd 0.152): SPLIT_US."""
     g = geometry(spec, problem)
     S, bm, bn, bk = spec.split_k, spec.block_m, spec.block_n, spec.block_k
     ctas = g.tiles * S
@@ -725,7 +728,7 @@ def estimate_us(spec: RawSpec, problem: Problem) -> float:
     tensor = 2 * g.tiles * bm * bn * g.kt * bk / (2.9e8 * busy * min(1.0, warps_per_sm / TENSOR_WARPS))
     waves = -(-ctas // (SM_COUNT * per_sm))
     fill = 0.7 * waves
-    reduce = (1.0 + SPLIT_US * S + S * bm * bn * 4 / 5.0e4) if S > 1 else 0.0
+    reduce = (1.0 + SPLIT_US[spec.arrive] * S + S * bm * bn * 4 / 5.0e4) if S > 1 else 0.0
     return 1.0 + max(hbm, l2, tensor) + fill + reduce
 
 
@@ -736,7 +739,10 @@ def heuristic_specs(problem: Problem, layout: str, acc: str | None = None, limit
 
     When the list's `limit` places hold no deep split (a grid of DEEP_CTAS_PER_SM or more CTAs
     per SM) but one is valid, the best-ranked deep one takes the last place: the model has no
-    timings of such grids to rank them by, so a search should time one (issue #3)."""
+    timings of such grids to rank them by, so a search should time one (issue #3).
+
+    Split-K specs arrive with the fetch-add (arrive='add'): it beat its CAS twin in all 24 pairs
+    timed side by side (runs 810-817; estimate_us)."""
     acc = acc or problem.acc
     M, N, K = problem.M, problem.N, problem.K
     swaps = [False] + ([True] if M < N and M <= 64 else [])
@@ -755,7 +761,8 @@ def heuristic_specs(problem: Problem, layout: str, acc: str | None = None, limit
                     kt = -(-K // bk)
                     for stages in (3, 4):
                         for split in _splits(tiles, kt, bm * bn):
-                            cands.append(RawSpec(bm, bn, bk, wm, wn, stages, split, swap, layout, acc))
+                            cands.append(RawSpec(bm, bn, bk, wm, wn, stages, split, swap, layout, acc,
+                                                 "add" if split > 1 else "cas"))
     ok = [s for s in cands if valid(s, problem) is None]
     ok.sort(key=lambda s: (round(estimate_us(s, problem), 2), geometry(s, problem).smem_bytes, s.key()))
     out, seen = [], {}
