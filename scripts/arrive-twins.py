@@ -228,8 +228,36 @@ def main(argv=None) -> int:
             print(f"| {r['shape']} | {r['split']} | {r['cas']} | not timed | | | |")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps({"device": device, "acc": a.acc, "runs": runs, "rows": rows}, indent=1) + "\n")
+        a.json.write_text(json.dumps({"device": device, "acc": a.acc, "runs": runs,
+                                      "provenance": run_provenance(store.db, runs), "rows": rows}, indent=1) + "\n")
     return 0 if any(r["timed"] for r in rows) else 1
+
+
+def run_provenance(db, runs) -> dict:
+    """What the result file must name of where its numbers came from: the device, driver, CUDA,
+    torch and commit of the runs' sessions (those of the last run; each field's values, sorted, where
+    the runs differ) and the runs' first and last dates."""
+    import datetime
+
+    provs = []
+    for r in runs:
+        row = db.execute("SELECT provenance, started FROM runs WHERE id=?", (r,)).fetchone()
+        if row:
+            p = json.loads(row[0] or "{}")
+            if not p.get("date") and row[1]:  # the run's start where its provenance has no date
+                p["date"] = datetime.datetime.fromtimestamp(row[1], datetime.timezone.utc).isoformat(timespec="seconds")
+            provs.append(p)
+    if not provs:
+        return {}
+    out = {}
+    for k in ("device", "driver", "cuda", "torch", "commit", "cublas"):
+        vals = sorted({str(p.get(k)) for p in provs if p.get(k) is not None})
+        if vals:
+            out[k] = vals[0] if len(vals) == 1 else vals
+    dates = sorted(p["date"] for p in provs if p.get("date"))
+    if dates:
+        out["first_date"], out["last_date"] = dates[0], dates[-1]
+    return out
 
 
 def _max_run(db: str) -> int:

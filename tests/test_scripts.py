@@ -2380,6 +2380,9 @@ def test_arrive_twins_renders_each_split_kernels_fetch_add_twin_and_reads_their_
     run = st.start_run("gemmrl tune", dev, {"device": dev}, {})
     p = Problem(128, 64, 8192)
     fast = raw.RawSpec(16, 32, 128, 1, 2, 3, 8, False, "TN", "fp32")
+    # the heuristic's split-K specs arrive with the fetch-add now: the twins of one are the same pair
+    heur = next(s for s in raw.heuristic_specs(p, "TN", "fp32") if s.split_k > 1)
+    assert heur.arrive == "add" and [(c.arrive, a.arrive) for c, a in mod.twins(heur, p, ())] == [("cas", "add")]
     plain = dataclasses.replace(fast, split_k=1)
     for spec, t in ((plain, 6.0), (fast, 9.5), (dataclasses.replace(fast, stages=4), 9.9)):
         st.record_trial(run, dev, p, spec.name, "ok", 1.0, t, {"family": "raw", "spec": dict(spec.__dict__)})
@@ -2400,7 +2403,8 @@ def test_arrive_twins_renders_each_split_kernels_fetch_add_twin_and_reads_their_
 
     # a bench run's session: the fetch-add twin 25% faster at split 16 by its paired ratio (20% by the
     # medians, which the paired ratio outranks); split 4 untimed
-    brun = st.start_run("gemmrl bench", dev, {"device": dev}, {})
+    brun = st.start_run("gemmrl bench", dev, {"device": dev, "driver": "580.159.04", "cuda": "13.0",
+                                             "torch": "2.11.0+cu130", "commit": "abc123"}, {})
     a, b = f"kernel:{Path(cas16).stem}", f"kernel:{Path(add16).stem}"
     st.record_session(brun, "k1", dev, p, "kernel", "kernel:v3", {
         "torch.matmul": {"median_us": 9.0, "n": 50}, a: {"median_us": 12.0, "n": 50},
@@ -2417,6 +2421,10 @@ def test_arrive_twins_renders_each_split_kernels_fetch_add_twin_and_reads_their_
     assert r.returncode == 0, r.stderr
     assert "| 128x64x8192 | 16 | raw_tn_fp32_16x32x128_w1x2_s3_k16_128x64x8192 | 12.00 | 10.00 | 1.250 | 9.00 |" \
         in r.stdout
-    assert json.loads((tmp_path / "t.json").read_text())["runs"] == [brun]
+    got = json.loads((tmp_path / "t.json").read_text())
+    assert got["runs"] == [brun]
+    prov = got["provenance"]  # what a result file must name of where its numbers came from
+    assert (prov["device"], prov["driver"], prov["cuda"], prov["torch"], prov["commit"]) == \
+        (dev, "580.159.04", "13.0", "2.11.0+cu130", "abc123") and prov["first_date"] == prov["last_date"]
     r = subprocess.run(cmd + ["--splits", "1,4", "--plan"], capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode == 2 and "--splits" in r.stderr
