@@ -533,7 +533,7 @@ class ModelFreePolicy(_Tracking):
         the other accumulator: search.run.store_prior): (family, spec) suggestions, best first;
         the first `prior_top` lead the problem's first batch (through the nearest such problems,
         on shapes the other GPU never tuned too; on a shape searched here already, the first
-        `prior_top` not tried yet lead the next batch). Nothing of it counts
+        `prior_top` not tried yet lead the next batch, while the prior pays: _prior_paying). Nothing of it counts
         as tried or timed here, and its times do not train the cost model: on the simulated pair
         of GPUs (tests/test_search.py) a model fitted to the other GPU's times was confidently
         wrong and searched worse than a cold one."""
@@ -607,8 +607,8 @@ class ModelFreePolicy(_Tracking):
 
         # the prior's best lead a problem's first batch; then this GPU's own trials lead. On a shape
         # already searched here, the first `prior_top` of its own prior (not its neighbours') are
-        # offered once each, those not tried yet: a seed from the other accumulator's tuning, or
-        # from another GPU, on shapes this search has visited
+        # offered once each, those not tried yet, until the prior has lost here (_prior_paying): a seed
+        # from the other accumulator's tuning, or from another GPU, on shapes this search has visited
         # (the cap is on those offered: a prior whose first suggestions were tried offers the next)
         prior = self._prior(problem) if not tried else self._prior_paying(problem)
         for family, spec in prior:
