@@ -239,6 +239,30 @@ def test_pool_and_mutations_are_legal_and_local():
                 assert m.layout in LAYOUTS
 
 
+def test_raw_splits_arrive_with_the_fetch_add_and_the_cas_loop_is_a_mutation_away():
+    """The raw pool's and heuristic's split-K specs arrive with one fetch-add (it beat its CAS twin in
+    all 24 pairs timed, runs 810-817); a split spec's CAS twin is one mutation away, a mutation to
+    split 1 drops the fetch-add, and the arrival field of an unsplit spec leads to split 2."""
+    from gemmrl.space import raw
+
+    p = Problem(128, 64, 8192)
+    specs = [s for f, s in candidate_pool(p, LAYOUTS) if f == "raw"]
+    assert specs and all(s.arrive == ("add" if s.split_k > 1 else "cas") for s in specs)
+    assert {s.split_k for s in specs} >= {1, 2, 4, 8, 16}
+    heur = raw.heuristic_specs(p, "TN")
+    assert any(s.split_k > 1 for s in heur) and all(s.arrive == ("add" if s.split_k > 1 else "cas") for s in heur)
+    fa = next(s for s in specs if s.split_k == 2 and s.layout == "TN")
+    muts = mutations("raw", fa, p, LAYOUTS)
+    assert replace(fa, arrive="cas") in muts
+    assert replace(fa, split_k=1, arrive="cas") in muts and replace(fa, split_k=1) not in muts
+    plain = replace(fa, split_k=1, arrive="cas")
+    assert replace(plain, split_k=2, arrive="add") in mutations("raw", plain, p, LAYOUTS)
+    # priced apart by the arrival's per-split latency alone
+    s16 = replace(fa, split_k=16)
+    gap = raw.estimate_us(replace(s16, arrive="cas"), p) - raw.estimate_us(s16, p)
+    assert gap == pytest.approx((raw.SPLIT_US["cas"] - raw.SPLIT_US["add"]) * 16) and gap > 4.0
+
+
 # ---------------------------------------------------------------------------------------------
 # the cost model
 
