@@ -235,8 +235,8 @@ def main(argv=None) -> int:
 
 def run_provenance(db, runs) -> dict:
     """What the result file must name of where its numbers came from: the device, driver, CUDA,
-    torch and commit of the runs' sessions (those of the last run; each field's values, sorted, where
-    the runs differ) and the runs' first and last dates."""
+    torch, cuBLAS and commit of the runs (each field's value, or its values sorted where the runs
+    differ) and the runs' first and last dates (a run's start where its provenance has none)."""
     import datetime
 
     provs = []
@@ -244,8 +244,9 @@ def run_provenance(db, runs) -> dict:
         row = db.execute("SELECT provenance, started FROM runs WHERE id=?", (r,)).fetchone()
         if row:
             p = json.loads(row[0] or "{}")
-            if not p.get("date") and row[1]:  # the run's start where its provenance has no date
-                p["date"] = datetime.datetime.fromtimestamp(row[1], datetime.timezone.utc).isoformat(timespec="seconds")
+            if not p.get("date") and row[1]:
+                start = datetime.datetime.fromtimestamp(row[1], datetime.timezone.utc)
+                p["date"] = start.isoformat(timespec="seconds")
             provs.append(p)
     if not provs:
         return {}

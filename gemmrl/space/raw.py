@@ -711,7 +711,8 @@ def estimate_us(spec: RawSpec, problem: Problem) -> float:
     0.32 us a split (median; 1.02x-1.96x), which is the CAS loop's retries. Fitted on those times,
     the CAS twins' per-split term is 0.4 us (log error sd 0.140 at 0.4, 0.208 at the old 0.2; over
     the store's CAS trials, 249 shapes with 4 or more specs timed, the within-shape rank
-    correlation is 0.375-0.391 anywhere in 0.1-0.5) and the fetch-add twins' 0.1 us (mean log error -0.003, sd 0.152): SPLIT_US."""
+    correlation is 0.375-0.391 anywhere in 0.1-0.5) and the fetch-add twins' 0.1 us (mean log
+    error -0.003, sd 0.152): SPLIT_US."""
     g = geometry(spec, problem)
     S, bm, bn, bk = spec.split_k, spec.block_m, spec.block_n, spec.block_k
     ctas = g.tiles * S
