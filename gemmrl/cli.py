@@ -1185,22 +1185,17 @@ def pack(db, device, dtype, acc, min_speedup, out_dir, against, changed_file, ag
         click.echo(line, err=True)
     if changed_file:
         shapes = changed_shapes(manifest, previous)
-        _write_shape_list(changed_file, shapes, f"{device}: the {len(shapes)} shapes whose {dtype}/{acc} pack entries "
-                          f"(kernels or cuBLASLt algorithms) changed against {base.parent if previous else 'no pack'}")
+        against_what = base.parent if previous else "no pack"
+        shapes_mod.write_shape_file(changed_file, shapes, f"{device}: the {len(shapes)} shapes whose {dtype}/{acc} "
+                                    f"pack entries (kernels or cuBLASLt algorithms) changed against {against_what}")
         click.echo(f"{len(shapes)} changed shapes in {changed_file}", err=True)
     if again_file:
         shapes = time_again_shapes(manifest)
-        _write_shape_list(again_file, shapes, f"{device}: the {len(shapes)} shapes whose {dtype}/{acc} winner {path} "
-                          f"left out for want of a second kernel session (its one session's baselines ran slow)")
+        shapes_mod.write_shape_file(again_file, shapes, f"{device}: the {len(shapes)} shapes whose {dtype}/{acc} "
+                                    f"winner {path} left out for want of a second kernel session (its one "
+                                    "session's baselines ran slow)")
         click.echo(f"{len(shapes)} shapes to time again in {again_file}", err=True)
     click.echo(str(path))
-
-
-def _write_shape_list(path, shapes, comment: str) -> None:
-    """A shape file (`--shapes FILE`): `comment` as its first line, then one MxNxK a line."""
-    from gemmrl.core.shapes import write_shape_file
-
-    write_shape_file(path, shapes, comment)
 
 
 @main.command(name="store")

@@ -101,17 +101,12 @@ def bench_argv(entry: dict, db: str) -> list[str]:
 
 def compile_all(entries: list[dict], jobs: int) -> list[str]:
     """Build every twin into the build cache, `jobs` nvcc processes at once; the failures' files."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from gemmrl.build.nvcc import build_shared
+    from gemmrl.build.pool import build_many
 
     files = [f for e in entries for pair in e["pairs"] for f in pair[:2]]
-
-    def one(f):
-        return f, build_shared(Path(f).read_text(), name=Path(f).stem, include_dirs=(str(Path(f).parent),)).ok
-
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as ex:
-        return [f for f, ok in ex.map(one, files) if not ok]
+    results = build_many([(Path(f).stem, Path(f).read_text(), {"include_dirs": (str(Path(f).parent),)})
+                          for f in files], workers=jobs)
+    return [f for f, r in zip(files, results) if not r.ok]
 
 
 def ratios(db, runs, entries: list[dict]) -> list[dict]:
