@@ -1,5 +1,7 @@
 from gemmrl.build.pool import build_many
 
+import worker_tasks
+
 OK_SRC = 'extern "C" int gemmrl_answer_{n}() {{ return {n}; }}\n'
 
 
@@ -106,3 +108,19 @@ def test_a_relative_cache_path_builds_and_is_found_from_elsewhere(tmp_path, monk
     monkeypatch.chdir("/")  # the absolute artifact path outlives the directory it was made from
     assert build_shared(src, name="eleven", cache_dir=tmp_path / "rel" / "cache" / "builds").cached
     assert is_built(OK_SRC.format(n=12), name="twelve", cache_dir=tmp_path / "other")
+
+
+def test_builds_run_from_the_search_worker_with_threads_where_processes_are_refused(tmp_path):
+    """The search's evaluator runs in a daemon worker process (bench.worker), where multiprocessing
+    refuses children: build_many's process pool fails there, its threads (each build an nvcc
+    subprocess) do not."""
+    from gemmrl.bench.worker import Worker
+
+    w = Worker()
+    try:
+        r = w.run(worker_tasks.build_three, str(tmp_path / "t"), True, timeout_s=300)
+        assert r.ok and r.value == [True, True, True], r.reason
+        r = w.run(worker_tasks.build_three, str(tmp_path / "p"), False, timeout_s=300)
+        assert not r.ok and "daemonic processes are not allowed to have children" in r.reason
+    finally:
+        w.close()

@@ -454,3 +454,75 @@ def test_a_policy_that_raises_on_one_shape_costs_only_that_shape(tmp_path):
     assert set(res.failed) == {P1} and "ValueError: a suggestion" in res.failed[P1]
     assert {t.problem for t in res.trials} == {P2} and len(res.trials) == 3
     assert store.get_tuning("H100", P2, TUNED) is not None and store.get_tuning("H100", P1, TUNED) is None
+
+
+def _raw_candidates(problem, n):
+    from gemmrl.search.policy import Candidate
+    from gemmrl.space import raw
+
+    specs = raw.heuristic_specs(problem, "TN")[:n]
+    assert len(specs) == n
+    return [Candidate("raw", s) for s in specs]
+
+
+def test_a_batch_is_compiled_side_by_side_once_before_it_is_evaluated(tmp_path, monkeypatch):
+    """build_batch compiles the batch's unbuilt kernels together (threads: the evaluator's worker
+    is a daemon process, which may start no processes), and a batch already in the cache, or
+    with one kernel to build, starts no pool."""
+    import shutil
+
+    import pytest
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc")
+    from gemmrl.build import ahead, pool
+    from gemmrl.search.tune import build_batch
+
+    monkeypatch.setenv("GEMMRL_CACHE", str(tmp_path))
+    problem = Problem(64, 128, 4096)
+    cands = _raw_candidates(problem, 3)
+    jobs = [ahead.job_for(c.spec, problem) for c in cands]
+    assert ahead.pending(jobs) == jobs
+    calls = []
+    real = pool.build_many
+    monkeypatch.setattr(pool, "build_many", lambda j, **kw: calls.append((len(j), kw)) or real(j, **kw))
+    assert build_batch(problem, cands) == {}
+    assert calls == [(3, {"workers": None, "threads": True})]
+    assert ahead.pending(jobs) == []
+    assert build_batch(problem, cands) == {} and len(calls) == 1  # all built: nothing started
+    one = _raw_candidates(Problem(64, 64, 4096), 1)
+    assert build_batch(Problem(64, 64, 4096), one) == {} and len(calls) == 1  # the evaluator builds it
+
+
+def test_a_candidate_that_does_not_build_is_rejected_at_the_build_and_never_loaded(tmp_path, monkeypatch):
+    """The evaluator takes build failures from the batch's build: the candidate is rejected with
+    nvcc's log, and it is not compiled a second time nor loaded (prepare is never called)."""
+    import shutil
+
+    import pytest
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc")
+    from gemmrl.build import ahead
+    from gemmrl.runtime.spec_impl import SpecImpl
+    from gemmrl.search.tune import gpu_evaluate
+
+    monkeypatch.setenv("GEMMRL_CACHE", str(tmp_path))
+    problem = Problem(64, 128, 4096)
+    cands = _raw_candidates(problem, 2)
+    real_job = ahead.job_for
+
+    def broken(spec, p):
+        j = real_job(spec, p)
+        return ahead.BuildJob(j.name, j.source + "\nthis is not C++;\n", j.kwargs)
+    monkeypatch.setattr(ahead, "job_for", broken)
+
+    def never(self, p):
+        raise AssertionError("prepare called for a kernel whose build failed")
+    monkeypatch.setattr(SpecImpl, "prepare", never)
+    trials = gpu_evaluate(None, "H200", lambda p: 5.0)(problem, cands)
+    assert [t.status for t in trials] == ["rejected", "rejected"]
+    for t, c in zip(trials, cands):
+        assert t.candidate == c and t.details["stage"] == "build"
+        assert t.details["reason"].startswith(f"AbiError: {c.name} failed to build")
+        assert "error" in t.details["reason"] and t.details["device_s"] == 0.0

@@ -147,3 +147,13 @@ def cuda_sum():
     import torch
 
     return (os.getpid(), float(torch.ones(4, device="cuda").sum().item()))
+
+
+def build_three(cache_dir, threads):
+    """build_many of three tiny sources from inside the worker (a daemon process)."""
+    from gemmrl.build.pool import build_many
+
+    src = 'extern "C" int gemmrl_daemon_{n}() {{ return {n}; }}\n'
+    res = build_many([(f"d{n}", src.format(n=n), {"cache_dir": cache_dir}) for n in range(3)],
+                     workers=3, threads=threads)
+    return [r.ok for r in res]

@@ -7,7 +7,7 @@ BuildResult records (a failed or timed-out build is a record with its log, not a
 from __future__ import annotations
 
 import os
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from multiprocessing import get_context
 
 from gemmrl.build.nvcc import BuildResult, build_shared
@@ -26,8 +26,11 @@ def default_jobs() -> int:
 
 
 def build_many(jobs: list[tuple[str, str, dict]], workers: int | None = None,
-               progress=None) -> list[BuildResult]:
-    """Compile every job; `progress(done, total, name, result)` is called as each finishes."""
+               progress=None, threads: bool = False) -> list[BuildResult]:
+    """Compile every job; `progress(done, total, name, result)` is called as each finishes.
+    `threads`: run the builds from threads of this process instead of worker processes (each
+    build is an nvcc subprocess either way), for a caller that may not start processes: the
+    search's evaluator runs in a daemon process, which multiprocessing refuses children."""
     if not jobs:
         return []
     workers = max(1, min(workers or default_jobs(), len(jobs)))
@@ -39,7 +42,8 @@ def build_many(jobs: list[tuple[str, str, dict]], workers: int | None = None,
                 progress(i + 1, len(jobs), j[0], out[-1])
         return out
     results: list[BuildResult | None] = [None] * len(jobs)
-    ex = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"))
+    ex = (ThreadPoolExecutor(max_workers=workers) if threads
+          else ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")))
     try:
         futs = {ex.submit(_job, j): i for i, j in enumerate(jobs)}
         for done, fut in enumerate(as_completed(futs), 1):
