@@ -668,6 +668,12 @@ def targets(results_dir, device, subject, acc, product, json_out):
                    "measurement included (then the winners are timed and reported; a rerun resumes). The "
                    "baselines take half of it at most: shapes whose baselines are not measured by then are "
                    "left to a rerun, and the search takes the rest")
+@click.option("--finish-s", default=None, type=click.FloatRange(min=1),
+              help="instead of --wall-s: finish the whole run, the race and the final timing included, within "
+                   "this many seconds of wall time (for a job with a hard limit): the search starts no batch "
+                   "once what is left is what the final timing of the shapes it has reached needs (about 8 s "
+                   "a shape with --race 1, more with a longer race, and 45 s for each incumbent CUTLASS kernel "
+                   "not in the build cache, side by side on the cores). The baselines take half of it at most")
 @click.option("--no-report", is_flag=True, help="do not write CSVs, summary and plots at the end")
 @click.option("--seed-from-lt", "seed_from_lt", is_flag=True,
               help="seed each shape's first batch with the CUTLASS kernels of cuBLASLt autotuned's own "
@@ -718,9 +724,9 @@ def targets(results_dir, device, subject, acc, product, json_out):
               help="stop after the search: no race, no final verification and timing, no report (a study's "
                    "trials; the stored choices await their final verification, which a later run without "
                    "this flag does)")
-def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, built_only, family_opts, match, layouts,
-         db, out, ray_address, gpus, no_report, seed_from_lt, reuse_baselines, race, transfer_from, policy_name, seed,
-         search_only):
+def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, finish_s, built_only, family_opts, match,
+         layouts, db, out, ray_address, gpus, no_report, seed_from_lt, reuse_baselines, race, transfer_from, policy_name,
+         seed, search_only):
     """Search kernels per shape with speed over the best baseline as the reward; keep the winners.
 
     Baselines are measured first (kernel mode) where the store lacks them; then the model-free
@@ -731,6 +737,10 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
     problems = _problems(shape_spec, dtype, acc)
     lays = _layouts(layouts)
     _check_match(match)
+    if wall_s and finish_s:
+        raise click.UsageError("--wall-s bounds the search, --finish-s the whole run: give one")
+    if finish_s and search_only:
+        raise click.UsageError("--finish-s keeps time for the final timing, which --search-only skips: use --wall-s")
     if transfer_from and policy_name != "model-free":
         raise click.UsageError(f"--transfer-from seeds the model-free policy; the {policy_name} policy takes none")
     if seed_from_lt and policy_name != "model-free":
@@ -814,8 +824,9 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
         # --wall-s: the baselines get half of it at most, so that a call's search is not spent on
         # them (H100, 2026-11-27: 200 shapes' baselines took a whole 494 s call and nothing was
         # searched); the shapes whose baselines were not measured by then wait for a rerun
+        wall = wall_s or finish_s
         base = measure(("baselines",), "baselines (the reward's yardstick), kernel mode",
-                       kernel_only if not wall_s else dataclasses.replace(kernel_only, deadline=t_start + wall_s / 2))
+                       kernel_only if not wall else dataclasses.replace(kernel_only, deadline=t_start + wall / 2))
         if base.get("deadline_after") is not None:
             n = base["deadline_after"]
             click.echo(f"--wall-s: baselines measured for {n} of {len(problems)} shapes in half the wall time; "
@@ -842,6 +853,8 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
                 evaluate, close = isolated_evaluator(store, device, str(db), baseline_fn,
                                                      log=lambda m: click.echo(m, err=True))
             best: dict = {}
+            reserve = _final_reserve(store, device, problems, race, (kernel_only.protocol("kernel"),
+                                                                     judge.protocol("kernel"))) if finish_s else None
 
             def on_trial(t):
                 if t.reward > best.get(t.problem, 0.0):
@@ -851,7 +864,7 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
                 t_search = time.monotonic()
                 res = run_tune(problems, store, device, evaluate, candidates=candidates, batch=batch,
                                budget_s=budget_s or float("inf"), layouts=lays, run_id=run_id, on_trial=on_trial,
-                               deadline=t_start + wall_s if wall_s else None,
+                               deadline=t_start + wall if wall else None, reserve=reserve,
                                generic_built_only=built_only, families=fams, match=match, more=more,
                                transfer_from=sources or None, policy_name=policy_name, seed=seed,
                                lt_prior=lt_prior)
@@ -870,9 +883,14 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, buil
                 click.echo(f"the policy failed on {len(res.failed)} shape(s), left unsearched (their earlier "
                            f"winners stand); first: {first[0].shape}: {first[1]}", err=True)
             if searched < len(problems):
-                click.echo(f"this run searched {searched} of its {len(problems)} shapes"
-                           + (f" (the wall-clock deadline came {wall_s:g} s after the start, the baselines' "
-                              "measurement included)" if res.stopped == "wall-clock deadline" else ""), err=True)
+                why = ""
+                if res.stopped == "wall-clock deadline" and finish_s:
+                    kept = reserve(frozenset(t.problem for t in res.trials))
+                    why = (f" (--finish-s {finish_s:g}: it stopped with about {kept:.0f} s left to time the winners "
+                           "of the shapes it reached)")
+                elif res.stopped == "wall-clock deadline":
+                    why = f" (the wall-clock deadline came {wall_s:g} s after the start, the baselines' measurement included)"
+                click.echo(f"this run searched {searched} of its {len(problems)} shapes{why}", err=True)
             if not no_report:
                 write_curves({policy_name: res.per_shape_curve()}, Path(out) / env.gpu_slug(device) / "tune_curve")
             final = [] if search_only else shapes_to_time(problems, res.trials, store, device,
@@ -1031,6 +1049,26 @@ def shapes_to_time(problems, trials, store, device: str, protocol) -> list:
                     not ver["passed"] or verified_differs(choice, verified_choice(ver)))):
                 out.append(p)
     return out
+
+
+def _final_reserve(store, device: str, problems, race: int, protocols):
+    """tune --finish-s: reached -> seconds the final timing will take (search.tune.final_reserve_s),
+    over the shapes the search reached and those the final pass times anyway (shapes_to_time of
+    a run with no trials: a stored winner not yet timed or not the verified one), counting the
+    incumbent CUTLASS kernels not in the build cache (race.unbuilt_incumbents)."""
+    import os
+
+    from gemmrl.search.race import unbuilt_incumbents
+    from gemmrl.search.tune import final_reserve_s
+
+    always = frozenset(shapes_to_time(problems, [], store, device, protocols))
+    unbuilt = frozenset(p for p, _spec in unbuilt_incumbents(store, device, problems))
+    cores = os.cpu_count() or 1
+
+    def reserve(reached) -> float:
+        shapes = always | frozenset(reached)
+        return final_reserve_s(len(shapes), race, len(shapes & unbuilt), cores)
+    return reserve
 
 
 @main.command(name="llm")

@@ -25,7 +25,8 @@
 # bench, under OUT/logs) and whatever is left of TOTAL_S (default 560) less 60 s as its timeout,
 # or less: a step written "@SECONDS tune ..." is cut after that many seconds (SIGTERM: it stops
 # cleanly, keeping what it measured; one still running 30 s later is killed, so the store still
-# comes back); a step's failure does not stop the next. OUT gets logs.tgz (a log per step) and the store,
+# comes back; give a capped tune `--finish-s` a little under its cap, or the cap cuts its final timing,
+# 2026-11-30f); a step's failure does not stop the next. OUT gets logs.tgz (a log per step) and the store,
 # compressed, as OUT/gemmrl.sqlite.xz: only this call's runs, as OUT/gemmrl-delta.sqlite.xz, unless
 # FULL_STORE=1 (scripts/device-common.sh).
 # CACHE_BACK=FILE: the builds a step listed in FILE (`build ... --entries FILE`) come back packed as

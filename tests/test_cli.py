@@ -754,6 +754,70 @@ def test_tune_wall_gives_the_baselines_half_and_searches_the_shapes_that_have_th
     assert "this run searched 1 of its 2 shapes (the wall-clock deadline came 12 s after the start" in r.output
 
 
+def test_tune_finish_keeps_time_for_the_final_timing(tmp_path, monkeypatch):
+    """--finish-s bounds the whole run: the baselines get half of it, and the search gets the
+    deadline with a reserve for the final timing of the shapes it reaches (8 s a shape with
+    --race 1, more with a longer race); it says so when it stops there. Not with --wall-s, and not
+    with --search-only (no final timing to keep time for). The GPU parts are replaced."""
+    import time
+    from types import SimpleNamespace
+
+    import gemmrl.search.run as srun
+    from gemmrl.bench import runner
+    from gemmrl.core.problem import Problem
+    from gemmrl.search.tune import TuneResult, final_reserve_s
+
+    _fake_gpu_for_tune(monkeypatch)
+    monkeypatch.setattr(srun, "rejected_winners", lambda *a: {})
+    got = []
+
+    def fake_run_tune(problems, store, device, evaluate, **kw):
+        got.append(kw)
+        first = SimpleNamespace(problem=problems[0], reward=1.2)
+        return TuneResult(problems=list(problems), trials=[first], history=[], best={problems[0]: first},
+                          curve=[], device_s=0.0, stopped="wall-clock deadline")
+    monkeypatch.setattr(srun, "run_tune", fake_run_tune)
+    base = []
+
+    def fake_isolated(probs, specs, store, cfg, **kw):
+        if specs == ("baselines",):
+            base.append(cfg.deadline)
+        return {"stopped": False}
+    monkeypatch.setattr(runner, "run_isolated", fake_isolated)
+    shapes = "64x64x64,128x128x128"
+    for race, per in ((1, final_reserve_s(1)), (3, final_reserve_s(1, race=3))):
+        got.clear(), base.clear()
+        t0 = time.monotonic()
+        r = CliRunner().invoke(main, ["tune", "--shapes", shapes, "--db", str(tmp_path / f"f{race}.sqlite"),
+                                      "--no-report", "--finish-s", "100", "--race", str(race)])
+        assert r.exit_code == 0, r.output
+        kw = got[0]
+        assert t0 + 50 <= base[0] <= time.monotonic() + 50 and abs(kw["deadline"] - base[0] - 50) < 1e-6
+        one, two = Problem(64, 64, 64), Problem(128, 128, 128)
+        assert kw["reserve"](frozenset()) == 0.0  # a fresh store: no winner waits for its timing
+        assert kw["reserve"](frozenset([one])) == per and kw["reserve"](frozenset([one, two])) == 2 * per
+        assert (f"this run searched 1 of its 2 shapes (--finish-s 100: it stopped with about {per:.0f} s left"
+                in r.output), r.output
+    # a stored winner never timed in the final protocol is timed whatever the search reaches: kept for
+    from gemmrl.search.run import TUNED
+    from gemmrl.store.db import Store
+
+    db = tmp_path / "waiting.sqlite"
+    store = Store(db)
+    store.put_tuning("Fake GPU", two, TUNED, b'{"family": "raw", "spec": {}}', "an earlier search's", 3.0)
+    store.close()
+    r = CliRunner().invoke(main, ["tune", "--shapes", shapes, "--db", str(db), "--no-report", "--finish-s", "100"])
+    assert r.exit_code == 0, r.output
+    per = final_reserve_s(1)
+    assert got[-1]["reserve"](frozenset()) == per and got[-1]["reserve"](frozenset([one, two])) == 2 * per
+    r = CliRunner().invoke(main, ["tune", "--shapes", shapes, "--db", str(tmp_path / "w.sqlite"), "--no-report",
+                                  "--wall-s", "100"])
+    assert r.exit_code == 0 and got[-1]["reserve"] is None  # --wall-s: the search runs to its deadline
+    for extra in (["--wall-s", "50"], ["--search-only"]):
+        r = CliRunner().invoke(main, ["tune", "--shapes", shapes, "--finish-s", "100", *extra])
+        assert r.exit_code == 2 and "--finish-s" in r.output, r.output
+
+
 def test_tune_seeds_from_the_stored_cublaslt_choices_after_the_baselines(tmp_path, monkeypatch):
     """tune --seed-from-lt reads the autotuned baseline's stored choices once the baselines are
     measured (they store them) and gives run_tune their kernels as a prior; it says how many."""

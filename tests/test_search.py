@@ -559,6 +559,53 @@ def test_wall_clock_deadline_stops_between_batches():
     assert set(result.best) == set(PROBLEMS[:2])
 
 
+def test_a_reserve_for_the_final_timing_stops_the_search_before_the_deadline():
+    """tune --finish-s: no batch starts once the time left is what the final timing of the shapes
+    reached (the one about to start included) needs; without a reserve the same run goes on to
+    the deadline."""
+    from gemmrl.search.tune import final_reserve_s
+
+    def run(reserve):
+        sim, now, seen = SimGPU(), [0.0], []
+
+        def evaluate(problem, cands):  # each batch takes 10 s of wall time
+            now[0] += 10.0
+            return sim(problem, cands)
+
+        def keep(reached):
+            seen.append(reached)
+            return reserve(reached)
+        result = tune(PROBLEMS, ModelFreePolicy(layouts=LAYOUTS), evaluate, per_shape_candidates=16, batch=8,
+                      deadline=100.0, clock=lambda: now[0], reserve=None if reserve is None else keep)
+        return result, sim, seen
+
+    result, sim, _ = run(None)
+    assert len(sim.evaluated) == 10 * 8  # batches at 0, 10, ..., 90 s: five shapes
+    # 8 s a shape reached: at 40 s the third shape's first batch keeps 24 s (64 < 100); at 60 s the
+    # fourth shape's keeps 32 (92 < 100); at 70 s its second batch would end the search at 102: stop
+    result, sim, seen = run(lambda reached: final_reserve_s(len(reached)))
+    assert result.stopped == "wall-clock deadline"
+    assert len(sim.evaluated) == 7 * 8 and set(result.best) == set(PROBLEMS[:4])
+    assert seen[0] == frozenset(PROBLEMS[:1]) and seen[-1] == frozenset(PROBLEMS[:4])
+    # a reserve larger than the whole window: nothing is searched
+    result, sim, _ = run(lambda reached: 1000.0)
+    assert result.stopped == "wall-clock deadline" and not sim.evaluated
+
+
+def test_final_reserve_grows_with_shapes_race_and_unbuilt_incumbents():
+    from gemmrl.search.tune import CUTLASS_BUILD_S, FINAL_S_PER_SHAPE, RACE_S_PER_CONTENDER, final_reserve_s
+
+    assert final_reserve_s(0) == 0.0
+    assert final_reserve_s(5) == 5 * FINAL_S_PER_SHAPE
+    assert final_reserve_s(5, race=3) == 5 * (FINAL_S_PER_SHAPE + 2 * RACE_S_PER_CONTENDER)
+    # unbuilt incumbents compile side by side: 17 on 16 cores are two rounds, 16 one
+    assert final_reserve_s(20, unbuilt=17, cores=16) == 20 * FINAL_S_PER_SHAPE + 2 * CUTLASS_BUILD_S
+    assert final_reserve_s(20, unbuilt=16, cores=16) == 20 * FINAL_S_PER_SHAPE + CUTLASS_BUILD_S
+    for bad in ({"shapes": -1}, {"shapes": 1, "race": 0}, {"shapes": 1, "cores": 0}):
+        with pytest.raises(ValueError):
+            final_reserve_s(**bad)
+
+
 def test_allow_filter_applies_to_every_proposal():
     # e.g. generic (CUTLASS) specs only where already built: here, only a fixed library of them
     library = {s.name for f, s in candidate_pool(PROBLEMS[0], LAYOUTS) if f == "cutlass_sm90"}

@@ -307,7 +307,7 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
              generic_built_only: bool = False, families: tuple | None = None,
              match: str | None = None, more: int | None = None,
              transfer_from=None, transfer_acc: str | None = None, policy_name: str = "model-free",
-             seed: int = 0, lt_prior: dict | None = None) -> TuneResult:
+             seed: int = 0, lt_prior: dict | None = None, reserve=None) -> TuneResult:
     """Tune, resuming from the trials already in the store; store every trial and the winners.
     The policy also learns from the store's trials of other shapes on this device (its cost
     model, and transfer from the nearest tuned shapes), so a new shape set starts informed.
@@ -319,7 +319,8 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
     None) sources, their suggestions interleaved by rank (add_store_priors). `policy_name`: which
     search (make_policy) where no `policy` is given; only the model-free one takes a transfer.
     `lt_prior`: {problem: [(family, spec)]} of cuBLASLt's autotuned choices (search.lt_seed,
-    `tune --seed-from-lt`), a prior like a transfer's, its suggestions ranked with theirs."""
+    `tune --seed-from-lt`), a prior like a transfer's, its suggestions ranked with theirs.
+    `reserve`: seconds to keep before `deadline` for the final timing (search.tune.tune's)."""
     problems = list(problems)
     wanted = {p.key() for p in problems}
     stored = stored_history(store, device, None)
@@ -362,7 +363,8 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
             on_trial(t)
 
     res = tune(problems, policy, evaluate, per_shape_candidates=candidates, batch=batch,
-               device_budget_s=budget_s, history=history, on_trial=record, deadline=deadline, more=more)
+               device_budget_s=budget_s, history=history, on_trial=record, deadline=deadline, more=more,
+               reserve=reserve)
     # the final pass stores a shape's best only where it is a trial of this run, or where the shape
     # has no winner at all: a stored winner a race chose (in one session, beside the incumbent) is
     # not the search's best by reward, and a run that never reached the shape (a wall-clock

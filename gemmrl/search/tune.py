@@ -124,11 +124,35 @@ class TuneResult:
         return out
 
 
+# What follows a search, per shape it reached (tune --finish-s keeps this before its deadline): the
+# race and the final verification and timing beside the baselines. Measured with --race 1 on the H200
+# (2026-11-30f, runs 821-839: 3.2-8.3 s a shape, the slowest with a CUTLASS incumbent built inside);
+# a longer race times more contenders in the same session: RACE_S_PER_CONTENDER each is an estimate,
+# not a measurement. An incumbent CUTLASS kernel not in the build cache compiles in the race first
+# (about CUTLASS_BUILD_S on a core; race.unbuilt_incumbents).
+FINAL_S_PER_SHAPE = 8.0
+RACE_S_PER_CONTENDER = 3.0
+CUTLASS_BUILD_S = 45.0
+
+
+def final_reserve_s(shapes: int, race: int = 1, unbuilt: int = 0, cores: int = 1) -> float:
+    """Seconds to keep for the final timing of `shapes` shapes raced with `race` (tune --race),
+    `unbuilt` of whose incumbents compile first, side by side on `cores`."""
+    if shapes < 0 or race < 1 or unbuilt < 0 or cores < 1:
+        raise ValueError(f"final_reserve_s({shapes}, race={race}, unbuilt={unbuilt}, cores={cores})")
+    return (shapes * (FINAL_S_PER_SHAPE + RACE_S_PER_CONTENDER * (race - 1))
+            + math.ceil(unbuilt / cores) * CUTLASS_BUILD_S)
+
+
 def tune(problems: Iterable[Problem], policy: Policy, evaluate: Evaluate, *, per_shape_candidates: int,
          batch: int = 8, device_budget_s: float = math.inf, history: Iterable[Trial] = (),
          on_trial: Callable[[Trial], None] | None = None, deadline: float | None = None,
-         clock: Callable[[], float] = time.monotonic, more: int | None = None) -> TuneResult:
-    """`more`: instead of `per_shape_candidates` in all, that many beyond each problem's history."""
+         clock: Callable[[], float] = time.monotonic, more: int | None = None,
+         reserve: Callable[[frozenset], float] | None = None) -> TuneResult:
+    """`more`: instead of `per_shape_candidates` in all, that many beyond each problem's history.
+    `reserve(problems)`: seconds to keep before `deadline` for what follows the search when it
+    has reached `problems` (this run's searched shapes, and the one a batch is about to start
+    on): no batch starts later than that (tune --finish-s; final_reserve_s)."""
     problems = list(dict.fromkeys(problems))
     wanted = set(problems)
     history = [t for t in history if t.problem in wanted]
@@ -145,6 +169,7 @@ def tune(problems: Iterable[Problem], policy: Policy, evaluate: Evaluate, *, per
         costs.append(float(t.details.get("device_s", 0.0)))
 
     trials: list[Trial] = []
+    touched: set[Problem] = set()  # the problems this run has searched
     curve: list[tuple[int, float]] = []
     spent, dropped, stopped = 0.0, 0, ""
     failed: dict[Problem, str] = {}
@@ -165,7 +190,8 @@ def tune(problems: Iterable[Problem], policy: Policy, evaluate: Evaluate, *, per
             if remaining <= 0:
                 stopped = "device budget"
                 break
-            if deadline is not None and clock() >= deadline:
+            keep = reserve(frozenset(touched | {problem})) if reserve is not None else 0.0
+            if deadline is not None and clock() + keep >= deadline:
                 stopped = "wall-clock deadline"
                 break
             k = min(batch, limit[problem] - counts[problem])
@@ -188,6 +214,7 @@ def tune(problems: Iterable[Problem], policy: Policy, evaluate: Evaluate, *, per
             if not fresh:
                 break  # the policy has nothing new for this problem
             got = evaluate(problem, fresh)
+            touched.add(problem)
             for t in got:
                 trials.append(t)
                 tried[problem].add(t.key())
