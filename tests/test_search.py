@@ -769,6 +769,7 @@ def test_gpu_evaluate_builds_verifies_and_times(tmp_path):
             d = t.details
             assert t.time_us > 0 and t.time_us == d["raw_us"]
             assert t.reward == pytest.approx(reward(20.0, t.time_us, True, d["rel_err"], d["ref_err"], d["source_len"]))
+            assert d["build_s"] >= 0 and d["batch_build_s"] >= 0  # the host's share, beside device_s
         else:
             assert t.reward == 0.0 and t.details["reason"]
     # with a stored baseline, it is timed beside the candidates and their times are scaled by

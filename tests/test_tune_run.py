@@ -486,8 +486,10 @@ def test_a_batch_is_compiled_side_by_side_once_before_it_is_evaluated(tmp_path, 
     calls = []
     real = pool.build_many
     monkeypatch.setattr(pool, "build_many", lambda j, **kw: calls.append((len(j), kw)) or real(j, **kw))
-    assert build_batch(problem, cands) == {}
+    built = build_batch(problem, cands)
     assert calls == [(3, {"workers": None, "threads": True})]
+    assert sorted(built) == sorted(c.name for c in cands)
+    assert all(r.ok and not r.cached and r.seconds > 0 for r in built.values())
     assert ahead.pending(jobs) == []
     assert build_batch(problem, cands) == {} and len(calls) == 1  # all built: nothing started
     one = _raw_candidates(Problem(64, 64, 4096), 1)
@@ -525,4 +527,4 @@ def test_a_candidate_that_does_not_build_is_rejected_at_the_build_and_never_load
     for t, c in zip(trials, cands):
         assert t.candidate == c and t.details["stage"] == "build"
         assert t.details["reason"].startswith(f"AbiError: {c.name} failed to build")
-        assert "error" in t.details["reason"] and t.details["device_s"] == 0.0
+        assert "error" in t.details["reason"] and t.details["device_s"] == 0.0 and t.details["build_s"] > 0

@@ -337,12 +337,12 @@ def scale_to_stored(stored_us: float, session_us: float | None) -> float:
     return stored_us / session_us
 
 
-def build_batch(problem: Problem, candidates: list[Candidate], workers: int | None = None) -> dict[str, str]:
+def build_batch(problem: Problem, candidates: list[Candidate], workers: int | None = None) -> dict:
     """Compile the batch's kernels that are not in the build cache yet, side by side (build.pool:
     one nvcc process per core, `workers` at most), before the evaluator takes the candidates one
     at a time. A raw kernel compiles in about 1.3 s, so a batch of 8 built in turn was most of a
     search's wall time (2026-11-30f: 96 raw candidates searched in 150 s, 4 of them on the GPU).
-    Returns {name: build log} for the candidates whose build failed. One that is not valid for
+    Returns {name: BuildResult} for the kernels it compiled (ok or not). One that is not valid for
     the problem or does not render is left to the evaluator, which says why; with one kernel to
     build there is no pool to start, and the evaluator builds it."""
     from gemmrl.build import ahead
@@ -359,7 +359,7 @@ def build_batch(problem: Problem, candidates: list[Candidate], workers: int | No
     if len(todo) < 2 or workers == 1:
         return {}
     results = build_many([j.as_tuple() for j in todo], workers=workers, threads=True)
-    return {j.name: r.log for j, r in zip(todo, results) if not r.ok}
+    return {j.name: r for j, r in zip(todo, results)}
 
 
 def gpu_evaluate(store, device: str, baseline_us_fn: Callable[[Problem], float], *,
@@ -395,17 +395,19 @@ def gpu_evaluate(store, device: str, baseline_us_fn: Callable[[Problem], float],
         calls, info = {}, {}
         bad = store.quarantined(device, problem) if store is not None else {}
         beat("search:build")
-        unbuilt = build_batch(problem, [c for c in candidates if c.name not in bad], build_workers)
+        t_build = time.perf_counter()
+        built = build_batch(problem, [c for c in candidates if c.name not in bad], build_workers)
+        batch_build_s = time.perf_counter() - t_build  # the batch's builds side by side, wall time
         for c in candidates:
             name = c.name
             if name in bad:
                 out[name] = Trial(problem, c, "rejected", details={"stage": "quarantine", "reason": bad[name],
                                                                   "device_s": 0.0})
                 continue
-            if name in unbuilt:
+            if name in built and not built[name].ok:
                 out[name] = Trial(problem, c, "rejected", details={
-                    "stage": "build", "reason": f"AbiError: {name} failed to build:\n{unbuilt[name][-1800:]}",
-                    "device_s": 0.0})
+                    "stage": "build", "reason": f"AbiError: {name} failed to build:\n{built[name].log[-1800:]}",
+                    "device_s": 0.0, "build_s": round(built[name].seconds, 2)})
                 continue
             beat("candidate:" + name)  # if this candidate kills the process, it is the one
             impl, stage, t0 = SpecImpl(c.spec), "build", time.perf_counter()
@@ -431,8 +433,13 @@ def gpu_evaluate(store, device: str, baseline_us_fn: Callable[[Problem], float],
                 stop_if_context_lost(f"candidate {name} on {problem.shape}")
                 continue
             calls[name] = fn
+            # nvcc's seconds for this kernel (0 where the cache held it), and the batch's side-by-side
+            # build wall time: the host's share of a search, beside device_s
+            own = getattr(impl, "build", None)
+            build_s = built[name].seconds if name in built else (own.seconds if own is not None else 0.0)
             info[name] = {"source_len": source_len, "rel_err": r.details.get("rel_err"),
-                          "ref_err": r.details.get("ref_err"), "verify_s": verify_s}
+                          "ref_err": r.details.get("ref_err"), "verify_s": verify_s,
+                          "build_s": round(build_s, 2), "batch_build_s": round(batch_build_s, 2)}
         if calls:
             beat("search:timing")
             base_us = float(baseline_us_fn(problem))
