@@ -25,8 +25,8 @@
 # bench, under OUT/logs) and whatever is left of TOTAL_S (default 560) less 60 s as its timeout,
 # or less: a step written "@SECONDS tune ..." is cut after that many seconds (SIGTERM: it stops
 # cleanly, keeping what it measured; one still running 30 s later is killed, so the store still
-# comes back; give a capped tune `--finish-s` a little under its cap, or the cap cuts its final timing,
-# 2026-11-30f); a step's failure does not stop the next. OUT gets logs.tgz (a log per step) and the store,
+# comes back; a tune step without --wall-s, --finish-s or --search-only gets --finish-s 20 s under its
+# timeout, so that the final timing ends inside it, 2026-11-30f); a step's failure does not stop the next. OUT gets logs.tgz (a log per step) and the store,
 # compressed, as OUT/gemmrl.sqlite.xz: only this call's runs, as OUT/gemmrl-delta.sqlite.xz, unless
 # FULL_STORE=1 (scripts/device-common.sh).
 # CACHE_BACK=FILE: the builds a step listed in FILE (`build ... --entries FILE`) come back packed as
@@ -139,7 +139,7 @@ barrier() {  # barrier LANE N CAP TAG: the lane's N-th wait
 lane_done() { touch "$sync/$1.done"; }
 # lane g: its steps in turn on GPU g (STEPS is lane 0, STEPS_1 lane 1, ...); the lanes at once
 lane() {
-  local g=$1 spec=$2 tag=${3:-} i args argv cap verb extra budget log vis nwait=0
+  local g=$1 spec=$2 tag=${3:-} i args argv cap verb extra budget log vis fin own_re nwait=0
   IFS=';' read -ra steps <<< "$spec"
   for i in "${!steps[@]}"; do
     if ! split_words "${steps[$i]}"; then
@@ -165,8 +165,17 @@ lane() {
     budget=$(( total - SECONDS - 60 ))
     if [ "$budget" -lt 20 ]; then echo "step $id ($verb): no time left, skipped" | tee -a "$out/logs/steps.txt"; continue; fi
     [ -n "$cap" ] && [ "$cap" -lt "$budget" ] && budget=$cap
+    # a tune step finishes its final timing inside the step's timeout (2026-11-30f: a cap and no
+    # --wall-s cut two tunes' final timing after 2 of 7 shapes): --finish-s, unless it bounds itself
+    fin=""
+    own_re=' --(wall-s|finish-s|search-only)( |=)'
+    if [ "$verb" = tune ] && ! [[ " ${argv[*]} " =~ $own_re ]]; then
+      fin=$(( budget > 80 ? budget - 20 : budget * 3 / 4 ))
+      extra+=(--finish-s "$fin")
+      fin="; --finish-s $fin"
+    fi
     log=$out/logs/step-$id-$verb.log
-    echo "== step $id: $label ${argv[*]} (timeout ${budget} s)" | tee -a "$out/logs/steps.txt"
+    echo "== step $id: $label ${argv[*]} (timeout ${budget} s$fin)" | tee -a "$out/logs/steps.txt"
     # a step that spreads itself over GPUs (bench --gpus N, N > 1) sees every GPU of the machine, not
     # its lane's; with --gpus 1 it keeps its lane's (two lanes' --gpus 1 steps both ran on GPU 0, runs 551-556)
     vis=${LANE_GPUS[$g]}

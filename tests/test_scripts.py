@@ -292,6 +292,39 @@ def test_device_steps_runs_each_step_in_turn_with_its_cap_and_returns_the_store(
         assert set(t.getnames()) == {"builds/k1", "builds/k1/lib.so"}
 
 
+def test_device_steps_gives_a_tune_step_a_finish_inside_its_timeout(tmp_path):
+    """A tune step that bounds itself with neither --wall-s, --finish-s nor --search-only gets
+    --finish-s 20 s under its timeout (2026-11-30f: a capped tune with no --wall-s lost its final
+    timing to the cap); one that does, and any other verb, is left as written. The tunes fail here
+    (no GPU): what is checked is the command each was given."""
+    repo = _steps_repo(tmp_path)
+    out = tmp_path / "out"
+    steps = ("@100 tune --shapes 64x64x64; @100 tune --shapes 64x64x64 --wall-s 30; "
+             "@100 tune --shapes 64x64x64 --finish-s=50; @40 tune --shapes 64x64x64 --search-only; "
+             "@40 tune --shapes 64x64x64; @100 store")
+    env = {**ENV, "STEPS": steps, "TOTAL_S": "400", "GEMMRL_CACHE": str(tmp_path / "cache"),
+           "PATH": os.environ["PATH"]}
+    r = subprocess.run(["bash", str(repo / "scripts" / "device-steps.sh"), str(out)], capture_output=True,
+                       text=True, env=env, cwd=repo, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    heads = [line for line in r.stdout.splitlines() if line.startswith("== step")]
+    assert heads == [
+        "== step 0: gemmrl tune --shapes 64x64x64 (timeout 100 s; --finish-s 80)",
+        "== step 1: gemmrl tune --shapes 64x64x64 --wall-s 30 (timeout 100 s)",
+        "== step 2: gemmrl tune --shapes 64x64x64 --finish-s=50 (timeout 100 s)",
+        "== step 3: gemmrl tune --shapes 64x64x64 --search-only (timeout 40 s)",
+        "== step 4: gemmrl tune --shapes 64x64x64 (timeout 40 s; --finish-s 30)",
+        "== step 5: gemmrl store (timeout 100 s)"], heads
+    # each tune got as far as the GPU check: the --finish-s given was a valid option, never beside a
+    # --wall-s or --search-only (a usage error says "give one")
+    import tarfile
+
+    with tarfile.open(out / "logs.tgz") as t:
+        for i in range(5):
+            log = t.extractfile(f"logs/step-{i}-tune.log").read().decode()
+            assert "no CUDA GPU is visible" in log and "Usage:" not in log, (i, log)
+
+
 def test_device_steps_sends_back_what_finished_when_the_call_is_killed(tmp_path):
     """A call killed from outside before its end (the device tool's limit was below TOTAL_S:
     2026-11-28, a settle's five runs lost) still leaves the runs of the steps that finished in
