@@ -829,7 +829,8 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, fini
                        kernel_only if not wall else dataclasses.replace(kernel_only, deadline=t_start + wall / 2))
         if base.get("deadline_after") is not None:
             n = base["deadline_after"]
-            click.echo(f"--wall-s: baselines measured for {n} of {len(problems)} shapes in half the wall time; "
+            click.echo(f"{'--wall-s' if wall_s else '--finish-s'}: baselines measured for {n} of {len(problems)} "
+                       f"shapes in half the wall time; "
                        f"the search takes those, a rerun the other {len(problems) - n}", err=True)
             problems, short = problems[:n], True
         # a SIGTERM there (a device call's timeout) stops the run: the runner caught it and left
