@@ -856,6 +856,10 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, fini
             best: dict = {}
             reserve = _final_reserve(store, device, problems, race, (kernel_only.protocol("kernel"),
                                                                      judge.protocol("kernel"))) if finish_s else None
+            if reserve is not None and time.monotonic() + reserve(frozenset()) >= t_start + finish_s:
+                click.echo(f"warning: --finish-s {finish_s:g}: the winners waiting for their final timing alone "
+                           f"need about {reserve(frozenset()):.0f} s, more than is left; no search starts",
+                           err=True)
 
             def on_trial(t):
                 if t.reward > best.get(t.problem, 0.0):

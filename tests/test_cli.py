@@ -810,6 +810,10 @@ def test_tune_finish_keeps_time_for_the_final_timing(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     per = final_reserve_s(1)
     assert got[-1]["reserve"](frozenset()) == per and got[-1]["reserve"](frozenset([one, two])) == 2 * per
+    assert "warning: --finish-s" not in r.output
+    # a window shorter than what the waiting winner's timing needs: said before the search
+    r = CliRunner().invoke(main, ["tune", "--shapes", shapes, "--db", str(db), "--no-report", "--finish-s", "5"])
+    assert r.exit_code == 0 and f"the winners waiting for their final timing alone need about {per:.0f} s" in r.output
     r = CliRunner().invoke(main, ["tune", "--shapes", shapes, "--db", str(tmp_path / "w.sqlite"), "--no-report",
                                   "--wall-s", "100"])
     assert r.exit_code == 0 and got[-1]["reserve"] is None  # --wall-s: the search runs to its deadline
