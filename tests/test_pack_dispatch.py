@@ -2,6 +2,7 @@
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 
@@ -557,6 +558,41 @@ def test_a_stored_choice_not_yet_verified_gives_way_to_the_verified_kernel(store
     assert (e["kernel_us"], e["tuned_us"]) == (40.0, 40.0)  # its own time, not the pending one's 30
     assert any("2048x4096x4096" in s and pending.name in s and "awaits its final verification" in s
                for s in m["skipped"])
+
+
+def test_a_verified_kernel_waiting_behind_an_unverified_choice_keeps_its_sessions(store, tmp_path):
+    """After a tune cut between its search and its final timing, the pack ships the verified
+    kernel judged on every session since it became the verified choice: not on the sessions since
+    the search rewrote the tuning row, which left it none (and the latest one alone decided). The
+    sessions of a kernel verified before it, another one, do not count (fp16 64x64x8192, 2026-11-30f)."""
+    import time
+
+    p = Problem(2048, 4096, 4096)
+    older, verified, pending = cutlass_sm90.heuristic_specs(p, "TN")[:3]
+    assert len({older.name, verified.name, pending.name}) == 3
+
+    def timed(spec, us, base_us):
+        store.put_tuning(DEV, p, "gemmrl-tuned", _choice(spec, "cutlass_sm90"), spec.name, us)
+        run = store.start_run("gemmrl tune", DEV, PROV, {})
+        chosen = {"family": "cutlass_sm90", "name": spec.name, "spec": dict(spec.__dict__)}
+        store.record_verification(run, DEV, p, "gemmrl-tuned", True, "ok", {"impl": {"chosen": chosen}})
+        time.sleep(0.002)
+        store.record_session(run, f"s{run}", DEV, p, "kernel", "kp1", {
+            "gemmrl-tuned": {"median_us": us, "n": 50}, "cuBLAS-tn": {"median_us": base_us, "n": 50}})
+        time.sleep(0.002)
+    timed(older, 80.0, 40.0)  # 0.5 of the baseline: not this kernel's session
+    for us in (40.0, 40.5, 42.0, 43.0):  # against 42: 1.05, 1.037, 1.0 and, last, 0.977 (under 1.0x alone)
+        timed(verified, us, 42.0)  # stored again each time: the row keeps the time of its first store
+    out = tmp_path / "packs" / "a"
+    e = {(e["M"], e["N"], e["K"]): e for e in _manifest(export_pack(store, DEV, out, "fp16", "fp32"))["entries"]}
+    want = round(statistics.median([42.0 / 40.0, 42.0 / 40.5, 42.0 / 42.0, 42.0 / 43.0]), 4)
+    assert e[(2048, 4096, 4096)]["speedup_median"] == want and e[(2048, 4096, 4096)]["sessions"] == 4
+    # the search stores a new leader and the run is cut: the verified kernel keeps its four sessions
+    store.put_tuning(DEV, p, "gemmrl-tuned", _choice(pending, "cutlass_sm90"), pending.name, 30.0)
+    m = _manifest(export_pack(store, DEV, out, "fp16", "fp32"))
+    e = {(e["M"], e["N"], e["K"]): e for e in m["entries"]}[(2048, 4096, 4096)]
+    assert e["spec_name"] == verified.name and e["sessions"] == 4 and e["speedup_median"] == want
+    assert any(pending.name in s and "awaits its final verification" in s for s in m["skipped"])
 
 
 def _algo(tag):

@@ -245,11 +245,13 @@ def _session_drift(history: dict, shape: tuple, session: str, timed: dict) -> tu
     return (statistics.median(ratios), len(ratios)) if ratios else None
 
 
-def _kernel_sessions(store, device: str, dtype: str, acc: str, impls=None, since_choice=None) -> dict:
+def _kernel_sessions(store, device: str, dtype: str, acc: str, impls=None, since_choice=None,
+                     since: dict | None = None) -> dict:
     """(M, N, K, session) -> {impl: (median us, paired)} of the kernel-mode measurements that
     finished ok (only `impls`, if given); `paired`: the record's within-round ratios {other:
     t_other / t_self} (kernel protocol v3; {} before). `since_choice`: impl names whose sessions
-    count only from the time that impl's stored choice (its tuning row) for the shape was made."""
+    count only from the time that impl's stored choice (its tuning row) for the shape was made;
+    `since`: {(M, N, K, impl): time} in place of that row's time (_waiting_since)."""
     q = ("SELECT session, M, N, K, impl, median_us, created, details FROM measurements WHERE device=? AND dtype=? "
          "AND acc=? AND mode='kernel' AND status='ok' AND median_us > 0")
     args: tuple = (device, dtype, acc)
@@ -261,6 +263,7 @@ def _kernel_sessions(store, device: str, dtype: str, acc: str, impls=None, since
         rows = store.db.execute("SELECT M, N, K, impl, created FROM tuning WHERE device=? AND dtype=? AND acc=? "
                                 "AND impl LIKE ?", (device, dtype, acc, since_choice))
         chosen = {(int(M), int(N), int(K), impl): created for M, N, K, impl, created in rows}
+        chosen.update(since or {})
     out: dict = {}
     for session, M, N, K, impl, us, created, details in store.db.execute(q, args):
         since = chosen.get((int(M), int(N), int(K), impl))
@@ -279,15 +282,15 @@ def _over(t: dict, a: str, b: str) -> float:
     return paired_over(t[a][1], b, t[a][0], t[b][0])
 
 
-def _session_speedups(store, device: str, dtype: str, acc: str) -> dict:
+def _session_speedups(store, device: str, dtype: str, acc: str, since: dict | None = None) -> dict:
     """(M, N, K, impl) -> [speedup] for every kernel-mode session since the gemmrl impl's stored
-    choice that timed it beside at least one baseline: the session's fastest baseline over the
-    impl's time (by the impl's paired ratio to it where recorded)."""
+    choice (or `since`'s time: _kernel_sessions) that timed it beside at least one baseline: the
+    session's fastest baseline over the impl's time (by the impl's paired ratio to it where recorded)."""
     from gemmrl.report.export import is_baseline
 
     out: dict = {}
-    for (M, N, K, _), t in _kernel_sessions(store, device, dtype, acc,
-                                             since_choice=GEMMRL_IMPL_PREFIX + "%").items():
+    for (M, N, K, _), t in _kernel_sessions(store, device, dtype, acc, since_choice=GEMMRL_IMPL_PREFIX + "%",
+                                             since=since).items():
         base = [i for i in t if is_baseline(i)]
         if not base:
             continue
@@ -522,7 +525,8 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
     times = _latest_kernel_times(store, device, dtype, acc)
     every_session = _kernel_sessions(store, device, dtype, acc)  # our kernel's own, for its baselines
     history = _baseline_history(every_session)
-    speedups = _session_speedups(store, device, dtype, acc)
+    waiting = _waiting_since(store, device, dtype, acc, rows)
+    speedups = _session_speedups(store, device, dtype, acc, since=waiting)
     product = _product_speedups(store, device, dtype, acc)
     host = _product_host_ratios(store, device, dtype, acc, modes=PRODUCT_MODES)
     cands, runs, skipped, again = [], set(), [], []
@@ -554,6 +558,7 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
             continue
         recs = times.get((problem.M, problem.N, problem.K), {})
         ours = recs.get(impl)
+        chosen_at = waiting.get((problem.M, problem.N, problem.K, impl), row["created"])
         kernel_us = baseline = baseline_us = None
         sessions: dict = {}
         # the hashes this kernel's product sessions may name: its source now and its host-only
@@ -574,7 +579,7 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
             if theirs:
                 shas = own_shas()
                 mine = [x for s_, _, x in own_build_first(
-                    [(s_, "kernel", x) for s_, x, created in theirs if s_ in shas and created >= row["created"]],
+                    [(s_, "kernel", x) for s_, x, created in theirs if s_ in shas and created >= chosen_at],
                     shipped())]
                 since += mine
                 if mine:
@@ -606,7 +611,7 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
             # 0.953 of torch.matmul-tn's speed through gemmrl.matmul, its median speedup still 1.0 or more)
             shas = own_shas()
             mine = [(mode, r, n) for s_, mode, r, n in own_build_first(
-                [(s_, mode, r, n) for s_, mode, r, n, created in in_host if s_ in shas and created >= row["created"]],
+                [(s_, mode, r, n) for s_, mode, r, n, created in in_host if s_ in shas and created >= chosen_at],
                 shipped())]
             bad = host_verdict(mine)
             if bad is not None:
@@ -774,6 +779,36 @@ def verified_differs(choice: dict, verified) -> bool:
     if verified["family"] != choice.get("family"):
         return True
     return _spec_key(verified) != _spec_key(choice)
+
+
+def _waiting_since(store, device: str, dtype: str, acc: str, rows) -> dict:
+    """{(M, N, K, impl): time} for the tuning rows (_winners') whose stored choice awaits its final
+    verification (a tune cut after its search): the time its verified kernel became the verified
+    choice, the oldest of the newest passed verifications that all chose it. The pack ships that
+    kernel, judged on its sessions since then: the row's own time is the search's rewrite, which
+    left the kernel one session (fp16 64x64x8192, 2026-11-30f: its median speedup over 4 sessions,
+    1.017, gave way to the last one's 0.977, and the shape fell back)."""
+    out: dict = {}
+    for row in rows:
+        key = (int(row["M"]), int(row["N"]), int(row["K"]), row["impl"])
+        try:
+            choice = json.loads(bytes(row["choice"]).decode())
+        except ValueError:
+            continue
+        verified = verified_choice(store.verification(device, Problem(*key[:3], dtype, acc), key[3]))
+        if not verified_differs(choice, verified):
+            continue
+        since = None
+        for created, details in store.db.execute(
+                "SELECT created, details FROM verifications WHERE device=? AND M=? AND N=? AND K=? AND dtype=? "
+                "AND acc=? AND impl=? AND passed=1 ORDER BY id DESC", (device, *key[:3], dtype, acc, key[3])):
+            chosen = (json.loads(details or "{}").get("impl") or {}).get("chosen")
+            if not isinstance(chosen, dict) or verified_differs(chosen, verified) or "spec" not in chosen:
+                break
+            since = created
+        if since is not None:
+            out[key] = since
+    return out
 
 
 def _choice_name(choice: dict) -> str:
