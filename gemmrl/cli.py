@@ -672,8 +672,8 @@ def targets(results_dir, device, subject, acc, product, json_out):
               help="instead of --wall-s: finish the whole run, the race and the final timing included, within "
                    "this many seconds of wall time (for a job with a hard limit): the search starts no batch "
                    "once what is left is what the final timing of the shapes it has reached needs (about 8 s "
-                   "a shape with --race 1, more with a longer race, and 45 s for each incumbent CUTLASS kernel "
-                   "not in the build cache, side by side on the cores). The baselines take half of it at most")
+                   "a shape with --race 1, more with a longer race, and 45 s for each CUTLASS kernel its races "
+                   "would compile, side by side on the cores). The baselines take half of it at most")
 @click.option("--no-report", is_flag=True, help="do not write CSVs, summary and plots at the end")
 @click.option("--seed-from-lt", "seed_from_lt", is_flag=True,
               help="seed each shape's first batch with the CUTLASS kernels of cuBLASLt autotuned's own "
@@ -855,7 +855,8 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, fini
                                                      log=lambda m: click.echo(m, err=True))
             best: dict = {}
             reserve = _final_reserve(store, device, problems, race, (kernel_only.protocol("kernel"),
-                                                                     judge.protocol("kernel"))) if finish_s else None
+                                                                     judge.protocol("kernel")),
+                                     built_only) if finish_s else None
             if reserve is not None and time.monotonic() + reserve(frozenset()) >= t_start + finish_s:
                 click.echo(f"warning: --finish-s {finish_s:g}: the winners waiting for their final timing alone "
                            f"need about {reserve(frozenset()):.0f} s, more than is left; no search starts",
@@ -1056,23 +1057,24 @@ def shapes_to_time(problems, trials, store, device: str, protocol) -> list:
     return out
 
 
-def _final_reserve(store, device: str, problems, race: int, protocols):
+def _final_reserve(store, device: str, problems, race: int, protocols, built_only: bool = False):
     """tune --finish-s: reached -> seconds the final timing will take (search.tune.final_reserve_s),
     over the shapes the search reached and those the final pass times anyway (shapes_to_time of
     a run with no trials: a stored winner not yet timed or not the verified one), counting the
-    incumbent CUTLASS kernels not in the build cache (race.unbuilt_incumbents)."""
+    CUTLASS kernels their races would compile (race.unbuilt_contenders; each once)."""
     import os
 
-    from gemmrl.search.race import unbuilt_incumbents
+    from gemmrl.search.race import unbuilt_contenders
     from gemmrl.search.tune import final_reserve_s
 
     always = frozenset(shapes_to_time(problems, [], store, device, protocols))
-    unbuilt = frozenset(p for p, _spec in unbuilt_incumbents(store, device, problems))
+    unbuilt = unbuilt_contenders(store, device, problems, race, built_only)
     cores = os.cpu_count() or 1
 
     def reserve(reached) -> float:
         shapes = always | frozenset(reached)
-        return final_reserve_s(len(shapes), race, len(shapes & unbuilt), cores)
+        builds = frozenset().union(*(unbuilt.get(p, frozenset()) for p in shapes))
+        return final_reserve_s(len(shapes), race, len(builds), cores)
     return reserve
 
 

@@ -814,6 +814,20 @@ def test_tune_finish_keeps_time_for_the_final_timing(tmp_path, monkeypatch):
     # a window shorter than what the waiting winner's timing needs: said before the search
     r = CliRunner().invoke(main, ["tune", "--shapes", shapes, "--db", str(db), "--no-report", "--finish-s", "5"])
     assert r.exit_code == 0 and f"the winners waiting for their final timing alone need about {per:.0f} s" in r.output
+    # the CUTLASS kernels the shapes' races would compile, each once across the shapes, side by side
+    import os
+
+    import gemmrl.search.race as srace
+
+    seen = []
+    monkeypatch.setattr(srace, "unbuilt_contenders", lambda store, device, problems, k, built_only:
+                        seen.append((k, built_only)) or {one: frozenset({"a"}), two: frozenset({"a", "b"})})
+    r = CliRunner().invoke(main, ["tune", "--shapes", shapes, "--db", str(tmp_path / "u.sqlite"), "--no-report",
+                                  "--finish-s", "1000", "--race", "2", "--built-only"])
+    assert r.exit_code == 0 and seen == [(2, True)], r.output
+    cores = os.cpu_count() or 1
+    assert got[-1]["reserve"](frozenset([one])) == final_reserve_s(1, race=2, unbuilt=1, cores=cores)
+    assert got[-1]["reserve"](frozenset([one, two])) == final_reserve_s(2, race=2, unbuilt=2, cores=cores)
     r = CliRunner().invoke(main, ["tune", "--shapes", shapes, "--db", str(tmp_path / "w.sqlite"), "--no-report",
                                   "--wall-s", "100"])
     assert r.exit_code == 0 and got[-1]["reserve"] is None  # --wall-s: the search runs to its deadline

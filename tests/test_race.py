@@ -839,3 +839,35 @@ def test_the_race_prunes_by_default_and_rejects_a_bad_factor(tmp_path):
     assert Race(store, "dev", k=2, prune=2.0).prune == 2.0
     with pytest.raises(ValueError):
         Race(store, "dev", k=2, prune=0.5)
+
+
+def test_unbuilt_contenders_lists_every_cutlass_kernel_a_final_timing_would_compile(tmp_path, monkeypatch):
+    """tune --finish-s keeps time for the CUTLASS kernels the final timing compiles: the race's
+    contenders from the stored trials (not only the incumbent: on the H200, 2026-11-30f, five final
+    timings each built one or two trial contenders, 31-43 s apiece, with every incumbent built),
+    the incumbent and the stored winner; none built, none listed."""
+    from dataclasses import asdict
+
+    from gemmrl.runtime.spec_impl import SpecImpl
+    from gemmrl.search.race import unbuilt_contenders
+
+    store, dev = _store_with_search(tmp_path, [100.0, 104.0, 130.0])  # stores SPECS[0], never verified
+    built: set = set()
+    monkeypatch.setattr(SpecImpl, "is_built", lambda self, problem: self.spec.name in built)
+    names = lambda *i: frozenset(SPECS[j].name for j in i)  # noqa: E731
+    untuned = Problem(128, 128, 128)
+    assert unbuilt_contenders(store, dev, [P, untuned], k=1) == {P: names(0)}
+    assert unbuilt_contenders(store, dev, [P], k=3) == {P: names(0, 1)}  # 130 us: past the race's margin
+    run = store.start_run("gemmrl tune", dev, {}, {})
+    store.record_verification(run, dev, P, TUNED, True, "", {
+        "impl": {"name": TUNED, "chosen": {"family": "cutlass_sm90", "name": SPECS[3].name, "spec": asdict(SPECS[3])}}})
+    assert unbuilt_contenders(store, dev, [P], k=1) == {P: names(0, 3)}  # the incumbent races the new winner
+    built.update(names(0))
+    assert unbuilt_contenders(store, dev, [P], k=1) == {P: names(3)}
+    built.update(names(3))
+    assert unbuilt_contenders(store, dev, [P], k=1) == {}
+
+    def no_headers(self, problem):
+        raise FileNotFoundError("CUTLASS headers not found")
+    monkeypatch.setattr(SpecImpl, "is_built", no_headers)
+    assert unbuilt_contenders(store, dev, [P], k=3) == {}

@@ -265,6 +265,37 @@ def unbuilt_incumbents(store, device: str, problems, impl: str | None = None) ->
     return out
 
 
+def unbuilt_contenders(store, device: str, problems, k: int = 1, built_only: bool = False) -> dict:
+    """problem -> the names of the generic (CUTLASS) kernels a final timing after a search would
+    compile for it, as far as the store tells before the search: the race's contenders (Race(k)'s
+    specs: the fastest stored trials, the incumbent, the stored winner) and, where nothing races,
+    the stored winner the final timing loads; each not in the build cache. A search's own
+    candidates are built by the time it ends, so they add none. On the H200 (2026-11-30f) five
+    final timings each compiled one or two such kernels, 31-43 s apiece, where the incumbents were
+    all built (unbuilt_incumbents saw none). A generic kernel is one build for every shape: the
+    names count once across shapes. Without CUTLASS headers nothing can be built here: {}."""
+    from gemmrl.runtime.spec_impl import SpecImpl
+    from gemmrl.space import registry
+
+    racer = Race(store, device, k=k, built_only=built_only)
+    out: dict = {}
+    for p in problems:
+        specs = list(racer.specs(p))
+        stored = BestOf._stored(racer, p)
+        if stored is not None and stored not in specs:
+            specs.append(stored)
+        names = set()
+        for spec in specs:
+            try:
+                if registry.family_of(spec).generic and not SpecImpl(spec).is_built(p):
+                    names.add(spec.name)
+            except (OSError, RuntimeError):  # no CUTLASS headers here: the race cannot build it either way
+                continue
+        if names:
+            out[p] = frozenset(names)
+    return out
+
+
 def verified_specs(store, device: str, problem, impl: str):
     """(family, spec) of each passed verification in which `impl` chose a kernel for `problem`
     on `device`, newest first, leaving out choices of a family or spec layout this version no

@@ -128,8 +128,8 @@ class TuneResult:
 # race and the final verification and timing beside the baselines. Measured with --race 1 on the H200
 # (2026-11-30f, runs 821-839: 3.2-8.3 s a shape, the slowest with a CUTLASS incumbent built inside);
 # a longer race times more contenders in the same session: RACE_S_PER_CONTENDER each is an estimate,
-# not a measurement. An incumbent CUTLASS kernel not in the build cache compiles in the race first
-# (about CUTLASS_BUILD_S on a core; race.unbuilt_incumbents).
+# not a measurement. A CUTLASS contender not in the build cache compiles in the race first (about
+# CUTLASS_BUILD_S on a core: 31-43 s in those runs; race.unbuilt_contenders).
 FINAL_S_PER_SHAPE = 8.0
 RACE_S_PER_CONTENDER = 3.0
 CUTLASS_BUILD_S = 45.0
@@ -137,7 +137,7 @@ CUTLASS_BUILD_S = 45.0
 
 def final_reserve_s(shapes: int, race: int = 1, unbuilt: int = 0, cores: int = 1) -> float:
     """Seconds to keep for the final timing of `shapes` shapes raced with `race` (tune --race),
-    `unbuilt` of whose incumbents compile first, side by side on `cores`."""
+    for which `unbuilt` CUTLASS kernels compile first, side by side on `cores`."""
     if shapes < 0 or race < 1 or unbuilt < 0 or cores < 1:
         raise ValueError(f"final_reserve_s({shapes}, race={race}, unbuilt={unbuilt}, cores={cores})")
     return (shapes * (FINAL_S_PER_SHAPE + RACE_S_PER_CONTENDER * (race - 1))
