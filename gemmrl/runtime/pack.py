@@ -525,7 +525,10 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
     times = _latest_kernel_times(store, device, dtype, acc)
     every_session = _kernel_sessions(store, device, dtype, acc)  # our kernel's own, for its baselines
     history = _baseline_history(every_session)
-    waiting = _waiting_since(store, device, dtype, acc, rows)
+    # each row's newest verification, read once: _waiting_since and the loop below both need it
+    vers = {(int(r["M"]), int(r["N"]), int(r["K"]), r["impl"]): store.verification(
+        device, Problem(r["M"], r["N"], r["K"], dtype, acc), r["impl"]) for r in rows}
+    waiting = _waiting_since(store, device, dtype, acc, rows, vers)
     speedups = _session_speedups(store, device, dtype, acc, since=waiting)
     product = _product_speedups(store, device, dtype, acc)
     host = _product_host_ratios(store, device, dtype, acc, modes=PRODUCT_MODES)
@@ -533,7 +536,7 @@ def _winners(store, device: str, dtype: str, acc: str, min_speedup: float) -> tu
     for row in rows:
         problem = Problem(row["M"], row["N"], row["K"], dtype, acc)
         impl = row["impl"]
-        ver = store.verification(device, problem, impl)
+        ver = vers[(problem.M, problem.N, problem.K, impl)]
         if ver is None or not ver["passed"]:
             skipped.append(f"{problem.shape} {impl}: {'not verified' if ver is None else 'failed verification'}")
             continue
@@ -781,13 +784,14 @@ def verified_differs(choice: dict, verified) -> bool:
     return _spec_key(verified) != _spec_key(choice)
 
 
-def _waiting_since(store, device: str, dtype: str, acc: str, rows) -> dict:
+def _waiting_since(store, device: str, dtype: str, acc: str, rows, vers: dict) -> dict:
     """{(M, N, K, impl): time} for the tuning rows (_winners') whose stored choice awaits its final
     verification (a tune cut after its search): the time its verified kernel became the verified
     choice, the oldest of the newest passed verifications that all chose it. The pack ships that
     kernel, judged on its sessions since then: the row's own time is the search's rewrite, which
     left the kernel one session (fp16 64x64x8192, 2026-11-30f: its median speedup over 4 sessions,
-    1.017, gave way to the last one's 0.977, and the shape fell back)."""
+    1.017, gave way to the last one's 0.977, and the shape fell back). `vers`: each row's newest
+    verification, by (M, N, K, impl)."""
     out: dict = {}
     for row in rows:
         key = (int(row["M"]), int(row["N"]), int(row["K"]), row["impl"])
@@ -795,7 +799,7 @@ def _waiting_since(store, device: str, dtype: str, acc: str, rows) -> dict:
             choice = json.loads(bytes(row["choice"]).decode())
         except ValueError:
             continue
-        verified = verified_choice(store.verification(device, Problem(*key[:3], dtype, acc), key[3]))
+        verified = verified_choice(vers.get(key))
         if not verified_differs(choice, verified):
             continue
         since = None
@@ -803,7 +807,7 @@ def _waiting_since(store, device: str, dtype: str, acc: str, rows) -> dict:
                 "SELECT created, details FROM verifications WHERE device=? AND M=? AND N=? AND K=? AND dtype=? "
                 "AND acc=? AND impl=? AND passed=1 ORDER BY id DESC", (device, *key[:3], dtype, acc, key[3])):
             chosen = (json.loads(details or "{}").get("impl") or {}).get("chosen")
-            if not isinstance(chosen, dict) or verified_differs(chosen, verified) or "spec" not in chosen:
+            if not isinstance(chosen, dict) or verified_differs(chosen, verified):
                 break
             since = created
         if since is not None:
