@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sqlite3
 import subprocess
@@ -203,6 +204,19 @@ class Runner:
         return rc
 
 
+def logs_dir(pack: str, out: str | None = None) -> Path:
+    """Where a settle of `pack` keeps its logs and changed-shapes files unless --logs says: a directory
+    named after the pack, so that two settles side by side (one per lane, one per accumulator) never
+    share a changed-shapes file, under OUT/logs where a device call gives OUT (its logs then come
+    back with the call), else under settle-logs. Pure.
+
+    One shared settle-logs/ made the sixtieth session's fp16 settle (2026-11-30) time the fp32
+    settle's changed shapes in the host modes: the fp32 export, a second later, wrote over the
+    fp16 round's changed-0.txt between its kernel bench and its offline bench."""
+    base = Path(out) / "logs" if out else Path("settle-logs")
+    return base / f"settle-{Path(pack).resolve().name or 'pack'}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", required=True, help="the GPU as the store names it, or a unique part of it (H200)")
@@ -219,7 +233,8 @@ def main(argv=None) -> int:
     ap.add_argument("--full-host", action="store_true", help="the host modes to the precision target (no --quick)")
     ap.add_argument("--deadline-s", type=float, help="start no step after this many seconds")
     ap.add_argument("--bench-s", type=float, default=120.0, help="budget of one bench (default 120)")
-    ap.add_argument("--logs", default="settle-logs", help="directory for the steps' logs and shape files")
+    ap.add_argument("--logs", help="directory for the steps' logs and shape files (default: logs_dir(), one per "
+                                   "pack, under $OUT/logs where a device call sets OUT)")
     ap.add_argument("--json", help="write the rounds, their shapes and the store's runs per mode here")
     ap.add_argument("--min-sessions", type=int, default=3,
                     help="when an export changes nothing, time again what the pack serves whose newest product "
@@ -240,6 +255,7 @@ def main(argv=None) -> int:
             read_shapes(a.shapes)
         except Exception as e:  # a bad file is an argument error, before any GPU work
             ap.error(str(e))
+    a.logs = a.logs or str(logs_dir(a.pack, os.environ.get("OUT")))
     after = sqlite3.connect(a.db).execute("SELECT COALESCE(MAX(id), 0) FROM runs").fetchone()[0]
     runner = Runner(Path(a.logs))
     got = settle(runner, device=a.device, acc=a.acc, pack=a.pack, db=a.db, work=a.logs, shapes=a.shapes,

@@ -1704,6 +1704,25 @@ def test_product_settle_times_the_changed_shapes_until_an_export_changes_nothing
     assert "--quick" in server and "--quick" not in kernel
 
 
+def test_product_settle_keeps_each_packs_shape_files_apart(tmp_path):
+    """Two settles side by side (one lane per accumulator) must not share a changed-shapes file: with
+    one settle-logs/ the fp32 export overwrote the fp16 round's list between its kernel and offline
+    benches (2026-11-30, sixtieth session). Under a device call's OUT the logs go to OUT/logs."""
+    mod = _script("product-settle.py")
+    a = mod.logs_dir("packs/h200-fp16-F32F16F16F32")
+    b = mod.logs_dir("packs/h200-fp16-F16F16F16F16/")
+    assert a != b and a.parent == b.parent == Path("settle-logs")
+    assert mod.logs_dir("packs/x", str(tmp_path)) == tmp_path / "logs" / "settle-x"
+    # the rounds of two packs write their files each in its own directory
+    for pack in ("packs/p32", "packs/p16"):
+        fake = _FakeGemmrl([["64x64x64"], []])
+        mod.logs_dir(pack, str(tmp_path)).mkdir(parents=True)  # made by the Runner outside the test
+        mod.settle(fake, device="H200", acc="fp16", pack=pack, db="s", work=str(mod.logs_dir(pack, str(tmp_path))),
+                   log=lambda *_: None)
+        kernel = dict(fake.calls)["bench 0 kernel"]
+        assert kernel[kernel.index("--shapes") + 1] == str(tmp_path / "logs" / f"settle-{pack[6:]}" / "changed-0.txt")
+
+
 def test_product_settle_starts_from_given_shapes_and_stops_at_rounds_deadline_or_failure(tmp_path):
     mod = _script("product-settle.py")
     given = tmp_path / "given.txt"
