@@ -1,8 +1,8 @@
-// raw_nn_fp32_16x16x128_w1x1_s4_k1_swap_64x64x1024: gemmrl raw family (gemmrl/space/raw.py); generated, regenerate rather than edit.
-// C[64,64] fp16 = A[64,1024] @ B[K,N], fp32 accumulate, row-major, packed.
-// block_m=16, block_n=16, block_k=128, warps_m=1, warps_n=1, stages=4, split_k=1, swap_ab=True, layout=NN, acc=fp32
-// Logical GEMM D[GM,GN] = P[GM,K] . Q[GN,K]^T, swap_ab: GM = N, GN = M, P = B-side, Q = A, D = C^T
-// P is stored MN-contiguous, Q K-contiguous; mma.sync m16n8k16, ldmatrix, cp.async.cg
+// raw_tn_fp16_16x32x128_w1x2_s4_k4_fa_64x128x2048: gemmrl raw family (gemmrl/space/raw.py); generated, regenerate rather than edit.
+// C[64,128] fp16 = A[64,2048] @ B[N,K]^T, fp16 accumulate, row-major, packed.
+// block_m=16, block_n=32, block_k=128, warps_m=1, warps_n=2, stages=4, split_k=4, swap_ab=False, layout=TN, acc=fp16, arrive=add
+// Logical GEMM D[GM,GN] = P[GM,K] . Q[GN,K]^T, P = A, Q = B, D = C
+// P is stored K-contiguous, Q K-contiguous; mma.sync m16n8k16, ldmatrix, cp.async.cg
 // ring of STAGES, padded shared rows. K tail zero-filled; M/N residues bounds-checked.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -13,13 +13,13 @@
 #define GEMMRL_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace raw {
-constexpr int M = 64, N = 64, K = 1024;
-constexpr int LDA = K, LDB = 64, LDC = N;          // packed: the only strides served
-constexpr int GM = 64, GN = 64;                   // logical D = C^T
-constexpr int LD_P = 64, LD_Q = 1024;              // global row pitch of P, Q
-constexpr int BM = 16, BN = 16, BK = 128;
-constexpr int WM = 1, WN = 1;
-constexpr int STAGES = 4, SPLIT_K = 1;
+constexpr int M = 64, N = 128, K = 2048;
+constexpr int LDA = K, LDB = 2048, LDC = N;          // packed: the only strides served
+constexpr int GM = 64, GN = 128;                   // logical D = C
+constexpr int LD_P = 2048, LD_Q = 2048;              // global row pitch of P, Q
+constexpr int BM = 16, BN = 32, BK = 128;
+constexpr int WM = 1, WN = 2;
+constexpr int STAGES = 4, SPLIT_K = 4;
 constexpr int THREADS = WM * WN * 32;
 constexpr int WTM = BM / WM, WTN = BN / WN;             // warp tile
 constexpr int MI = WTM / 16, NI = WTN / 8;              // m16n8 blocks per warp
@@ -28,14 +28,14 @@ constexpr int TILES = TILES_M * TILES_N;
 constexpr int KT = (K + BK - 1) / BK;                   // K tiles, the last maybe a zero-filled tail
 constexpr int KT_PER = (KT + SPLIT_K - 1) / SPLIT_K;    // K tiles per split
 constexpr bool FULL_M = GM % BM == 0, FULL_N = GN % BN == 0, FULL_K = K % BK == 0;
-constexpr int P_LD = 24, P_STAGE = 3072;          // shared: [BK][BM+8] halves per stage
-constexpr int Q_LD = 136, Q_STAGE = 2176;          // shared: [BN][BK+8] halves per stage
+constexpr int P_LD = 136, P_STAGE = 2176;          // shared: [BM][BK+8] halves per stage
+constexpr int Q_LD = 136, Q_STAGE = 4352;          // shared: [BN][BK+8] halves per stage
 constexpr int SMEM_BYTES = STAGES * (P_STAGE + Q_STAGE) * 2;
-constexpr size_t COUNTER_OFFSET = 0ull;      // bytes: fp32 partials first, then counters
-constexpr size_t WORKSPACE_BYTES = 0ull;
+constexpr size_t COUNTER_OFFSET = 131072ull;      // bytes: fp32 partials first, then counters
+constexpr size_t WORKSPACE_BYTES = 131200ull;
 static_assert(BM % (16 * WM) == 0 && BN % (16 * WN) == 0 && BK % 16 == 0, "tile shape");
 static_assert((SPLIT_K - 1) * KT_PER < KT, "every split has K tiles");
-static_assert(SMEM_BYTES == 41984, "shared memory layout");
+static_assert(SMEM_BYTES == 52224, "shared memory layout");
 static_assert(COUNTER_OFFSET % 256 == 0 && WORKSPACE_BYTES % 8 == 0, "workspace layout");
 
 // ---- PTX wrappers: the only inline assembly ----
@@ -57,28 +57,34 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
-// D += A(16x16, row) . B(16x8, col), fp16 in, fp32 accumulate
-__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+// D += A(16x16, row) . B(16x8, col), fp16 in, fp16 accumulate (d[0] = rows g, d[1] = rows g+8)
+__device__ __forceinline__ void mma(uint32_t (&d)[2], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      "mma.sync.aligned.m16n8k16.row.col.f16.f16.f16.f16 {%0,%1}, {%2,%3,%4,%5}, {%6,%7}, "
+      "{%0,%1};\n"
+      : "+r"(d[0]), "+r"(d[1])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float2 h2_to_f2(uint32_t u) {
+  __half2 h;
+  memcpy(&h, &u, 4);
+  return __half22float2(h);
 }
 // ---- end of PTX wrappers ----
 
 __device__ __forceinline__ void load_p(uint32_t s, const __half* __restrict__ g, int r0, int k0, int tid) {
-  constexpr int CPR = BM / 8;          // 16-byte chunks per row
-  constexpr int TOTAL = BK * CPR;         // tile [BK][BM] of an M/N-contiguous operand
+  constexpr int CPR = BK / 8;            // 16-byte chunks per row
+  constexpr int TOTAL = BM * CPR;      // tile [BM][BK] of a K-contiguous operand
 #pragma unroll
   for (int i = 0; i < (TOTAL + THREADS - 1) / THREADS; ++i) {
     const int c = tid + i * THREADS;
     if (TOTAL % THREADS == 0 || c < TOTAL) {
-      const int r = c / CPR, c8 = (c % CPR) * 8;
-      const int gk = k0 + r, gc = r0 + c8;  // GM % 8 == 0: a chunk is all in or all out
-      const bool ok = (FULL_K || gk < K) && (FULL_M || gc < GM);
-      const __half* src = ok ? g + (size_t)gk * LD_P + gc : g;
-      cp_async16(s + (uint32_t)(r * P_LD + c8) * 2u, src, ok);
+      const int r = c / CPR, k8 = (c % CPR) * 8;
+      const int gr = r0 + r, gk = k0 + k8;
+      const bool ok = (FULL_M || gr < GM) && (FULL_K || gk < K);
+      const __half* src = ok ? g + (size_t)gr * LD_P + gk : g;
+      cp_async16(s + (uint32_t)(r * P_LD + k8) * 2u, src, ok);
     }
   }
 }
@@ -99,6 +105,37 @@ __device__ __forceinline__ void load_q(uint32_t s, const __half* __restrict__ g,
   }
 }
 
+// Arrive on a tile's counter; true for the last of the SPLIT_K arrivals. The word is
+// (TAG << 16) | count; a word without the tag (never-initialised memory) counts as 0; the last
+// arrival writes (TAG << 16) | 0 back, so the counter is ready for the next launch.
+__device__ __forceinline__ bool arrive_is_last(unsigned long long* ctr) {
+  constexpr unsigned long long TAG = 0x67656D6D726Cull;
+  unsigned long long old = *reinterpret_cast<volatile unsigned long long*>(ctr);
+  while (true) {
+    unsigned long long count = (old >> 16) == TAG ? (old & 0xFFFFull) : 0ull;
+    if (count >= (unsigned long long)SPLIT_K) count = 0;  // impossible state: start afresh
+    const bool last = count + 1 == (unsigned long long)SPLIT_K;
+    const unsigned long long want = (TAG << 16) | (last ? 0ull : count + 1);
+    const unsigned long long seen = atomicCAS(ctr, old, want);
+    if (seen == old) return last;
+    old = seen;
+  }
+}
+// arrive='add': one fetch-add per CTA, where the CAS loop above retries once for every CTA that
+// arrived between its read and its swap (the arrivals of one tile come close together, so the
+// last of S waits about S round trips). `seen` is the word this CTA read at its start: a word
+// without the tag (never-initialised memory) is first set to (TAG << 16) | 0 by a CAS from exactly
+// that value; a CAS that fails means another CTA did it first, since the word only ever changes
+// from untagged to tagged. So no CTA adds to an untagged word, and the last arrival writes
+// (TAG << 16) | 0 back, as above.
+__device__ __forceinline__ bool arrive_is_last_add(unsigned long long* ctr, unsigned long long seen) {
+  constexpr unsigned long long TAG = 0x67656D6D726Cull;
+  if ((seen >> 16) != TAG) atomicCAS(ctr, seen, TAG << 16);
+  const unsigned long long old = atomicAdd(ctr, 1ull);
+  const bool last = (old & 0xFFFFull) + 1 == (unsigned long long)SPLIT_K;
+  if (last) atomicExch(ctr, TAG << 16);
+  return last;
+}
 }  // namespace raw
 
 __global__ void __launch_bounds__(raw::THREADS)
@@ -114,14 +151,20 @@ gemmrl_raw_gemm(const __half* __restrict__ Pg, const __half* __restrict__ Qg, __
   const int m0 = (tile / TILES_N) * BM, n0 = (tile % TILES_N) * BN;
   const int kt0 = split * KT_PER;
   const int nkt = min(KT, kt0 + KT_PER) - kt0;  // >= 1 (static_assert above)
+  // split-K, arrive='add': this tile's counter word, read now and used at the arrival (the load's
+  // latency hides behind the main loop)
+  unsigned long long ctr_seen = 0ull;
+  if (tid == 0)
+    ctr_seen = *reinterpret_cast<volatile unsigned long long*>(
+        reinterpret_cast<char*>(ws) + COUNTER_OFFSET + (size_t)tile * sizeof(unsigned long long));
 
-  float acc[MI][NI][4];
+  uint32_t acch[MI][NI][2];  // fp16 accumulators, half2 pairs
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
     for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) acc[mi][ni][r] = 0.0f;
+      for (int r = 0; r < 2; ++r) acch[mi][ni][r] = 0u;
 
   // prologue: STAGES-1 tiles in flight (one commit group per tile, empty groups past the end)
 #pragma unroll
@@ -150,7 +193,7 @@ gemmrl_raw_gemm(const __half* __restrict__ Pg, const __half* __restrict__ Qg, __
       uint32_t a[MI][4], b[NI][2];
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
-        ldsm_x4_trans(a[mi], sp + (uint32_t)((kk * 16 + ((lane & 7) + ((lane >> 4) & 1) * 8)) * P_LD + wm * WTM + mi * 16 + (((lane >> 3) & 1) * 8)) * 2u);
+        ldsm_x4(a[mi], sp + (uint32_t)((wm * WTM + mi * 16 + (lane & 15)) * P_LD + kk * 16 + ((lane >> 4) * 8)) * 2u);
 #pragma unroll
       for (int nj = 0; nj < NI / 2; ++nj) {
         uint32_t t[4];
@@ -160,11 +203,63 @@ gemmrl_raw_gemm(const __half* __restrict__ Pg, const __half* __restrict__ Qg, __
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-        for (int ni = 0; ni < NI; ++ni) mma(acc[mi][ni], a[mi], b[ni][0], b[ni][1]);
+        for (int ni = 0; ni < NI; ++ni) mma(acch[mi][ni], a[mi], b[ni][0], b[ni][1]);
     }
   }
   cp_async_wait<0>();
+  float acc[MI][NI][4];
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < NI; ++ni) {
+      const float2 lo = h2_to_f2(acch[mi][ni][0]), hi = h2_to_f2(acch[mi][ni][1]);
+      acc[mi][ni][0] = lo.x; acc[mi][ni][1] = lo.y; acc[mi][ni][2] = hi.x; acc[mi][ni][3] = hi.y;
+    }
 
+  // ---- split-K: partial to the workspace in fragment order, the last CTA to arrive reduces
+  {
+    __shared__ int s_last;
+    constexpr int TILE_F4 = BM * BN / 4;  // float4 per partial tile (= MI * NI * THREADS)
+    float4* mine = reinterpret_cast<float4*>(ws) + ((size_t)tile * SPLIT_K + split) * TILE_F4;
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < NI; ++ni)
+        __stcg(mine + (mi * NI + ni) * THREADS + tid,
+               make_float4(acc[mi][ni][0], acc[mi][ni][1], acc[mi][ni][2], acc[mi][ni][3]));
+    __threadfence();  // this thread's partial is visible device-wide before the arrival
+    __syncthreads();
+    if (tid == 0) {
+      __threadfence();
+      unsigned long long* counters =
+          reinterpret_cast<unsigned long long*>(reinterpret_cast<char*>(ws) + COUNTER_OFFSET);
+      s_last = arrive_is_last_add(counters + tile, ctr_seen) ? 1 : 0;
+      __threadfence();
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    // the sum runs over splits 0..SPLIT_K-1 in order, whoever arrived last: bit-reproducible
+    const float4* parts = reinterpret_cast<const float4*>(ws) + (size_t)tile * SPLIT_K * TILE_F4;
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < NI; ++ni) {
+        const float4 v = __ldcg(parts + (mi * NI + ni) * THREADS + tid);
+        acc[mi][ni][0] = v.x; acc[mi][ni][1] = v.y; acc[mi][ni][2] = v.z; acc[mi][ni][3] = v.w;
+      }
+#pragma unroll 4
+    for (int s = 1; s < SPLIT_K; ++s) {
+      const float4* p = parts + (size_t)s * TILE_F4;
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni) {
+          const float4 v = __ldcg(p + (mi * NI + ni) * THREADS + tid);
+          acc[mi][ni][0] += v.x; acc[mi][ni][1] += v.y; acc[mi][ni][2] += v.z; acc[mi][ni][3] += v.w;
+        }
+    }
+  }
 
   // ---- epilogue: accumulator r of block (mi, ni) is D[gm + (r >> 1) * 8][gn + (r & 1)]
 #pragma unroll
@@ -176,18 +271,13 @@ gemmrl_raw_gemm(const __half* __restrict__ Pg, const __half* __restrict__ Qg, __
         const int gm = m0 + wm * WTM + mi * 16 + (lane >> 2) + h * 8;
         const int gn = n0 + wn * WTN + ni * 8 + (lane & 3) * 2;
         const float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
-        // D = C^T: D[gm][gn] is C[gn][gm]. Lanes g and g^1 (lane ^ 4) trade values so each stores
-        // one half2 along a row of C: even g -> C[gn][gm..gm+1], odd g -> C[gn+1][gm-1..gm].
-        const bool odd = (lane >> 2) & 1;
-        const float other = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
-        const int row = odd ? gn + 1 : gn, col = odd ? gm - 1 : gm;
-        const __half2 v = odd ? __floats2half2_rn(other, v1) : __floats2half2_rn(v0, other);
-        if ((FULL_N || row < GN) && (FULL_M || col < GM))
-          *reinterpret_cast<__half2*>(C + (size_t)row * LDC + col) = v;
+        // D = C: lane (g, q) holds C[gm][gn], C[gm][gn+1] (N even: one aligned half2 store)
+        if ((FULL_M || gm < GM) && (FULL_N || gn < GN))
+          *reinterpret_cast<__half2*>(C + (size_t)gm * LDC + gn) = __floats2half2_rn(v0, v1);
       }
 }
 
-GEMMRL_EXPORT const char* gemmrl_meta(void) { return "{\"layout\": \"NN\", \"dtype\": \"fp16\", \"acc\": \"fp32\", \"name\": \"raw_nn_fp32_16x16x128_w1x1_s4_k1_swap_64x64x1024\"}"; }
+GEMMRL_EXPORT const char* gemmrl_meta(void) { return "{\"layout\": \"TN\", \"dtype\": \"fp16\", \"acc\": \"fp16\", \"name\": \"raw_tn_fp16_16x32x128_w1x2_s4_k4_fa_64x128x2048\"}"; }
 
 GEMMRL_EXPORT size_t gemmrl_workspace_bytes(int m, int n, int k) {
   return (m == raw::M && n == raw::N && k == raw::K) ? raw::WORKSPACE_BYTES : 0;
@@ -216,7 +306,7 @@ GEMMRL_EXPORT int gemmrl_run(const void* A, const void* B, void* C, int m, int n
     }
   }
   gemmrl_raw_gemm<<<TILES * SPLIT_K, THREADS, SMEM_BYTES, stream>>>(
-      static_cast<const __half*>(B), static_cast<const __half*>(A),
+      static_cast<const __half*>(A), static_cast<const __half*>(B),
       static_cast<__half*>(C), static_cast<float*>(workspace));
   return cudaGetLastError() == cudaSuccess ? 0 : 7;
 }

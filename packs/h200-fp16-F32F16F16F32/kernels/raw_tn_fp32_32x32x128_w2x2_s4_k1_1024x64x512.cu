@@ -1,6 +1,6 @@
-// raw_tn_fp32_32x16x128_w2x1_s4_k1_512x128x512: gemmrl raw family (gemmrl/space/raw.py); generated, regenerate rather than edit.
-// C[512,128] fp16 = A[512,512] @ B[N,K]^T, fp32 accumulate, row-major, packed.
-// block_m=32, block_n=16, block_k=128, warps_m=2, warps_n=1, stages=4, split_k=1, swap_ab=False, layout=TN, acc=fp32
+// raw_tn_fp32_32x32x128_w2x2_s4_k1_1024x64x512: gemmrl raw family (gemmrl/space/raw.py); generated, regenerate rather than edit.
+// C[1024,64] fp16 = A[1024,512] @ B[N,K]^T, fp32 accumulate, row-major, packed.
+// block_m=32, block_n=32, block_k=128, warps_m=2, warps_n=2, stages=4, split_k=1, swap_ab=False, layout=TN, acc=fp32
 // Logical GEMM D[GM,GN] = P[GM,K] . Q[GN,K]^T, P = A, Q = B, D = C
 // P is stored K-contiguous, Q K-contiguous; mma.sync m16n8k16, ldmatrix, cp.async.cg
 // ring of STAGES, padded shared rows. K tail zero-filled; M/N residues bounds-checked.
@@ -13,12 +13,12 @@
 #define GEMMRL_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace raw {
-constexpr int M = 512, N = 128, K = 512;
+constexpr int M = 1024, N = 64, K = 512;
 constexpr int LDA = K, LDB = 512, LDC = N;          // packed: the only strides served
-constexpr int GM = 512, GN = 128;                   // logical D = C
+constexpr int GM = 1024, GN = 64;                   // logical D = C
 constexpr int LD_P = 512, LD_Q = 512;              // global row pitch of P, Q
-constexpr int BM = 32, BN = 16, BK = 128;
-constexpr int WM = 2, WN = 1;
+constexpr int BM = 32, BN = 32, BK = 128;
+constexpr int WM = 2, WN = 2;
 constexpr int STAGES = 4, SPLIT_K = 1;
 constexpr int THREADS = WM * WN * 32;
 constexpr int WTM = BM / WM, WTN = BN / WN;             // warp tile
@@ -29,13 +29,13 @@ constexpr int KT = (K + BK - 1) / BK;                   // K tiles, the last may
 constexpr int KT_PER = (KT + SPLIT_K - 1) / SPLIT_K;    // K tiles per split
 constexpr bool FULL_M = GM % BM == 0, FULL_N = GN % BN == 0, FULL_K = K % BK == 0;
 constexpr int P_LD = 136, P_STAGE = 4352;          // shared: [BM][BK+8] halves per stage
-constexpr int Q_LD = 136, Q_STAGE = 2176;          // shared: [BN][BK+8] halves per stage
+constexpr int Q_LD = 136, Q_STAGE = 4352;          // shared: [BN][BK+8] halves per stage
 constexpr int SMEM_BYTES = STAGES * (P_STAGE + Q_STAGE) * 2;
 constexpr size_t COUNTER_OFFSET = 0ull;      // bytes: fp32 partials first, then counters
 constexpr size_t WORKSPACE_BYTES = 0ull;
 static_assert(BM % (16 * WM) == 0 && BN % (16 * WN) == 0 && BK % 16 == 0, "tile shape");
 static_assert((SPLIT_K - 1) * KT_PER < KT, "every split has K tiles");
-static_assert(SMEM_BYTES == 52224, "shared memory layout");
+static_assert(SMEM_BYTES == 69632, "shared memory layout");
 static_assert(COUNTER_OFFSET % 256 == 0 && WORKSPACE_BYTES % 8 == 0, "workspace layout");
 
 // ---- PTX wrappers: the only inline assembly ----
@@ -182,7 +182,7 @@ gemmrl_raw_gemm(const __half* __restrict__ Pg, const __half* __restrict__ Qg, __
       }
 }
 
-GEMMRL_EXPORT const char* gemmrl_meta(void) { return "{\"layout\": \"TN\", \"dtype\": \"fp16\", \"acc\": \"fp32\", \"name\": \"raw_tn_fp32_32x16x128_w2x1_s4_k1_512x128x512\"}"; }
+GEMMRL_EXPORT const char* gemmrl_meta(void) { return "{\"layout\": \"TN\", \"dtype\": \"fp16\", \"acc\": \"fp32\", \"name\": \"raw_tn_fp32_32x32x128_w2x2_s4_k1_1024x64x512\"}"; }
 
 GEMMRL_EXPORT size_t gemmrl_workspace_bytes(int m, int n, int k) {
   return (m == raw::M && n == raw::N && k == raw::K) ? raw::WORKSPACE_BYTES : 0;

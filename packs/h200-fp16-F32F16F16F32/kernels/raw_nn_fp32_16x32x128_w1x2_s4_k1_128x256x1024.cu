@@ -1,8 +1,8 @@
-// raw_tn_fp16_16x32x128_w1x2_s4_k1_256x256x512: gemmrl raw family (gemmrl/space/raw.py); generated, regenerate rather than edit.
-// C[256,256] fp16 = A[256,512] @ B[N,K]^T, fp16 accumulate, row-major, packed.
-// block_m=16, block_n=32, block_k=128, warps_m=1, warps_n=2, stages=4, split_k=1, swap_ab=False, layout=TN, acc=fp16
+// raw_nn_fp32_16x32x128_w1x2_s4_k1_128x256x1024: gemmrl raw family (gemmrl/space/raw.py); generated, regenerate rather than edit.
+// C[128,256] fp16 = A[128,1024] @ B[K,N], fp32 accumulate, row-major, packed.
+// block_m=16, block_n=32, block_k=128, warps_m=1, warps_n=2, stages=4, split_k=1, swap_ab=False, layout=NN, acc=fp32
 // Logical GEMM D[GM,GN] = P[GM,K] . Q[GN,K]^T, P = A, Q = B, D = C
-// P is stored K-contiguous, Q K-contiguous; mma.sync m16n8k16, ldmatrix, cp.async.cg
+// P is stored K-contiguous, Q MN-contiguous; mma.sync m16n8k16, ldmatrix, cp.async.cg
 // ring of STAGES, padded shared rows. K tail zero-filled; M/N residues bounds-checked.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -13,10 +13,10 @@
 #define GEMMRL_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace raw {
-constexpr int M = 256, N = 256, K = 512;
-constexpr int LDA = K, LDB = 512, LDC = N;          // packed: the only strides served
-constexpr int GM = 256, GN = 256;                   // logical D = C
-constexpr int LD_P = 512, LD_Q = 512;              // global row pitch of P, Q
+constexpr int M = 128, N = 256, K = 1024;
+constexpr int LDA = K, LDB = 256, LDC = N;          // packed: the only strides served
+constexpr int GM = 128, GN = 256;                   // logical D = C
+constexpr int LD_P = 1024, LD_Q = 256;              // global row pitch of P, Q
 constexpr int BM = 16, BN = 32, BK = 128;
 constexpr int WM = 1, WN = 2;
 constexpr int STAGES = 4, SPLIT_K = 1;
@@ -29,13 +29,13 @@ constexpr int KT = (K + BK - 1) / BK;                   // K tiles, the last may
 constexpr int KT_PER = (KT + SPLIT_K - 1) / SPLIT_K;    // K tiles per split
 constexpr bool FULL_M = GM % BM == 0, FULL_N = GN % BN == 0, FULL_K = K % BK == 0;
 constexpr int P_LD = 136, P_STAGE = 2176;          // shared: [BM][BK+8] halves per stage
-constexpr int Q_LD = 136, Q_STAGE = 4352;          // shared: [BN][BK+8] halves per stage
+constexpr int Q_LD = 40, Q_STAGE = 5120;          // shared: [BK][BN+8] halves per stage
 constexpr int SMEM_BYTES = STAGES * (P_STAGE + Q_STAGE) * 2;
 constexpr size_t COUNTER_OFFSET = 0ull;      // bytes: fp32 partials first, then counters
 constexpr size_t WORKSPACE_BYTES = 0ull;
 static_assert(BM % (16 * WM) == 0 && BN % (16 * WN) == 0 && BK % 16 == 0, "tile shape");
 static_assert((SPLIT_K - 1) * KT_PER < KT, "every split has K tiles");
-static_assert(SMEM_BYTES == 52224, "shared memory layout");
+static_assert(SMEM_BYTES == 58368, "shared memory layout");
 static_assert(COUNTER_OFFSET % 256 == 0 && WORKSPACE_BYTES % 8 == 0, "workspace layout");
 
 // ---- PTX wrappers: the only inline assembly ----
@@ -57,19 +57,13 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
-// D += A(16x16, row) . B(16x8, col), fp16 in, fp16 accumulate (d[0] = rows g, d[1] = rows g+8)
-__device__ __forceinline__ void mma(uint32_t (&d)[2], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+// D += A(16x16, row) . B(16x8, col), fp16 in, fp32 accumulate
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f16.f16.f16.f16 {%0,%1}, {%2,%3,%4,%5}, {%6,%7}, "
-      "{%0,%1};\n"
-      : "+r"(d[0]), "+r"(d[1])
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ float2 h2_to_f2(uint32_t u) {
-  __half2 h;
-  memcpy(&h, &u, 4);
-  return __half22float2(h);
 }
 // ---- end of PTX wrappers ----
 
@@ -90,17 +84,17 @@ __device__ __forceinline__ void load_p(uint32_t s, const __half* __restrict__ g,
 }
 
 __device__ __forceinline__ void load_q(uint32_t s, const __half* __restrict__ g, int r0, int k0, int tid) {
-  constexpr int CPR = BK / 8;            // 16-byte chunks per row
-  constexpr int TOTAL = BN * CPR;      // tile [BN][BK] of a K-contiguous operand
+  constexpr int CPR = BN / 8;          // 16-byte chunks per row
+  constexpr int TOTAL = BK * CPR;         // tile [BK][BN] of an M/N-contiguous operand
 #pragma unroll
   for (int i = 0; i < (TOTAL + THREADS - 1) / THREADS; ++i) {
     const int c = tid + i * THREADS;
     if (TOTAL % THREADS == 0 || c < TOTAL) {
-      const int r = c / CPR, k8 = (c % CPR) * 8;
-      const int gr = r0 + r, gk = k0 + k8;
-      const bool ok = (FULL_N || gr < GN) && (FULL_K || gk < K);
-      const __half* src = ok ? g + (size_t)gr * LD_Q + gk : g;
-      cp_async16(s + (uint32_t)(r * Q_LD + k8) * 2u, src, ok);
+      const int r = c / CPR, c8 = (c % CPR) * 8;
+      const int gk = k0 + r, gc = r0 + c8;  // GN % 8 == 0: a chunk is all in or all out
+      const bool ok = (FULL_K || gk < K) && (FULL_N || gc < GN);
+      const __half* src = ok ? g + (size_t)gk * LD_Q + gc : g;
+      cp_async16(s + (uint32_t)(r * Q_LD + c8) * 2u, src, ok);
     }
   }
 }
@@ -121,13 +115,13 @@ gemmrl_raw_gemm(const __half* __restrict__ Pg, const __half* __restrict__ Qg, __
   const int kt0 = split * KT_PER;
   const int nkt = min(KT, kt0 + KT_PER) - kt0;  // >= 1 (static_assert above)
 
-  uint32_t acch[MI][NI][2];  // fp16 accumulators, half2 pairs
+  float acc[MI][NI][4];
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
     for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) acch[mi][ni][r] = 0u;
+      for (int r = 0; r < 4; ++r) acc[mi][ni][r] = 0.0f;
 
   // prologue: STAGES-1 tiles in flight (one commit group per tile, empty groups past the end)
 #pragma unroll
@@ -160,24 +154,16 @@ gemmrl_raw_gemm(const __half* __restrict__ Pg, const __half* __restrict__ Qg, __
 #pragma unroll
       for (int nj = 0; nj < NI / 2; ++nj) {
         uint32_t t[4];
-        ldsm_x4(t, sq + (uint32_t)((wn * WTN + nj * 16 + ((lane & 7) + (lane >> 4) * 8)) * Q_LD + kk * 16 + (((lane >> 3) & 1) * 8)) * 2u);
+        ldsm_x4_trans(t, sq + (uint32_t)((kk * 16 + ((lane & 7) + ((lane >> 3) & 1) * 8)) * Q_LD + wn * WTN + nj * 16 + ((lane >> 4) * 8)) * 2u);
         b[2 * nj][0] = t[0]; b[2 * nj][1] = t[1]; b[2 * nj + 1][0] = t[2]; b[2 * nj + 1][1] = t[3];
       }
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-        for (int ni = 0; ni < NI; ++ni) mma(acch[mi][ni], a[mi], b[ni][0], b[ni][1]);
+        for (int ni = 0; ni < NI; ++ni) mma(acc[mi][ni], a[mi], b[ni][0], b[ni][1]);
     }
   }
   cp_async_wait<0>();
-  float acc[MI][NI][4];
-#pragma unroll
-  for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-    for (int ni = 0; ni < NI; ++ni) {
-      const float2 lo = h2_to_f2(acch[mi][ni][0]), hi = h2_to_f2(acch[mi][ni][1]);
-      acc[mi][ni][0] = lo.x; acc[mi][ni][1] = lo.y; acc[mi][ni][2] = hi.x; acc[mi][ni][3] = hi.y;
-    }
 
 
   // ---- epilogue: accumulator r of block (mi, ni) is D[gm + (r >> 1) * 8][gn + (r & 1)]
@@ -196,7 +182,7 @@ gemmrl_raw_gemm(const __half* __restrict__ Pg, const __half* __restrict__ Qg, __
       }
 }
 
-GEMMRL_EXPORT const char* gemmrl_meta(void) { return "{\"layout\": \"TN\", \"dtype\": \"fp16\", \"acc\": \"fp16\", \"name\": \"raw_tn_fp16_16x32x128_w1x2_s4_k1_256x256x512\"}"; }
+GEMMRL_EXPORT const char* gemmrl_meta(void) { return "{\"layout\": \"NN\", \"dtype\": \"fp16\", \"acc\": \"fp32\", \"name\": \"raw_nn_fp32_16x32x128_w1x2_s4_k1_128x256x1024\"}"; }
 
 GEMMRL_EXPORT size_t gemmrl_workspace_bytes(int m, int n, int k) {
   return (m == raw::M && n == raw::N && k == raw::K) ? raw::WORKSPACE_BYTES : 0;

@@ -1,8 +1,8 @@
-// raw_nn_fp16_16x16x128_w1x1_s4_k1_64x256x1024: gemmrl raw family (gemmrl/space/raw.py); generated, regenerate rather than edit.
-// C[64,256] fp16 = A[64,1024] @ B[K,N], fp16 accumulate, row-major, packed.
-// block_m=16, block_n=16, block_k=128, warps_m=1, warps_n=1, stages=4, split_k=1, swap_ab=False, layout=NN, acc=fp16
-// Logical GEMM D[GM,GN] = P[GM,K] . Q[GN,K]^T, P = A, Q = B, D = C
-// P is stored K-contiguous, Q MN-contiguous; mma.sync m16n8k16, ldmatrix, cp.async.cg
+// raw_tn_fp16_32x32x128_w2x2_s4_k1_swap_64x1024x512: gemmrl raw family (gemmrl/space/raw.py); generated, regenerate rather than edit.
+// C[64,1024] fp16 = A[64,512] @ B[N,K]^T, fp16 accumulate, row-major, packed.
+// block_m=32, block_n=32, block_k=128, warps_m=2, warps_n=2, stages=4, split_k=1, swap_ab=True, layout=TN, acc=fp16
+// Logical GEMM D[GM,GN] = P[GM,K] . Q[GN,K]^T, swap_ab: GM = N, GN = M, P = B-side, Q = A, D = C^T
+// P is stored K-contiguous, Q K-contiguous; mma.sync m16n8k16, ldmatrix, cp.async.cg
 // ring of STAGES, padded shared rows. K tail zero-filled; M/N residues bounds-checked.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -13,12 +13,12 @@
 #define GEMMRL_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace raw {
-constexpr int M = 64, N = 256, K = 1024;
-constexpr int LDA = K, LDB = 256, LDC = N;          // packed: the only strides served
-constexpr int GM = 64, GN = 256;                   // logical D = C
-constexpr int LD_P = 1024, LD_Q = 256;              // global row pitch of P, Q
-constexpr int BM = 16, BN = 16, BK = 128;
-constexpr int WM = 1, WN = 1;
+constexpr int M = 64, N = 1024, K = 512;
+constexpr int LDA = K, LDB = 512, LDC = N;          // packed: the only strides served
+constexpr int GM = 1024, GN = 64;                   // logical D = C^T
+constexpr int LD_P = 512, LD_Q = 512;              // global row pitch of P, Q
+constexpr int BM = 32, BN = 32, BK = 128;
+constexpr int WM = 2, WN = 2;
 constexpr int STAGES = 4, SPLIT_K = 1;
 constexpr int THREADS = WM * WN * 32;
 constexpr int WTM = BM / WM, WTN = BN / WN;             // warp tile
@@ -28,14 +28,14 @@ constexpr int TILES = TILES_M * TILES_N;
 constexpr int KT = (K + BK - 1) / BK;                   // K tiles, the last maybe a zero-filled tail
 constexpr int KT_PER = (KT + SPLIT_K - 1) / SPLIT_K;    // K tiles per split
 constexpr bool FULL_M = GM % BM == 0, FULL_N = GN % BN == 0, FULL_K = K % BK == 0;
-constexpr int P_LD = 136, P_STAGE = 2176;          // shared: [BM][BK+8] halves per stage
-constexpr int Q_LD = 24, Q_STAGE = 3072;          // shared: [BK][BN+8] halves per stage
+constexpr int P_LD = 136, P_STAGE = 4352;          // shared: [BM][BK+8] halves per stage
+constexpr int Q_LD = 136, Q_STAGE = 4352;          // shared: [BN][BK+8] halves per stage
 constexpr int SMEM_BYTES = STAGES * (P_STAGE + Q_STAGE) * 2;
 constexpr size_t COUNTER_OFFSET = 0ull;      // bytes: fp32 partials first, then counters
 constexpr size_t WORKSPACE_BYTES = 0ull;
 static_assert(BM % (16 * WM) == 0 && BN % (16 * WN) == 0 && BK % 16 == 0, "tile shape");
 static_assert((SPLIT_K - 1) * KT_PER < KT, "every split has K tiles");
-static_assert(SMEM_BYTES == 41984, "shared memory layout");
+static_assert(SMEM_BYTES == 69632, "shared memory layout");
 static_assert(COUNTER_OFFSET % 256 == 0 && WORKSPACE_BYTES % 8 == 0, "workspace layout");
 
 // ---- PTX wrappers: the only inline assembly ----
@@ -90,17 +90,17 @@ __device__ __forceinline__ void load_p(uint32_t s, const __half* __restrict__ g,
 }
 
 __device__ __forceinline__ void load_q(uint32_t s, const __half* __restrict__ g, int r0, int k0, int tid) {
-  constexpr int CPR = BN / 8;          // 16-byte chunks per row
-  constexpr int TOTAL = BK * CPR;         // tile [BK][BN] of an M/N-contiguous operand
+  constexpr int CPR = BK / 8;            // 16-byte chunks per row
+  constexpr int TOTAL = BN * CPR;      // tile [BN][BK] of a K-contiguous operand
 #pragma unroll
   for (int i = 0; i < (TOTAL + THREADS - 1) / THREADS; ++i) {
     const int c = tid + i * THREADS;
     if (TOTAL % THREADS == 0 || c < TOTAL) {
-      const int r = c / CPR, c8 = (c % CPR) * 8;
-      const int gk = k0 + r, gc = r0 + c8;  // GN % 8 == 0: a chunk is all in or all out
-      const bool ok = (FULL_K || gk < K) && (FULL_N || gc < GN);
-      const __half* src = ok ? g + (size_t)gk * LD_Q + gc : g;
-      cp_async16(s + (uint32_t)(r * Q_LD + c8) * 2u, src, ok);
+      const int r = c / CPR, k8 = (c % CPR) * 8;
+      const int gr = r0 + r, gk = k0 + k8;
+      const bool ok = (FULL_N || gr < GN) && (FULL_K || gk < K);
+      const __half* src = ok ? g + (size_t)gr * LD_Q + gk : g;
+      cp_async16(s + (uint32_t)(r * Q_LD + k8) * 2u, src, ok);
     }
   }
 }
@@ -160,7 +160,7 @@ gemmrl_raw_gemm(const __half* __restrict__ Pg, const __half* __restrict__ Qg, __
 #pragma unroll
       for (int nj = 0; nj < NI / 2; ++nj) {
         uint32_t t[4];
-        ldsm_x4_trans(t, sq + (uint32_t)((kk * 16 + ((lane & 7) + ((lane >> 3) & 1) * 8)) * Q_LD + wn * WTN + nj * 16 + ((lane >> 4) * 8)) * 2u);
+        ldsm_x4(t, sq + (uint32_t)((wn * WTN + nj * 16 + ((lane & 7) + (lane >> 4) * 8)) * Q_LD + kk * 16 + (((lane >> 3) & 1) * 8)) * 2u);
         b[2 * nj][0] = t[0]; b[2 * nj][1] = t[1]; b[2 * nj + 1][0] = t[2]; b[2 * nj + 1][1] = t[3];
       }
 #pragma unroll
@@ -190,13 +190,18 @@ gemmrl_raw_gemm(const __half* __restrict__ Pg, const __half* __restrict__ Qg, __
         const int gm = m0 + wm * WTM + mi * 16 + (lane >> 2) + h * 8;
         const int gn = n0 + wn * WTN + ni * 8 + (lane & 3) * 2;
         const float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
-        // D = C: lane (g, q) holds C[gm][gn], C[gm][gn+1] (N even: one aligned half2 store)
-        if ((FULL_M || gm < GM) && (FULL_N || gn < GN))
-          *reinterpret_cast<__half2*>(C + (size_t)gm * LDC + gn) = __floats2half2_rn(v0, v1);
+        // D = C^T: D[gm][gn] is C[gn][gm]. Lanes g and g^1 (lane ^ 4) trade values so each stores
+        // one half2 along a row of C: even g -> C[gn][gm..gm+1], odd g -> C[gn+1][gm-1..gm].
+        const bool odd = (lane >> 2) & 1;
+        const float other = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
+        const int row = odd ? gn + 1 : gn, col = odd ? gm - 1 : gm;
+        const __half2 v = odd ? __floats2half2_rn(other, v1) : __floats2half2_rn(v0, other);
+        if ((FULL_N || row < GN) && (FULL_M || col < GM))
+          *reinterpret_cast<__half2*>(C + (size_t)row * LDC + col) = v;
       }
 }
 
-GEMMRL_EXPORT const char* gemmrl_meta(void) { return "{\"layout\": \"NN\", \"dtype\": \"fp16\", \"acc\": \"fp16\", \"name\": \"raw_nn_fp16_16x16x128_w1x1_s4_k1_64x256x1024\"}"; }
+GEMMRL_EXPORT const char* gemmrl_meta(void) { return "{\"layout\": \"TN\", \"dtype\": \"fp16\", \"acc\": \"fp16\", \"name\": \"raw_tn_fp16_32x32x128_w2x2_s4_k1_swap_64x1024x512\"}"; }
 
 GEMMRL_EXPORT size_t gemmrl_workspace_bytes(int m, int n, int k) {
   return (m == raw::M && n == raw::N && k == raw::K) ? raw::WORKSPACE_BYTES : 0;
@@ -225,7 +230,7 @@ GEMMRL_EXPORT int gemmrl_run(const void* A, const void* B, void* C, int m, int n
     }
   }
   gemmrl_raw_gemm<<<TILES * SPLIT_K, THREADS, SMEM_BYTES, stream>>>(
-      static_cast<const __half*>(A), static_cast<const __half*>(B),
+      static_cast<const __half*>(B), static_cast<const __half*>(A),
       static_cast<__half*>(C), static_cast<float*>(workspace));
   return cudaGetLastError() == cudaSuccess ? 0 : 7;
 }
