@@ -11,6 +11,11 @@ named, smallest first: a retime list.
 
     python3 scripts/session-bias.py --device H200 --acc fp32 --runs 288-291 \\
         --out results/shapes/h200-fp32-sr-runs288-291.txt --kind splitk-sr
+
+`--slow-runs SHARE` instead of `--runs` takes the runs whose small-shape library sessions ran slow in
+SHARE or more of them (scripts/library-state.py --min-slow SHARE, with its --min-sessions): the report
+rows that rest on a slow-library run, as a retime list with --out (2026-11-30, sixtieth session: 222
+fp32 and 253 fp16 rows at 0.05).
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from gemmrl.report.bias import CLASSES, SUBJECT, bias, latest_from, parse_runs, quantile, ratios  # noqa: E402
+from gemmrl.report.bias import (CLASSES, SUBJECT, bias, format_runs, latest_from, parse_runs, quantile,  # noqa: E402
+                                ratios, slow_runs)
 
 
 def main(argv=None) -> int:
@@ -33,12 +39,20 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16")
     ap.add_argument("--mode", choices=("kernel", "offline", "server"), default="kernel")
     ap.add_argument("--baseline", default="cuBLASLt-auto-tuning", help="a baseline with -nn and -tn rows")
-    ap.add_argument("--runs", required=True, help="run ids and ranges: 288-291,300")
+    pick = ap.add_mutually_exclusive_group(required=True)
+    pick.add_argument("--runs", help="run ids and ranges: 288-291,300")
+    pick.add_argument("--slow-runs", type=float, metavar="SHARE",
+                      help="the runs whose small-shape library sessions ran slow in this share or more of them "
+                           "(scripts/library-state.py --min-slow)")
+    ap.add_argument("--min-sessions", type=int, default=10,
+                    help="with --slow-runs: runs with at least this many small-shape library sessions (default 10)")
     ap.add_argument("--out", type=Path, help="write the shapes whose latest session is the runs'")
     ap.add_argument("--kind", action="append", choices=CLASSES, help="with --out: only these classes")
     a = ap.parse_args(argv)
+    if a.slow_runs is not None and not 0 < a.slow_runs <= 1:
+        ap.error("--slow-runs is a share of a run's library sessions: more than 0, at most 1 (0.05: 5%)")
     try:
-        runs = parse_runs(a.runs)
+        runs = parse_runs(a.runs) if a.runs else set()
     except ValueError as e:
         ap.error(str(e))
     if a.kind and not a.out:
@@ -55,6 +69,13 @@ def main(argv=None) -> int:
         ap.error(str(e))
     if device not in store.devices():
         ap.error(f"no measurements on {a.device!r} in {a.db}")
+    if a.slow_runs is not None:
+        runs = slow_runs(store.db, device, a.slow_runs, a.min_sessions)
+        if not runs:
+            ap.error(f"no run on {device} with {a.min_sessions} or more small-shape library sessions had "
+                     f"{a.slow_runs:.0%} or more of them slow (scripts/library-state.py)")
+        a.runs = format_runs(runs)
+        print(f"runs with {a.slow_runs:.0%} or more slow library sessions: {a.runs}")
     rows = ratios(store.db, device, a.acc, a.dtype, a.mode, a.baseline)
     if not any(r[0] in runs for r in rows):
         ap.error(f"runs {a.runs} timed no verified {SUBJECT} winner on {device}, {a.dtype} acc {a.acc}, {a.mode} mode")

@@ -2089,6 +2089,56 @@ def test_session_bias_compares_a_calls_ratios_with_the_same_kernels_elsewhere(tm
     assert none.returncode == 2 and "runs 9 timed no verified gemmrl-tuned winner" in none.stderr
 
 
+def test_session_bias_takes_the_slow_library_runs_and_lists_the_rows_resting_on_them(tmp_path):
+    """scripts/session-bias.py --slow-runs SHARE: the runs are those whose small-shape library sessions
+    ran slow in SHARE or more of them (report.bias.slow_runs, as library-state.py --min-slow lists
+    them), and --out lists the shapes whose latest tuned session is one of theirs (2026-11-30: run
+    161's baselines read 8.1 us where other runs read 7.1, and its report row read 1.144 for 0.954)."""
+    from gemmrl.core.problem import Problem
+    from gemmrl.report.bias import format_runs, parse_runs, slow_runs
+    from gemmrl.store.db import Store
+
+    assert format_runs({300, 288, 289, 290, 291, 5}) == "5,288-291,300"
+    assert parse_runs(format_runs({1, 2, 4, 7, 8})) == {1, 2, 4, 7, 8}
+    db = tmp_path / "s.sqlite"
+    st = Store(db)
+    dev = "NVIDIA H200"
+    small = [Problem(64, 1024, 4096), Problem(128, 512, 4096), Problem(512, 256, 4096)]
+    name = "sm90_ws_64x16x128_c1x2_tile_s0_rh_sw1_tn_f16_f32"
+    # run 2 reads every library kernel 14% slow; the tuned rows of shapes 0 and 1 end on run 2, shape 2's on run 3
+    for run, factor, tuned in ((1, 1.0, (0, 1, 2)), (2, 1.14, (0, 1)), (3, 1.0, (2,))):
+        rid = st.start_run("gemmrl bench", dev, {"cublas": "13.1"}, {})
+        assert rid == run
+        for i, p in enumerate(small):
+            res = {"torch.matmul": {"median_us": 7.0 * factor, "n": 5}, "cuBLAS-tn": {"median_us": 7.4 * factor, "n": 5}}
+            if i in tuned:
+                res.update({"gemmrl-tuned": {"median_us": 7.0, "n": 5},
+                            "cuBLASLt-auto-tuning-nn": {"median_us": 7.2 * factor, "n": 5},
+                            "cuBLASLt-auto-tuning-tn": {"median_us": 7.3 * factor, "n": 5}})
+                st.record_verification(rid, dev, p, "gemmrl-tuned", True, "", {"impl": {"chosen": {"name": name}}})
+            st.record_session(rid, f"s{run}{i}", dev, p, "kernel", "kernel:v3", res)
+        st.finish_run(rid)
+    assert slow_runs(st.db, dev, 0.5, min_sessions=3) == {2}
+    assert slow_runs(st.db, dev, 0.5, min_sessions=7) == set()  # run 2 holds 6 library sessions
+    st.close()
+    out = tmp_path / "rows.txt"
+    cmd = [sys.executable, str(ROOT / "scripts" / "session-bias.py"), "--db", str(db), "--device", "H200"]
+    r = subprocess.run(cmd + ["--slow-runs", "0.5", "--min-sessions", "3", "--out", str(out)], capture_output=True,
+                       text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "slow library sessions: 2\n" in r.stdout
+    # the two rows ending on run 2 read 7.2 * 1.14 / 7.0 = 1.173 against 1.029 in run 1: a factor of 1.14
+    assert "| cutlass | 2 | 1.140 | 1.140 | 1.140 | 2 |" in r.stdout
+    assert out.read_text().splitlines()[1:] == ["64x1024x4096", "128x512x4096"]
+    none = subprocess.run(cmd + ["--slow-runs", "0.5"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert none.returncode == 2 and "10 or more small-shape library sessions" in none.stderr
+    both = subprocess.run(cmd + ["--slow-runs", "0.5", "--runs", "2"], capture_output=True, text=True, env=ENV,
+                          timeout=300)
+    assert both.returncode == 2 and "not allowed with" in both.stderr
+    bad = subprocess.run(cmd + ["--slow-runs", "5"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert bad.returncode == 2 and "at most 1" in bad.stderr
+
+
 def test_library_state_names_the_runs_that_timed_the_libraries_slow(tmp_path):
     """scripts/library-state.py (report.bias.library_state): per run, the share of its library
     sessions (torch.matmul, cuBLAS, cuBLASLt heuristic; small shapes, one cuBLAS version, three

@@ -106,6 +106,26 @@ def parse_runs(text: str) -> set[int]:
     return out
 
 
+def format_runs(runs) -> str:
+    """{288, 289, 290, 291, 300} -> '288-291,300', what parse_runs reads back. Pure."""
+    out, ids = [], sorted(set(runs))
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def slow_runs(db: sqlite3.Connection, device: str, share: float, min_sessions: int = 10, **kw) -> set[int]:
+    """The runs whose small-shape library sessions ran slow in `share` or more of `min_sessions` or
+    more (library_state, its keywords passed on): what scripts/library-state.py --min-slow lists."""
+    return {run for run, v in library_state(db, device, **kw).items()
+            if v["sessions"] >= min_sessions and v["slow"] >= share}
+
+
 def quantile(a: list[float], q: float) -> float:
     a = sorted(a)
     return a[min(len(a) - 1, int(q * len(a)))]
