@@ -87,6 +87,8 @@ RULES = [
      Problem(8192, 128, 8192), "split-K's static flag"),
     (S(split_k=2, arrive="xchg"), P, "arrive must be one of"),
     (S(arrive="add"), P, "split_k must be more than 1"),
+    (S(epi="tma"), P, "epi must be one of"),
+    (S(layout="TN", epi="smem"), Problem(64, 68, 4096), "N % 8 == 0"),
 ]
 
 
@@ -141,6 +143,23 @@ def test_render_emits_only_what_the_spec_uses():
     swapped = render(S(swap_ab=True), Problem(16, 256, 4096))
     assert "__shfl_xor_sync" in swapped and "static_cast<const __half*>(B), static_cast<const __half*>(A)" in swapped
     assert "c[1] = __float2half_rn(v1)" in render(S(layout="TN"), Problem(64, 71, 4096))  # odd N: scalar
+    # the shared-memory epilogue: staged tile, 16-byte copies, a 16-byte aligned C; the default has none
+    se = render(S(epi="smem"), P)
+    assert "copy16_to_global(C + " in se and "C_ROWS = 64, C_COLS = 64" in se and "% 16 != 0) return 4;" in se
+    assert "copy16_to_global" not in split and "C_ROWS" not in split and "(C) % 4 != 0) return 4;" in split
+    assert "C_ROWS = 256, C_COLS = 16" in render(S(block_m=16, block_n=256, warps_m=1, warps_n=4, swap_ab=True,
+                                                   epi="smem"), Problem(256, 16, 4096))
+
+
+def test_the_smem_epilogue_fits_its_tile_of_c_in_shared_memory():
+    """epi='smem' stages the CTA's tile of C (rows padded by 8 halves) in the pipeline's shared
+    memory, or takes more where the tile is the larger (a big tile over a short block_k)."""
+    small_k = S(block_m=128, block_n=128, block_k=16, warps_m=2, warps_n=4, stages=2)
+    pipe = geometry(small_k, P).smem_bytes
+    assert pipe < 128 * 136 * 2 == geometry(dataclasses.replace(small_k, epi="smem"), P).smem_bytes
+    assert geometry(S(epi="smem"), P).smem_bytes == geometry(S(), P).smem_bytes  # the pipeline is the larger
+    se = render(dataclasses.replace(small_k, epi="smem"), P)
+    assert f"static_assert(SMEM_BYTES == {128 * 136 * 2}," in se
 
 
 def _spec_grid():
@@ -157,10 +176,12 @@ def test_names_and_keys_are_unique_and_encode_every_field():
     assert len({s.name for s in specs}) == len(specs) == len({s.key() for s in specs})
     base = RawSpec(split_k=2)
     changes = {"block_m": 128, "block_n": 32, "block_k": 32, "warps_m": 4, "warps_n": 1,
-               "stages": 4, "split_k": 4, "swap_ab": True, "layout": "TN", "acc": "fp16", "arrive": "add"}
+               "stages": 4, "split_k": 4, "swap_ab": True, "layout": "TN", "acc": "fp16", "arrive": "add",
+               "epi": "smem"}
     assert set(changes) == {f.name for f in dataclasses.fields(RawSpec)}
-    # the default arrival keeps the names and keys every stored raw winner has
+    # the default arrival and epilogue keep the names and keys every stored raw winner has
     assert RawSpec(split_k=2).name == "raw_nn_fp32_64x64x64_w2x2_s3_k2" and len(RawSpec().key()) == 11
+    assert RawSpec(split_k=2, arrive="add", epi="smem").name == "raw_nn_fp32_64x64x64_w2x2_s3_k2_fa_se"
     for field, value in changes.items():
         other = dataclasses.replace(base, **{field: value})
         assert other.name != base.name and other.key() != base.key(), field
@@ -551,6 +572,39 @@ def test_a_fetch_add_twin_differs_from_its_cas_twin_only_in_the_arrival_and_buil
     assert regs[1] <= regs[0] + 2, regs
 
 
+def test_a_smem_epilogue_twin_builds_for_sm90a_without_spills(tmp_path):
+    """epi='smem': the direct twin's kernel up to its epilogue (staged through shared memory, then
+    16-byte copies), built by nvcc for sm_90a without spills, for a plain tile, a swapped one and a
+    fetch-add split-K; the ABI refuses a C that is not 16-byte aligned before touching CUDA."""
+    from gemmrl.build.nvcc import NvccNotFound, build_shared, nvcc_path
+    from gemmrl.runtime.abi import AbiKernel
+
+    cases = [(S(block_m=16, block_n=32, warps_m=1, warps_n=2, stages=4, block_k=128, layout="TN"), Problem(1024, 128, 64)),
+             (S(block_m=32, block_n=16, warps_m=2, warps_n=1, stages=4, block_k=128, swap_ab=True, layout="TN"),
+              Problem(64, 1024, 512)),
+             (S(block_m=16, block_n=32, warps_m=1, warps_n=2, stages=4, block_k=128, split_k=4, arrive="add",
+                layout="TN", acc="fp16"), Problem(64, 128, 2048, "fp16", "fp16"))]
+    for spec, problem in cases:
+        direct, se = render(spec, problem), render(dataclasses.replace(spec, epi="smem"), problem)
+        assert "C_ROWS" in se and "C_ROWS" not in direct
+        loop = direct.split("  // prologue:", 1)[1].split("// ---- epilogue", 1)[0]
+        assert loop in se  # the same main loop, to the letter
+    try:
+        nvcc_path()
+    except NvccNotFound:
+        pytest.skip("nvcc not found")
+    for spec, problem in cases:
+        se = dataclasses.replace(spec, epi="smem")
+        res = build_shared(render(se, problem), name=kernel_name(se, problem), arch="sm_90a", cache_dir=tmp_path)
+        assert res.ok, res.log[-3000:]
+        k = [k for k in res.resources if "gemmrl_raw_gemm" in k.name][0]
+        assert res.spills == 0 and k.spill_stores == 0 and k.stack_bytes == 0, k
+        kern = AbiKernel(res.path)
+        M, N, K = problem.M, problem.N, problem.K
+        fake = 1 << 20
+        assert kern.run(fake, fake, fake + 4, M, N, K, K, K, N, fake, 0) == 4  # C 4-byte but not 16-byte aligned
+
+
 def test_golden_kernels_run_hmma_ldsm_and_cp_async_in_sass(golden_builds):
     tool = _cuobjdump()
     if tool is None:
@@ -586,6 +640,12 @@ EMU_CASES = [
     (S(block_m=16, block_n=16, warps_m=1, warps_n=1, stages=4, split_k=4, arrive="add"), Problem(40, 24, 512)),
     (S(block_n=32, split_k=3, swap_ab=True, arrive="add"), Problem(65, 72, 264)),
     (S(block_k=32, stages=3, split_k=32, layout="TN", arrive="add"), Problem(72, 64, 2048)),
+    # the shared-memory epilogue (epi='smem'): residues in M and N, swap_ab, split-K, fp16
+    (S(epi="smem"), Problem(72, 136, 96)),
+    (S(block_n=32, split_k=3, swap_ab=True, arrive="add", epi="smem"), Problem(65, 72, 264)),
+    (S(block_m=16, block_n=32, warps_m=1, warps_n=2, stages=4, layout="TN", acc="fp16", epi="smem"),
+     Problem(40, 24, 256, "fp16", "fp16")),
+    (S(block_m=128, block_n=64, block_k=32, warps_m=4, warps_n=2, epi="smem"), Problem(130, 72, 64)),
 ]
 EMU_IDS = [kernel_name(s, p) for s, p in EMU_CASES]
 # each call: inputs, cp.async applied lazily?, blocks run at once, block order (0 in order, -1 reversed, else a shuffle seed)
@@ -620,6 +680,10 @@ MUTANTS = [
     # the fetch-add arrival without its fix of an untagged (garbage) word, and without its reset
     ("add-adds-to-garbage", _MUT_ADD, "if ((seen >> 16) != TAG) atomicCAS(ctr, seen, TAG << 16);", ""),
     ("add-never-resets", _MUT_ADD, "if (last) atomicExch(ctr, TAG << 16);", ""),
+    # the shared-memory epilogue: copies past C's last row, and stages a swapped tile unswapped
+    ("smem-copy-unguarded-rows", (S(epi="smem"), Problem(72, 136, 96)), "(FULL_M || r0 + r < M)", "true"),
+    ("smem-swap-staged-unswapped", (S(block_n=32, swap_ab=True, epi="smem"), Problem(64, 72, 128)),
+     "cs[ln * C_LD + lm] = __float2half_rn(v0);", "cs[lm * C_LD + ln] = __float2half_rn(v0);"),
 ]
 
 
@@ -831,6 +895,16 @@ inline unsigned char* emu_dynamic_smem() { return tl_block->smem.data(); }
 inline int& emu_block_int() { return tl_block->shared_int; }
 
 inline void __stcg(float4* p, float4 v) { check_global(p, 16, "__stcg outside the workspace"); *p = v; }
+static Region g_c;  // C: the only buffer copy16_to_global (epi='smem') may write
+inline void copy16_to_global(__half* dst, const __half* src) {
+  const unsigned char* d = reinterpret_cast<const unsigned char*>(dst);
+  if (reinterpret_cast<uintptr_t>(dst) % 16 || d < g_c.lo || d + 16 > g_c.lo + g_c.n)
+    emu_fail("copy16_to_global: outside C or misaligned");
+  const unsigned char* s = reinterpret_cast<const unsigned char*>(src);
+  if (s < tl_block->smem.data() || s + 16 > tl_block->smem.data() + tl_block->smem.size() - 16)
+    emu_fail("copy16_to_global: source outside shared memory");
+  std::memcpy(dst, src, 16);
+}
 inline float4 __ldcg(const float4* p) { check_global(p, 16, "__ldcg outside the workspace"); return *p; }
 inline unsigned long long atomicCAS(unsigned long long* p, unsigned long long c, unsigned long long v) {
   check_global(p, 8, "atomicCAS outside the workspace");
@@ -1025,6 +1099,7 @@ int main(int argc, char** argv) {
   std::mt19937_64 rng(12345);
   for (size_t i = 0; i < W.n; ++i) W.p[i] = (unsigned char)rng();  // a workspace of garbage
   g_global = {{A.p, a_bytes}, {B.p, b_bytes}, {W.p, W.n}};
+  g_c = {C.p, c_bytes};
   for (int i = 0; i < calls; ++i) {
     read_into(dir + "/a" + std::to_string(i) + ".bin", A.p, a_bytes);
     read_into(dir + "/b" + std::to_string(i) + ".bin", B.p, b_bytes);

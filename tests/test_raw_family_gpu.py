@@ -26,6 +26,11 @@ CASES = [
     # the fetch-add arrival (arrive='add', 2026-11-30): a deep split, a swapped NN split with residues
     (RawSpec(64, 64, 64, 2, 2, 4, 16, False, "TN", "fp32", "add"), Problem(512, 64, 12288)),
     (RawSpec(64, 32, 64, 2, 2, 3, 4, True, "NN", "fp32", "add"), Problem(65, 72, 4096)),
+    # the shared-memory epilogue (epi='smem', 2026-11-30): residues, swapped, split-K, fp16, a short K
+    (RawSpec(64, 32, 64, 2, 2, 3, 4, True, "NN", "fp32", "add", "smem"), Problem(65, 72, 4096)),
+    (RawSpec(32, 64, 32, 1, 2, 4, 1, False, "TN", "fp32", "cas", "smem"), Problem(33, 136, 4096)),
+    (RawSpec(16, 32, 128, 1, 2, 4, 1, False, "TN", "fp16", "cas", "smem"), Problem(1024, 128, 64, "fp16", "fp16")),
+    (RawSpec(128, 128, 32, 2, 4, 3, 1, False, "NN", "fp32", "cas", "smem"), Problem(256, 4096, 512)),
 ]
 
 

@@ -263,6 +263,27 @@ def test_raw_splits_arrive_with_the_fetch_add_and_the_cas_loop_is_a_mutation_awa
     assert gap == pytest.approx((raw.SPLIT_US["cas"] - raw.SPLIT_US["add"]) * 16) and gap > 4.0
 
 
+def test_the_staged_epilogue_is_a_mutation_away_and_not_in_the_pool():
+    """epi='smem' (the tile of C staged in shared memory, 16-byte stores): not in the raw pool (it
+    would double it before any twin was timed), one mutation away from any raw spec whose N allows
+    it, back to 'direct' likewise; the cost model tells the two apart."""
+    from gemmrl.search.policy import _features
+    from gemmrl.space import raw
+
+    p = Problem(4096, 64, 64)
+    specs = [s for f, s in candidate_pool(p, LAYOUTS) if f == "raw"]
+    assert specs and all(s.epi == "direct" for s in specs)
+    base = specs[0]
+    muts = mutations("raw", base, p, LAYOUTS)
+    se = replace(base, epi="smem")
+    assert se in muts and base in mutations("raw", se, p, LAYOUTS)
+    odd = Problem(4096, 68, 64)  # N % 8: no staged epilogue
+    assert raw.valid(replace(base, layout="TN", epi="smem"), odd) is not None
+    assert not [m for m in mutations("raw", replace(base, layout="TN"), odd, LAYOUTS) if m.epi == "smem"]
+    est = raw.estimate_us(base, p)
+    assert _features("raw", base, p, est) != _features("raw", se, p, est)
+
+
 # ---------------------------------------------------------------------------------------------
 # the cost model
 

@@ -164,7 +164,8 @@ _LADDERS = {
     "raw": {
         "block_m": (16, 32, 64, 128, 256), "block_n": (16, 32, 64, 128, 256), "block_k": (16, 32, 64, 128),
         "warps_m": (1, 2, 4, 8), "warps_n": (1, 2, 4, 8), "stages": (2, 3, 4),
-        "split_k": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), "arrive": ("cas", "add")},
+        "split_k": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), "arrive": ("cas", "add"),
+        "epi": ("direct", "smem")},  # the tile of C staged in shared memory, 16-byte stores (not in the pool)
 }
 # dtype and acc: set by the problem; pdl: a launch that overlaps consecutive calls, which the
 # kernel-mode timing would credit, so never a search candidate (results/README.md, eleventh session)
@@ -199,6 +200,8 @@ def _repairs(family: str, spec) -> list:
         if spec.split_k == 1 and spec.arrive != "cas":
             out.insert(0, replace(spec, arrive="cas"))
             out.insert(1, replace(spec, split_k=2))
+        if getattr(spec, "epi", "direct") != "direct":  # the staged epilogue wants N % 8 == 0
+            out.append(replace(spec, epi="direct"))
         return out
     return []
 
@@ -323,7 +326,8 @@ def _features(family: str, spec, problem: Problem, est_us: float) -> list[float]
         st = spec.stages / 4
         f += [swap, swap * lM, swap * lN, st, st * lK, _log2(spec.threads) / 8,
               float(spec.split_k > 1), float(spec.layout == "NN"), float(spec.acc == "fp16"),
-              float(getattr(spec, "arrive", "cas") == "add") * lsp]  # the fetch-add arrival, by split depth
+              float(getattr(spec, "arrive", "cas") == "add") * lsp,  # the fetch-add arrival, by split depth
+              float(getattr(spec, "epi", "direct") == "smem") * (lM + lN)]  # the staged epilogue, by output size
     return f
 
 

@@ -52,6 +52,7 @@ MAX_SPLIT_K = 256              # the counter keeps 16 bits of count
 MAX_REDUCE_BYTES = 1 << 20     # heuristic: fp32 partials the reducing CTA may read per tile (_splits)
 TENSOR_WARPS = 8               # estimate_us: resident warps per SM that keep mma.sync busy
 ARRIVALS = ("cas", "add")      # split-K arrival: a CAS loop (retries per earlier arrival) or one fetch-add
+EPILOGUES = ("direct", "smem")  # C stores: from the accumulators (4 bytes a lane), or through shared memory (16)
 SPLIT_US = {"cas": 0.4, "add": 0.1}  # estimate_us: reduction latency per split, by arrival (runs 810-817)
 DEEP_CTAS_PER_SM = 3           # heuristic: a grid this many CTAs per SM deep is a 'deep split'
 DEEP_MIN_KT = 4                # heuristic: K tiles per split below which no deep split is offered
@@ -88,17 +89,19 @@ class RawSpec:
     layout: str = "NN"
     acc: str = "fp32"
     arrive: str = "cas"   # split-K arrival on the tile's counter: 'cas' (a CAS loop) or 'add' (one fetch-add)
+    epi: str = "direct"   # C stores: 'direct' (each lane its half2s) or 'smem' (the tile staged, 16-byte rows)
 
     @property
     def name(self) -> str:
         return (f"raw_{self.layout.lower()}_{self.acc}_{self.block_m}x{self.block_n}x{self.block_k}"
                 f"_w{self.warps_m}x{self.warps_n}_s{self.stages}_k{self.split_k}"
-                f"{'_swap' if self.swap_ab else ''}{'_fa' if self.arrive == 'add' else ''}")
+                f"{'_swap' if self.swap_ab else ''}{'_fa' if self.arrive == 'add' else ''}"
+                f"{'_se' if self.epi == 'smem' else ''}")
 
     def key(self) -> tuple:
         return ("raw", self.layout, self.acc, self.block_m, self.block_n, self.block_k,
                 self.warps_m, self.warps_n, self.stages, self.split_k, bool(self.swap_ab)) + (
-            (self.arrive,) if self.arrive != "cas" else ())
+            (self.arrive,) if self.arrive != "cas" else ()) + ((self.epi,) if self.epi != "direct" else ())
 
     @property
     def threads(self) -> int:
@@ -149,8 +152,18 @@ def geometry(spec: RawSpec, problem: Problem) -> Geometry:
     part = tiles_m * tiles_n * split * bm * bn if split > 1 else 0
     counter_offset = -(-part * 4 // 256) * 256
     ws = counter_offset + 8 * tiles_m * tiles_n if split > 1 else 0
+    smem = spec.stages * (p_stage + q_stage) * 2
+    if spec.epi == "smem":  # the tile of C staged in the pipeline's shared memory, or more
+        rows, cols = c_tile(spec)
+        smem = max(smem, rows * (cols + PAD) * 2)
     return Geometry(GM, GN, K, p_store, q_store, p_ld, q_ld, p_stage, q_stage, tiles_m, tiles_n,
-                    kt, kt_per, spec.stages * (p_stage + q_stage) * 2, part, counter_offset, ws)
+                    kt, kt_per, smem, part, counter_offset, ws)
+
+
+def c_tile(spec: RawSpec) -> tuple[int, int]:
+    """(rows, columns) of C that one CTA's tile covers: block_m x block_n, or block_n x block_m
+    where swap_ab makes the tile's rows C's columns."""
+    return (spec.block_n, spec.block_m) if spec.swap_ab else (spec.block_m, spec.block_n)
 
 
 def workspace_bytes(spec: RawSpec, problem: Problem) -> int:
@@ -217,6 +230,10 @@ def valid(spec: RawSpec, problem: Problem) -> str | None:
         return f"arrive must be one of {ARRIVALS}, got {s.arrive!r}"
     if s.arrive != "cas" and s.split_k == 1:
         return f"arrive={s.arrive!r} is how split-K CTAs arrive on a tile's counter: split_k must be more than 1"
+    if s.epi not in EPILOGUES:
+        return f"epi must be one of {EPILOGUES}, got {s.epi!r}"
+    if s.epi == "smem" and problem.N % 8:
+        return f"epi='smem' stores 16-byte vectors along C's rows: N % 8 == 0, got N={problem.N}"
     return None
 
 
@@ -428,6 +445,78 @@ _EPI_SWAP_SCALAR = """\
           if (FULL_N || gn + 1 < GN) C[(size_t)(gn + 1) * LDC + gm] = __float2half_rn(v1);
         }"""
 
+# the direct epilogue: each lane stores its accumulators (the ${epilogue} store of its layout)
+_EPI_DIRECT = Template("""\
+  // ---- epilogue: accumulator r of block (mi, ni) is D[gm + (r >> 1) * 8][gn + (r & 1)]
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int gm = m0 + wm * WTM + mi * 16 + (lane >> 2) + h * 8;
+        const int gn = n0 + wn * WTN + ni * 8 + (lane & 3) * 2;
+        const float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
+${epilogue}
+      }
+""")
+
+# epi='smem': the CTA's tile of C as halves in the (drained) pipeline's shared memory, rows padded
+# by 8 halves, then copied out 16 bytes a thread along C's rows (N % 8 == 0: a vector is all in
+# or all out). A warp's stores cover whole 512-byte row spans where the direct epilogue writes 16
+# bytes of each of 8 rows a store.
+_EPI_SMEM = Template("""\
+  // ---- epilogue through shared memory: accumulator r of block (mi, ni) is D[lm + (r >> 1) * 8][ln + (r & 1)]
+  // of the tile, staged as C's rows (C_ROWS x C_COLS, padded), then copied out 16 bytes a thread
+  __syncthreads();  // every warp is done with the pipeline's shared memory
+  __half* cs = reinterpret_cast<__half*>(smem);
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int lm = wm * WTM + mi * 16 + (lane >> 2) + h * 8;
+        const int ln = wn * WTN + ni * 8 + (lane & 3) * 2;
+        const float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
+${stage}
+      }
+  __syncthreads();
+  constexpr int VPR = C_COLS / 8, VECS = C_ROWS * VPR;  // 16-byte vectors per row, per tile
+  const int r0 = ${row0}, c0 = ${col0};                  // the tile's first row and column of C
+#pragma unroll
+  for (int j = 0; j < (VECS + THREADS - 1) / THREADS; ++j) {
+    const int i = tid + j * THREADS;
+    if (VECS % THREADS == 0 || i < VECS) {
+      const int r = i / VPR, c = (i % VPR) * 8;
+      if ((${full_rows} || r0 + r < M) && (${full_cols} || c0 + c < N))
+        copy16_to_global(C + (size_t)(r0 + r) * LDC + c0 + c, cs + r * C_LD + c);
+    }
+  }
+""")
+
+_STAGE_ROWMAJOR = """\
+        *reinterpret_cast<__half2*>(cs + lm * C_LD + ln) = __floats2half2_rn(v0, v1);"""
+
+_STAGE_SWAP = """\
+        // D = C^T: D[lm][ln] is C's row ln, column lm
+        cs[ln * C_LD + lm] = __float2half_rn(v0);
+        cs[(ln + 1) * C_LD + lm] = __float2half_rn(v1);"""
+
+_COPY16 = """\
+// epi='smem': 16 bytes from shared to global memory (LDS.128 then STG.128)
+__device__ __forceinline__ void copy16_to_global(__half* dst, const __half* src) {
+  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+}
+"""
+
+_SMEM_DECL_DIRECT = "constexpr int SMEM_BYTES = STAGES * (P_STAGE + Q_STAGE) * 2;"
+_SMEM_DECL_SMEM = """\
+constexpr int C_ROWS = ${rows}, C_COLS = ${cols}, C_LD = C_COLS + 8;  // epi='smem': the tile of C, staged
+constexpr int PIPE_BYTES = STAGES * (P_STAGE + Q_STAGE) * 2, C_BYTES = C_ROWS * C_LD * 2;
+constexpr int SMEM_BYTES = PIPE_BYTES > C_BYTES ? PIPE_BYTES : C_BYTES;"""
+
+
 _SOURCE = Template("""\
 // ${kname}: gemmrl raw family (gemmrl/space/raw.py); generated, regenerate rather than edit.
 // C[${M},${N}] fp16 = A[${M},${K}] @ ${bdesc}, ${acc} accumulate, row-major, packed.
@@ -461,7 +550,7 @@ constexpr int KT_PER = (KT + SPLIT_K - 1) / SPLIT_K;    // K tiles per split
 constexpr bool FULL_M = GM % BM == 0, FULL_N = GN % BN == 0, FULL_K = K % BK == 0;
 constexpr int P_LD = ${p_ld}, P_STAGE = ${p_stage};          // shared: ${p_shape} halves per stage
 constexpr int Q_LD = ${q_ld}, Q_STAGE = ${q_stage};          // shared: ${q_shape} halves per stage
-constexpr int SMEM_BYTES = STAGES * (P_STAGE + Q_STAGE) * 2;
+${smem_decl}
 constexpr size_t COUNTER_OFFSET = ${counter_offset};      // bytes: fp32 partials first, then counters
 constexpr size_t WORKSPACE_BYTES = ${ws_bytes};
 static_assert(BM % (16 * WM) == 0 && BN % (16 * WN) == 0 && BK % 16 == 0, "tile shape");
@@ -553,19 +642,7 @@ ${frag_q}
   cp_async_wait<0>();
 ${acc_convert}
 ${splitk_block}
-  // ---- epilogue: accumulator r of block (mi, ni) is D[gm + (r >> 1) * 8][gn + (r & 1)]
-#pragma unroll
-  for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-    for (int ni = 0; ni < NI; ++ni)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int gm = m0 + wm * WTM + mi * 16 + (lane >> 2) + h * 8;
-        const int gn = n0 + wn * WTN + ni * 8 + (lane & 3) * 2;
-        const float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
-${epilogue}
-      }
-}
+${epilogue_block}}
 
 GEMMRL_EXPORT const char* gemmrl_meta(void) { return ${meta}; }
 
@@ -582,7 +659,7 @@ GEMMRL_EXPORT int gemmrl_run(const void* A, const void* B, void* C, int m, int n
   if (lda != LDA || ldb != LDB || ldc != LDC) return 2;
   if (!A || !B || !C) return 3;
   if ((reinterpret_cast<uintptr_t>(A) | reinterpret_cast<uintptr_t>(B)) % 16 != 0) return 4;
-  if (reinterpret_cast<uintptr_t>(C) % 4 != 0) return 4;
+  if (reinterpret_cast<uintptr_t>(C) % ${c_align} != 0) return 4;
   if (WORKSPACE_BYTES > 0 && (!workspace || reinterpret_cast<uintptr_t>(workspace) % 16 != 0)) return 5;
   if (SMEM_BYTES > 48 * 1024) {  // opt in once per device (no sync; legal under stream capture)
     static volatile int opted[64];
@@ -636,11 +713,22 @@ def render(spec: RawSpec, problem: Problem) -> str:
         epi = _EPI_SWAP_VEC if N % 2 == 0 else _EPI_SWAP_SCALAR
     else:
         epi = _EPI_ROWMAJOR_VEC if N % 2 == 0 else _EPI_ROWMAJOR_SCALAR
+    if spec.epi == "smem":
+        rows, cols = c_tile(spec)
+        epilogue_block = _EPI_SMEM.substitute(
+            stage=_STAGE_SWAP if spec.swap_ab else _STAGE_ROWMAJOR,
+            row0="n0" if spec.swap_ab else "m0", col0="m0" if spec.swap_ab else "n0",
+            full_rows="FULL_N" if spec.swap_ab else "FULL_M", full_cols="FULL_M" if spec.swap_ab else "FULL_N")
+        smem_decl = Template(_SMEM_DECL_SMEM).substitute(rows=rows, cols=cols)
+    else:
+        epilogue_block = _EPI_DIRECT.substitute(epilogue=epi)
+        smem_decl = _SMEM_DECL_DIRECT
     split = spec.split_k > 1
     meta = json.dumps({"layout": spec.layout, "dtype": "fp16", "acc": spec.acc, "name": name})
     fields = ", ".join(f"{k}={getattr(spec, k)}" for k in
                        ("block_m", "block_n", "block_k", "warps_m", "warps_n", "stages", "split_k",
-                        "swap_ab", "layout", "acc") + (("arrive",) if spec.arrive != "cas" else ()))
+                        "swap_ab", "layout", "acc") + (("arrive",) if spec.arrive != "cas" else ())
+                       + (("epi",) if spec.epi != "direct" else ()))
     return _SOURCE.substitute(
         kname=name, M=M, N=N, K=K, acc=spec.acc, fields=fields,
         bdesc="B[K,N]" if nn else "B[N,K]^T",
@@ -653,7 +741,7 @@ def render(spec: RawSpec, problem: Problem) -> str:
         q_stage=g.q_stage, p_shape=shape[g.p_store].format("BM"),
         q_shape=shape[g.q_store].format("BN"), smem=g.smem_bytes,
         counter_offset=f"{g.counter_offset}ull", ws_bytes=f"{g.workspace_bytes}ull",
-        mma=_MMA_F32 if spec.acc == "fp32" else _MMA_F16,
+        mma=(_MMA_F32 if spec.acc == "fp32" else _MMA_F16) + (_COPY16 if spec.epi == "smem" else ""),
         load_p=_loader("P", g.p_store, "BM", "FULL_M"),
         load_q=_loader("Q", g.q_store, "BN", "FULL_N"),
         splitk_device=Template(_SPLITK_DEVICE + (_SPLITK_DEVICE_ADD if spec.arrive == "add" else "")).substitute(
@@ -664,7 +752,8 @@ def render(spec: RawSpec, problem: Problem) -> str:
             "arrive_is_last_add(counters + tile, ctr_seen)" if spec.arrive == "add"
             else "arrive_is_last(counters + tile)")) if split else "",
         splitk_start=_SPLITK_START if split and spec.arrive == "add" else "",
-        epilogue=epi, meta=json.dumps(meta),
+        epilogue_block=epilogue_block, smem_decl=smem_decl, c_align=16 if spec.epi == "smem" else 4,
+        meta=json.dumps(meta),
         p_arg="B" if spec.swap_ab else "A", q_arg="A" if spec.swap_ab else "B")
 
 
