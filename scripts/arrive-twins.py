@@ -18,6 +18,13 @@ session's paired ratios. On the GPU machine, as a device-steps.sh step:
 
 --plan writes the files and lists the benches without compiling or timing (no GPU needed);
 --report-runs R1,R2 reads runs already in the store instead of timing.
+
+--twin epi times the other raw field a twin can differ in: each shape's fastest stored raw spec (any
+split; else the heuristic's first) with the direct epilogue beside its twin that stages the tile of C
+in shared memory and stores 16-byte vectors (raw epi='smem', 2026-11-30: the search reaches it only
+by mutation until such twins have been timed):
+
+    scripts/arrive-twins.py --twin epi --device H200 --acc fp32 --shapes F --json F2
 """
 
 from __future__ import annotations
@@ -37,9 +44,15 @@ from gemmrl.core.problem import Problem  # noqa: E402
 from gemmrl.space import raw  # noqa: E402
 
 
-def base_spec(db, device: str, problem: Problem, layout: str | None = None):
+# the two values of the field a twin differs in, and their names in the report's table
+TWINS = {"arrive": ("cas", "add"), "epi": ("direct", "smem")}
+LABELS = {"cas": "CAS", "add": "fetch-add", "direct": "direct", "smem": "smem-epilogue"}
+
+
+def base_spec(db, device: str, problem: Problem, layout: str | None = None, split: bool = True):
     """The split-K raw spec of `problem`'s fastest stored ok trial on `device` (its accumulator),
-    else the heuristic's best split-K spec for the layout (TN unless given), else None."""
+    else the heuristic's best split-K spec for the layout (TN unless given), else None; with
+    split=False the fastest raw spec of any split (else the heuristic's first)."""
     if db is not None:
         rows = db.execute(
             "SELECT record FROM trials WHERE device=? AND M=? AND N=? AND K=? AND dtype=? AND acc=? AND status='ok' "
@@ -51,35 +64,44 @@ def base_spec(db, device: str, problem: Problem, layout: str | None = None):
                 spec = raw.RawSpec(**d["spec"])
             except (ValueError, TypeError, KeyError):
                 continue
-            if spec.split_k > 1 and (layout is None or spec.layout == layout):
+            if (spec.split_k > 1 or not split) and (layout is None or spec.layout == layout):
                 return spec
     for spec in raw.heuristic_specs(problem, layout or "TN", limit=24):
-        if spec.split_k > 1:
+        if spec.split_k > 1 or not split:
             return spec
     return None
 
 
-def twins(spec, problem: Problem, splits) -> list[tuple]:
-    """[(cas spec, add spec)] of `spec` at each split of `splits` (its own if none) that valid() accepts."""
+def twins(spec, problem: Problem, splits, field: str = "arrive") -> list[tuple]:
+    """[(cas spec, add spec)] of `spec` at each split of `splits` (its own if none) that valid() accepts;
+    field='epi': [(direct-epilogue spec, smem-epilogue spec)], both valid, each keeping the spec's
+    arrival where it splits K."""
     out = []
     for s in splits or (spec.split_k,):
+        if field == "epi":
+            a = replace(spec, split_k=int(s), arrive=spec.arrive if int(s) > 1 else "cas", epi="direct")
+            b = replace(a, epi="smem")
+            if raw.valid(a, problem) is None and raw.valid(b, problem) is None:
+                out.append((a, b))
+            continue
         cas = replace(spec, split_k=int(s), arrive="cas")
         if raw.valid(cas, problem) is None:
             out.append((cas, replace(cas, arrive="add")))
     return out
 
 
-def plan(problems, db, device: str, splits, work: Path) -> list[dict]:
-    """Per shape: {'shape', 'pairs': [(cas file, add file, split)]}; writes the rendered twins."""
+def plan(problems, db, device: str, splits, work: Path, field: str = "arrive") -> list[dict]:
+    """Per shape: {'shape', 'pairs': [(cas file, add file, split)]} (field='epi': direct, smem);
+    writes the rendered twins."""
     work.mkdir(parents=True, exist_ok=True)
     out = []
     for p in problems:
-        spec = base_spec(db, device, p)
+        spec = base_spec(db, device, p, split=field == "arrive")
         if spec is None:
-            print(f"{p.shape}: no split-K raw spec serves it; skipped", file=sys.stderr)
+            print(f"{p.shape}: no {'split-K ' if field == 'arrive' else ''}raw spec serves it; skipped", file=sys.stderr)
             continue
         pairs = []
-        for cas, add in twins(spec, p, splits):
+        for cas, add in twins(spec, p, splits, field):
             files = []
             for s in (cas, add):
                 f = work / f"{raw.kernel_name(s, p)}.cu"
@@ -109,10 +131,12 @@ def compile_all(entries: list[dict], jobs: int) -> list[str]:
     return [f for f, r in zip(files, results) if not r.ok]
 
 
-def ratios(db, runs, entries: list[dict]) -> list[dict]:
+def ratios(db, runs, entries: list[dict], names: tuple = TWINS["arrive"]) -> list[dict]:
     """Per (shape, split): the CAS and fetch-add twins' kernel times in the newest session of
     `runs` that timed both, and the fetch-add twin's speedup over its CAS twin (the session's paired
-    ratio where the record has one, else the medians')."""
+    ratio where the record has one, else the medians'). `names`: the twins' values, which name the
+    row's keys (TWINS['epi']: direct, direct_us, smem_us, smem_speedup)."""
+    x, y = names
     from gemmrl.bench.stats import paired_over
 
     marks = ", ".join("?" * len(runs))
@@ -128,11 +152,11 @@ def ratios(db, runs, entries: list[dict]) -> list[dict]:
             a, b = f"kernel:{Path(cas).stem}", f"kernel:{Path(add).stem}"
             got = [t for (_, _, shape), t in sessions.items() if shape == e["shape"] and a in t and b in t]
             if not got:
-                out.append({"shape": e["shape"], "split": split, "cas": Path(cas).stem, "timed": False})
+                out.append({"shape": e["shape"], "split": split, x: Path(cas).stem, "timed": False})
                 continue
             t = got[-1]
-            row = {"shape": e["shape"], "split": split, "cas": Path(cas).stem, "timed": True,
-                   "cas_us": t[a][0], "add_us": t[b][0], "add_speedup": paired_over(t[b][1], a, t[b][0], t[a][0])}
+            row = {"shape": e["shape"], "split": split, x: Path(cas).stem, "timed": True,
+                   f"{x}_us": t[a][0], f"{y}_us": t[b][0], f"{y}_speedup": paired_over(t[b][1], a, t[b][0], t[a][0])}
             if "torch.matmul" in t:
                 row["torch_us"] = t["torch.matmul"][0]
             out.append(row)
@@ -146,7 +170,10 @@ def main(argv=None) -> int:
     ap.add_argument("--acc", choices=("fp32", "fp16"), default="fp32")
     ap.add_argument("--shapes", required=True, help="a shape file or MxNxK[,MxNxK...]")
     ap.add_argument("--splits", default="", help="split_k values to time each shape's spec at (default: its own)")
-    ap.add_argument("--work", type=Path, help="where the rendered twins go (default: $OUT/arrive-twins, else a "
+    ap.add_argument("--twin", choices=tuple(TWINS), default="arrive",
+                    help="the field the twins differ in: arrive (CAS loop / fetch-add, split-K specs) or epi "
+                         "(direct / shared-memory epilogue, any split)")
+    ap.add_argument("--work", type=Path, help="where the rendered twins go (default: $OUT/<twin>-twins, else a "
                     "temporary directory)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="nvcc processes at once")
     ap.add_argument("--plan", action="store_true", help="render the twins and list the benches; no nvcc, no GPU")
@@ -161,8 +188,9 @@ def main(argv=None) -> int:
         splits = tuple(int(s) for s in a.splits.split(",") if s.strip())
     except ValueError:
         ap.error(f"--splits takes integers, comma-separated, got {a.splits!r}")
-    if any(s < 2 or s > raw.MAX_SPLIT_K for s in splits):
-        ap.error(f"--splits: each split_k must be 2..{raw.MAX_SPLIT_K}")
+    low = 2 if a.twin == "arrive" else 1  # an arrival needs a split; an epilogue does not
+    if any(s < low or s > raw.MAX_SPLIT_K for s in splits):
+        ap.error(f"--splits: each split_k must be {low}..{raw.MAX_SPLIT_K}")
     try:
         problems = resolve(a.shapes, "fp16", a.acc)
     except Exception as e:  # noqa: BLE001 - a bad shape list is the user's to fix
@@ -175,14 +203,14 @@ def main(argv=None) -> int:
         except ValueError as e:
             if not a.plan:
                 ap.error(str(e))
-    work = a.work or (Path(os.environ["OUT"]) / "arrive-twins" if os.environ.get("OUT") else None)
+    work = a.work or (Path(os.environ["OUT"]) / f"{a.twin}-twins" if os.environ.get("OUT") else None)
     if work is None:
         import tempfile
 
         work = Path(tempfile.mkdtemp(prefix="gemmrl-arrive-"))
-    entries = plan(problems, store.db if store else None, device, splits, work)
+    entries = plan(problems, store.db if store else None, device, splits, work, a.twin)
     if not entries:
-        print("no shape has a split-K raw spec to time", file=sys.stderr)
+        print(f"no shape has a {'split-K ' if a.twin == 'arrive' else ''}raw spec to time", file=sys.stderr)
         return 1
     for e in entries:
         print(f"{e['shape']}: {len(e['pairs'])} pairs ({', '.join(Path(c).stem for c, _, _ in e['pairs'])})")
@@ -212,18 +240,20 @@ def main(argv=None) -> int:
                 print(f"{e['shape']}: bench exit {rc}", file=sys.stderr)
         store = Store(a.db, readonly=True)
         runs = [r for (r,) in store.db.execute("SELECT id FROM runs WHERE id > ?", (last,))]
-    rows = ratios(store.db, runs, entries)
-    print("| shape | split | CAS twin | CAS us | fetch-add us | fetch-add speedup | torch.matmul us |")
+    x, y = TWINS[a.twin]
+    rows = ratios(store.db, runs, entries, (x, y))
+    X, Y = LABELS[x], LABELS[y]
+    print(f"| shape | split | {X} twin | {X} us | {Y} us | {Y} speedup | torch.matmul us |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if r["timed"]:
-            print(f"| {r['shape']} | {r['split']} | {r['cas']} | {r['cas_us']:.2f} | {r['add_us']:.2f} | "
-                  f"{r['add_speedup']:.3f} | {r.get('torch_us', float('nan')):.2f} |")
+            print(f"| {r['shape']} | {r['split']} | {r[x]} | {r[f'{x}_us']:.2f} | {r[f'{y}_us']:.2f} | "
+                  f"{r[f'{y}_speedup']:.3f} | {r.get('torch_us', float('nan')):.2f} |")
         else:
-            print(f"| {r['shape']} | {r['split']} | {r['cas']} | not timed | | | |")
+            print(f"| {r['shape']} | {r['split']} | {r[x]} | not timed | | | |")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps({"device": device, "acc": a.acc, "runs": runs,
+        a.json.write_text(json.dumps({"device": device, "acc": a.acc, "twin": a.twin, "runs": runs,
                                       "provenance": run_provenance(store.db, runs), "rows": rows}, indent=1) + "\n")
     return 0 if any(r["timed"] for r in rows) else 1
 

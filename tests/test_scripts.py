@@ -2464,6 +2464,52 @@ def test_gpu_tests_unpacks_the_carried_headers(tmp_path):
     assert (tmp_path / "out" / "logs" / "gpu-tests" / "gpu-tests.log").exists()
 
 
+def test_epi_twins_pair_each_shapes_fastest_raw_spec_with_its_shared_memory_epilogue(tmp_path):
+    """scripts/arrive-twins.py --twin epi: the fastest stored raw spec of any split (an unsplit one
+    here) beside its epi='smem' twin, the fetch-add kept where it splits K; the report names the
+    columns by the epilogue and reads the smem twin's paired speedup."""
+    from gemmrl.core.problem import Problem
+    from gemmrl.space import raw
+    from gemmrl.store.db import Store
+
+    mod = _script("arrive-twins.py")
+    db = tmp_path / "s.sqlite"
+    st = Store(db)
+    dev = "NVIDIA H200"
+    run = st.start_run("gemmrl tune", dev, {"device": dev}, {})
+    p = Problem(4096, 64, 64)
+    fast = raw.RawSpec(16, 32, 128, 1, 2, 4, 1, False, "TN", "fp32")
+    for spec, t in ((fast, 3.2), (raw.RawSpec(32, 32, 64, 2, 2, 3, 2, False, "TN", "fp32", "add"), 3.9)):
+        st.record_trial(run, dev, p, spec.name, "ok", 1.0, t, {"family": "raw", "spec": dict(spec.__dict__)})
+    assert mod.base_spec(st.db, dev, p, split=False) == fast
+    split = raw.RawSpec(16, 32, 128, 1, 2, 4, 4, False, "TN", "fp32", "add")
+    assert [(a.epi, b.epi, b.arrive) for a, b in mod.twins(split, Problem(64, 128, 2048), (), "epi")] == \
+        [("direct", "smem", "add")]
+    assert mod.twins(fast, Problem(4096, 68, 64), (), "epi") == []  # N % 8: no staged epilogue
+    entries = mod.plan([p], st.db, dev, (), tmp_path / "w", "epi")
+    (direct, smem, one), = entries[0]["pairs"]
+    assert one == 1 and Path(smem).name == "raw_tn_fp32_16x32x128_w1x2_s4_k1_se_4096x64x64.cu"
+    assert "copy16_to_global" in Path(smem).read_text() and "copy16_to_global" not in Path(direct).read_text()
+    brun = st.start_run("gemmrl bench", dev, {"device": dev, "commit": "abc123"}, {})
+    a, b = f"kernel:{Path(direct).stem}", f"kernel:{Path(smem).stem}"
+    st.record_session(brun, "k1", dev, p, "kernel", "kernel:v3", {
+        "torch.matmul": {"median_us": 3.0, "n": 50}, a: {"median_us": 3.3, "n": 50},
+        b: {"median_us": 3.0, "n": 50, "details": {"paired": {a: 1.1}}}})
+    rows = mod.ratios(st.db, [brun], entries, mod.TWINS["epi"])
+    assert rows == [{"shape": "4096x64x64", "split": 1, "direct": Path(direct).stem, "timed": True,
+                     "direct_us": 3.3, "smem_us": 3.0, "smem_speedup": pytest.approx(1.1), "torch_us": 3.0}]
+    st.close()
+    cmd = [sys.executable, str(ROOT / "scripts" / "arrive-twins.py"), "--db", str(db), "--device", "H200",
+           "--shapes", "4096x64x64", "--twin", "epi"]
+    r = subprocess.run(cmd + ["--report-runs", str(brun), "--work", str(tmp_path / "w2")], capture_output=True,
+                       text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "| shape | split | direct twin | direct us | smem-epilogue us | smem-epilogue speedup |" in r.stdout
+    assert "| 4096x64x64 | 1 | raw_tn_fp32_16x32x128_w1x2_s4_k1_4096x64x64 | 3.30 | 3.00 | 1.100 | 3.00 |" in r.stdout
+    r = subprocess.run(cmd + ["--splits", "0", "--plan"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 2 and "1.." in r.stderr
+
+
 def test_arrive_twins_renders_each_split_kernels_fetch_add_twin_and_reads_their_sessions(tmp_path):
     """scripts/arrive-twins.py: for each shape, the split-K raw spec of its fastest stored trial (else
     the heuristic's), at each --split valid() accepts, rendered as its CAS and fetch-add twins;
