@@ -178,7 +178,8 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="nvcc processes at once")
     ap.add_argument("--plan", action="store_true", help="render the twins and list the benches; no nvcc, no GPU")
     ap.add_argument("--report-runs", help="read these runs of the store (ids and ranges: 790-795,801) instead of timing")
-    ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument("--json", type=Path, help="also write the rows here (default in a device call: "
+                    "$OUT/logs/<twin>-twins.json, which comes back in its logs.tgz)")
     a = ap.parse_args(argv)
     from gemmrl.core.shapes import resolve
     from gemmrl.report.bias import parse_runs
@@ -204,6 +205,8 @@ def main(argv=None) -> int:
             if not a.plan:
                 ap.error(str(e))
     work = a.work or (Path(os.environ["OUT"]) / f"{a.twin}-twins" if os.environ.get("OUT") else None)
+    if a.json is None and os.environ.get("OUT") and not a.plan:
+        a.json = Path(os.environ["OUT"]) / "logs" / f"{a.twin}-twins.json"
     if work is None:
         import tempfile
 

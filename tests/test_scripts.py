@@ -2502,8 +2502,11 @@ def test_epi_twins_pair_each_shapes_fastest_raw_spec_with_its_shared_memory_epil
     cmd = [sys.executable, str(ROOT / "scripts" / "arrive-twins.py"), "--db", str(db), "--device", "H200",
            "--shapes", "4096x64x64", "--twin", "epi"]
     r = subprocess.run(cmd + ["--report-runs", str(brun), "--work", str(tmp_path / "w2")], capture_output=True,
-                       text=True, env=ENV, timeout=300)
+                       text=True, env={**ENV, "OUT": str(tmp_path / "out")}, timeout=300)
     assert r.returncode == 0, r.stderr
+    got = json.loads((tmp_path / "out" / "logs" / "epi-twins.json").read_text())  # a device call's result file
+    assert got["twin"] == "epi" and got["rows"][0]["smem_speedup"] == pytest.approx(1.1) and got["runs"] == [brun]
+    assert got["provenance"]["commit"] == "abc123"
     assert "| shape | split | direct twin | direct us | smem-epilogue us | smem-epilogue speedup |" in r.stdout
     assert "| 4096x64x64 | 1 | raw_tn_fp32_16x32x128_w1x2_s4_k1_4096x64x64 | 3.30 | 3.00 | 1.100 | 3.00 |" in r.stdout
     r = subprocess.run(cmd + ["--splits", "0", "--plan"], capture_output=True, text=True, env=ENV, timeout=300)
