@@ -504,9 +504,12 @@ def write_report(store, device, out, subject, dtype, acc, records=None):
         prov["families"] = family_breakdown(records, TUNED, store.tuned_families(device, dtype, acc, TUNED))
         # runs whose kernel-mode ratios read apart from the same kernels' other sessions: a report row
         # from one of them carries the shift until its shape is timed again (gemmrl targets says so)
-        from gemmrl.report.bias import ratios, scan
+        from gemmrl.report.bias import ratios, scan, slow_rows
 
-        prov["run_bias"] = scan(ratios(store.db, device, acc, dtype, "kernel"))
+        rows = ratios(store.db, device, acc, dtype, "kernel")
+        prov["run_bias"] = scan(rows)
+        # and rows whose latest session sat beside slow library sessions (the baseline read slow)
+        prov["slow_library_rows"] = slow_rows(store.db, rows, device)
     if subject == "cuda-l2":
         prov.update(cuda_l2_origin(store, device, dtype, acc))
     peaks = store.latest_peaks(device)

@@ -150,6 +150,36 @@ def test_tuned_report_names_runs_whose_ratios_read_apart(tmp_path):
         {"run": 4, "class": "splitk-sr", "pairs": 9, "median": 1.1, "report_rows": 8}]
 
 
+def test_tuned_report_counts_the_rows_resting_on_slow_library_runs(tmp_path):
+    """gemmrl report --subject gemmrl-tuned: the rows whose latest kernel-mode session is in a run
+    whose small-shape library sessions ran slow (report.bias.slow_rows: 5% or more of 10 or more)
+    are counted by kernel class in the summary, with the runs, for `gemmrl targets` to name."""
+    db = tmp_path / "s.sqlite"
+    st = Store(db)
+    dev = "NVIDIA H100 80GB HBM3"
+    ws = "sm90_ws_64x16x128_c1x2_tile_s0_rh_sw1_tn_f16_f32"
+    shapes = [Problem(64, 1024 * (i + 1), 1024) for i in range(5)]
+    # run 2 reads the libraries 14% slow; shapes 0-2 end on run 2, shapes 3-4 on run 3
+    for run_no, factor, tuned in ((1, 1.0, range(5)), (2, 1.14, range(3)), (3, 1.0, range(3, 5))):
+        run = st.start_run("gemmrl bench", dev, {"cublas": "13.1"}, {})
+        for i, p in enumerate(shapes):
+            res = {"torch.matmul": {"median_us": 7.0 * factor, "n": 5, "status": "ok", "details": {}},
+                   "cuBLAS-tn": {"median_us": 7.4 * factor, "n": 5, "status": "ok", "details": {}}}
+            if i in tuned:
+                res.update({"gemmrl-tuned": {"median_us": 7.0, "n": 5, "status": "ok", "details": {}},
+                            "cuBLASLt-auto-tuning-nn": {"median_us": 7.2 * factor, "n": 5, "status": "ok", "details": {}},
+                            "cuBLASLt-auto-tuning-tn": {"median_us": 7.3 * factor, "n": 5, "status": "ok", "details": {}}})
+                st.record_verification(run, dev, p, "gemmrl-tuned", True, "", {"impl": {"chosen": {"name": ws}}})
+            st.record_session(run, f"s{run_no}{i}", dev, p, "kernel", "kernel:v3", res)
+        st.finish_run(run)
+    st.close()
+    out = tmp_path / "res"
+    r = CliRunner().invoke(main, ["report", "--db", str(db), "--out", str(out), "--subject", "gemmrl-tuned"])
+    assert r.exit_code == 0, r.output
+    summary = json.loads((out / "h100" / "gemmrl-tuned_h100_F32F16F16F32_summary.json").read_text())
+    assert summary["provenance"]["slow_library_rows"] == {"share": 0.05, "runs": "2", "rows": {"cutlass": 3}}
+
+
 def test_report_versus_writes_the_head_to_head_and_refuses_an_unknown_impl(tmp_path):
     db = tmp_path / "s.sqlite"
     _fill(Store(db))

@@ -191,7 +191,8 @@ def _report_dir(tmp_path):
     (d / f"{stem}_summary.json").write_text(json.dumps(
         {"provenance": {"device": "NVIDIA H100 80GB HBM3", "commit": "abc",
                         "run_bias": [{"run": 288, "class": "splitk-sr", "pairs": 29, "median": 1.0752, "report_rows": 17},
-                                     {"run": 35, "class": "splitk-sr", "pairs": 9, "median": 0.969, "report_rows": 0}]},
+                                     {"run": 35, "class": "splitk-sr", "pairs": 9, "median": 0.969, "report_rows": 0}],
+                        "slow_library_rows": {"share": 0.05, "runs": "161-162,450", "rows": {"cutlass": 3, "raw": 1}}},
          "protocols": {"kernel": {"kernel:v1": 1, "kernel:v3": 1}}}))
     (d / "product-vs-torch-grid-latest-2026-01-01.json").write_text(json.dumps(_product(0.5, 0.01)))
     (d / "product-vs-torch-grid-latest-2026-02-01.json").write_text(json.dumps(_product(0.995, 0.01, "2026-02-01")))
@@ -214,6 +215,10 @@ def test_evaluate_reads_the_report_files(tmp_path):
     assert [b["run"] for b in res["run_bias"]] == [288]
     assert ("Kernel-mode rows from runs whose ratios read apart from the same kernels' other sessions (17 rows; "
             "scripts/session-bias.py; retime their shapes): run 288 splitk-sr x1.075 over 29 pairs, 17 rows") in md
+    # rows whose latest session sat beside slow library sessions: named, with the runs and the command
+    assert ("Kernel-mode rows whose latest session ran beside slow library sessions (4 rows: cutlass 3, raw 1; "
+            "runs 161-162,450, each with 5% or more of its small-shape library sessions slow; "
+            "scripts/session-bias.py --slow-runs 0.05 lists them to retime)") in md
     assert md.count("\n| #") == len(res["targets"])
     with pytest.raises(FileNotFoundError):
         evaluate(tmp_path / "results", "h200")

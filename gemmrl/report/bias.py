@@ -119,6 +119,21 @@ def format_runs(runs) -> str:
     return ",".join(out)
 
 
+SLOW_SHARE = 0.05  # a run with this share of its small-shape library sessions slow flatters what it timed
+
+
+def slow_rows(db: sqlite3.Connection, rows, device: str, share: float = SLOW_SHARE) -> dict:
+    """The report rows (ratios' rows) whose latest session is a slow-library run's (slow_runs):
+    {'share', 'runs' (format_runs), 'rows': {class: count}}, what `gemmrl targets` names beside the
+    table. A slow library session beside ours reads our kernel faster than it is (H200 run 161:
+    cuBLASLt 8.1 us at 128x512x4096 where five other runs read 7.1-7.2, so the row read 1.144 for
+    0.954, 2026-11-30)."""
+    slow = slow_runs(db, device, share)
+    late = latest_from(rows, slow) if slow else {}
+    return {"share": share, "runs": format_runs(slow) if slow else "",
+            "rows": {k: len(v) for k, v in sorted(late.items()) if v}}
+
+
 def slow_runs(db: sqlite3.Connection, device: str, share: float, min_sessions: int = 10, **kw) -> set[int]:
     """The runs whose small-shape library sessions ran slow in `share` or more of `min_sessions` or
     more (library_state, its keywords passed on): what scripts/library-state.py --min-slow lists."""

@@ -379,6 +379,7 @@ def evaluate(results_dir: str | Path, gpu: str, subject: str = "gemmrl-tuned",
                        for k in ("device", "driver", "cuda", "torch", "commit", "date")},
         "protocols": (summary or {}).get("protocols"),
         "run_bias": [b for b in ((summary or {}).get("provenance", {}).get("run_bias") or []) if b.get("report_rows")],
+        "slow_library_rows": (summary or {}).get("provenance", {}).get("slow_library_rows"),
         "met": sum(t.met is True for t in targets), "targets": [asdict(t) | {"status": t.status} for t in targets],
     }
 
@@ -403,5 +404,11 @@ def markdown(result: Mapping) -> str:
                   f"({rows} rows; scripts/session-bias.py; retime their shapes): " + "; ".join(
                       f"run {b['run']} {b['class']} x{b['median']:.3f} over {b['pairs']} pairs, "
                       f"{b['report_rows']} rows" for b in shifted)]
+    slow = result.get("slow_library_rows") or {}
+    if slow.get("rows"):
+        lines += ["", f"Kernel-mode rows whose latest session ran beside slow library sessions ("
+                  f"{sum(slow['rows'].values())} rows: " + ", ".join(f"{k} {n}" for k, n in slow["rows"].items())
+                  + f"; runs {slow['runs']}, each with {slow['share']:.0%} or more of its small-shape library sessions"
+                  f" slow; scripts/session-bias.py --slow-runs {slow['share']:g} lists them to retime)"]
     return "\n".join(lines) + "\n"
 
