@@ -121,6 +121,13 @@ def test_report_notes_a_mode_whose_shapes_mix_measuring_protocols(tmp_path):
     assert summary["protocols"] == {"kernel": {"kernel:v1": 1, "kernel:v3:ci=0.005": 1}}
 
 
+def _tuned_summary(db, out) -> dict:
+    """gemmrl report --subject gemmrl-tuned on `db` into `out`: the H100 fp32 summary it writes."""
+    r = CliRunner().invoke(main, ["report", "--db", str(db), "--out", str(out), "--subject", "gemmrl-tuned"])
+    assert r.exit_code == 0, r.output
+    return json.loads((out / "h100" / "gemmrl-tuned_h100_F32F16F16F32_summary.json").read_text())
+
+
 def test_tuned_report_names_runs_whose_ratios_read_apart(tmp_path):
     """gemmrl report --subject gemmrl-tuned: a run whose split-K kernels read 10% better over the
     baseline than the same kernels' other sessions is named in the summary (report.bias.scan),
@@ -142,10 +149,7 @@ def test_tuned_report_names_runs_whose_ratios_read_apart(tmp_path):
             st.record_verification(run, dev, p, "gemmrl-tuned", True, "", {"impl": {"chosen": {"name": sr}}})
         st.finish_run(run)
     st.close()
-    out = tmp_path / "res"
-    r = CliRunner().invoke(main, ["report", "--db", str(db), "--out", str(out), "--subject", "gemmrl-tuned"])
-    assert r.exit_code == 0, r.output
-    summary = json.loads((out / "h100" / "gemmrl-tuned_h100_F32F16F16F32_summary.json").read_text())
+    summary = _tuned_summary(db, tmp_path / "res")
     assert summary["provenance"]["run_bias"] == [
         {"run": 4, "class": "splitk-sr", "pairs": 9, "median": 1.1, "report_rows": 8}]
 
@@ -173,10 +177,7 @@ def test_tuned_report_counts_the_rows_resting_on_slow_library_runs(tmp_path):
             st.record_session(run, f"s{run_no}{i}", dev, p, "kernel", "kernel:v3", res)
         st.finish_run(run)
     st.close()
-    out = tmp_path / "res"
-    r = CliRunner().invoke(main, ["report", "--db", str(db), "--out", str(out), "--subject", "gemmrl-tuned"])
-    assert r.exit_code == 0, r.output
-    summary = json.loads((out / "h100" / "gemmrl-tuned_h100_F32F16F16F32_summary.json").read_text())
+    summary = _tuned_summary(db, tmp_path / "res")
     assert summary["provenance"]["slow_library_rows"] == {"share": 0.05, "runs": "2", "rows": {"cutlass": 3}}
 
 

@@ -2464,19 +2464,25 @@ def test_gpu_tests_unpacks_the_carried_headers(tmp_path):
     assert (tmp_path / "out" / "logs" / "gpu-tests" / "gpu-tests.log").exists()
 
 
+def _twins_store(tmp_path):
+    """scripts/arrive-twins.py loaded, and a store with an open tune run on an H200 for its trials:
+    (module, store path, Store, device, run)."""
+    from gemmrl.store.db import Store
+
+    db = tmp_path / "s.sqlite"
+    st = Store(db)
+    dev = "NVIDIA H200"
+    return _script("arrive-twins.py"), db, st, dev, st.start_run("gemmrl tune", dev, {"device": dev}, {})
+
+
 def test_epi_twins_pair_each_shapes_fastest_raw_spec_with_its_shared_memory_epilogue(tmp_path):
     """scripts/arrive-twins.py --twin epi: the fastest stored raw spec of any split (an unsplit one
     here) beside its epi='smem' twin, the fetch-add kept where it splits K; the report names the
     columns by the epilogue and reads the smem twin's paired speedup."""
     from gemmrl.core.problem import Problem
     from gemmrl.space import raw
-    from gemmrl.store.db import Store
 
-    mod = _script("arrive-twins.py")
-    db = tmp_path / "s.sqlite"
-    st = Store(db)
-    dev = "NVIDIA H200"
-    run = st.start_run("gemmrl tune", dev, {"device": dev}, {})
+    mod, db, st, dev, run = _twins_store(tmp_path)
     p = Problem(4096, 64, 64)
     fast = raw.RawSpec(16, 32, 128, 1, 2, 4, 1, False, "TN", "fp32")
     for spec, t in ((fast, 3.2), (raw.RawSpec(32, 32, 64, 2, 2, 3, 2, False, "TN", "fp32", "add"), 3.9)):
@@ -2522,13 +2528,8 @@ def test_arrive_twins_renders_each_split_kernels_fetch_add_twin_and_reads_their_
 
     from gemmrl.core.problem import Problem
     from gemmrl.space import raw
-    from gemmrl.store.db import Store
 
-    mod = _script("arrive-twins.py")
-    db = tmp_path / "s.sqlite"
-    st = Store(db)
-    dev = "NVIDIA H200"
-    run = st.start_run("gemmrl tune", dev, {"device": dev}, {})
+    mod, db, st, dev, run = _twins_store(tmp_path)
     p = Problem(128, 64, 8192)
     fast = raw.RawSpec(16, 32, 128, 1, 2, 3, 8, False, "TN", "fp32")
     # the heuristic's split-K specs arrive with the fetch-add now: the twins of one are the same pair
