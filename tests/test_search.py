@@ -263,25 +263,42 @@ def test_raw_splits_arrive_with_the_fetch_add_and_the_cas_loop_is_a_mutation_awa
     assert gap == pytest.approx((raw.SPLIT_US["cas"] - raw.SPLIT_US["add"]) * 16) and gap > 4.0
 
 
-def test_the_staged_epilogue_is_a_mutation_away_and_not_in_the_pool():
-    """epi='smem' (the tile of C staged in shared memory, 16-byte stores): not in the raw pool (it
-    would double it before any twin was timed), one mutation away from any raw spec whose N allows
-    it, back to 'direct' likewise; the cost model tells the two apart."""
+def test_the_staged_epilogue_is_in_the_pool_on_a_large_output_and_a_mutation_away_elsewhere():
+    """epi='smem' (the tile of C staged in shared memory, 16-byte stores): the raw pool's and
+    heuristic's unsplit specs take it where M*N >= 256K and K <= 1024 (its twins were faster in 8 of
+    8 there, runs 864-889), split specs and smaller or longer-K problems keep the direct epilogue;
+    the pool's size does not change; either epilogue is one mutation from the other wherever N
+    allows the staged one; the cost model tells the two apart."""
     from gemmrl.search.policy import _features
     from gemmrl.space import raw
 
-    p = Problem(4096, 64, 64)
-    specs = [s for f, s in candidate_pool(p, LAYOUTS) if f == "raw"]
-    assert specs and all(s.epi == "direct" for s in specs)
-    base = specs[0]
-    muts = mutations("raw", base, p, LAYOUTS)
-    se = replace(base, epi="smem")
-    assert se in muts and base in mutations("raw", se, p, LAYOUTS)
+    def raw_specs(p):
+        return [s for f, s in candidate_pool(p, LAYOUTS) if f == "raw"]
+
+    big = Problem(4096, 64, 64)
+    specs = raw_specs(big)
+    assert specs and {s.epi for s in specs if s.split_k == 1} == {"smem"}
+    assert {s.epi for s in specs if s.split_k > 1} == {"direct"}
+    assert raw.staged_epilogue(big) == "smem"
+    heur = raw.heuristic_specs(big, "TN")
+    assert heur and all(s.epi == ("smem" if s.split_k == 1 else "direct") for s in heur)
+    for other in (Problem(2048, 64, 64), Problem(4096, 64, 2048), Problem(4096, 68, 64)):  # 128K; long K; N % 8
+        assert raw.staged_epilogue(other) == "direct"
+        assert all(s.epi == "direct" for s in raw_specs(other))
+        assert all(s.epi == "direct" for s in raw.heuristic_specs(other, "TN"))
+    # the same specs otherwise: only the epilogue field differs from the small problem's pool
+    small = raw_specs(Problem(2048, 64, 64))
+    assert len(specs) == len(small)
+    assert {replace(s, epi="direct").key() for s in specs} == {s.key() for s in small}
+
+    se = next(s for s in specs if s.split_k == 1)
+    direct = replace(se, epi="direct")
+    assert direct in mutations("raw", se, big, LAYOUTS) and se in mutations("raw", direct, big, LAYOUTS)
     odd = Problem(4096, 68, 64)  # N % 8: no staged epilogue
-    assert raw.valid(replace(base, layout="TN", epi="smem"), odd) is not None
-    assert not [m for m in mutations("raw", replace(base, layout="TN"), odd, LAYOUTS) if m.epi == "smem"]
-    est = raw.estimate_us(base, p)
-    assert _features("raw", base, p, est) != _features("raw", se, p, est)
+    assert raw.valid(replace(direct, layout="TN", epi="smem"), odd) is not None
+    assert not [m for m in mutations("raw", replace(direct, layout="TN"), odd, LAYOUTS) if m.epi == "smem"]
+    est = raw.estimate_us(direct, big)
+    assert _features("raw", direct, big, est) != _features("raw", se, big, est)
 
 
 # ---------------------------------------------------------------------------------------------

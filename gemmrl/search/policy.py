@@ -99,13 +99,17 @@ def _raw_pool(problem: Problem, layout: str) -> list:
     from gemmrl.space import raw
 
     out = []
+    epi = raw.staged_epilogue(problem)  # unsplit specs: C staged in shared memory on a large M*N (runs 864-889)
     for swap in (False, True):
         for (bm, bn), (wm, wn) in raw._WARPS.items():
             for bk in (32, 64, 128):
                 for stages in (3, 4):
                     for split in (1, 2, 4, 8, 16):  # split-K with the fetch-add arrival (runs 810-817)
-                        out.append(raw.RawSpec(bm, bn, bk, wm, wn, stages, split, swap, layout, problem.acc,
-                                               "add" if split > 1 else "cas"))
+                        s = raw.RawSpec(bm, bn, bk, wm, wn, stages, split, swap, layout, problem.acc,
+                                        "add" if split > 1 else "cas", epi if split == 1 else "direct")
+                        if s.epi != "direct" and raw.valid(s, problem) is not None:
+                            s = replace(s, epi="direct")  # the staged tile would not fit: as before
+                        out.append(s)
     return out
 
 
@@ -139,7 +143,9 @@ def candidate_pool(problem: Problem, layouts: tuple = ("NN", "TN"),
     stages 3/4 x split_k 1..16 (powers of 2) x swap_ab, those valid() accepts. Split-K raw
     specs arrive with one fetch-add (arrive='add'), which beat the CAS loop in all 24 twins timed
     side by side (scripts/arrive-twins.py, runs 810-817, by 1.02x-1.96x); the CAS arrival is a
-    mutation away (the raw ladder)."""
+    mutation away (the raw ladder). Unsplit raw specs take raw.staged_epilogue(problem): C staged
+    in shared memory where M*N >= 256K and K <= 1024 (8 of 8 twins faster there, runs 864-889), the direct
+    epilogue a mutation away; the direct one elsewhere."""
     out, seen = [], set()
     for name in families:
         fam = registry.get(name)
@@ -165,7 +171,7 @@ _LADDERS = {
         "block_m": (16, 32, 64, 128, 256), "block_n": (16, 32, 64, 128, 256), "block_k": (16, 32, 64, 128),
         "warps_m": (1, 2, 4, 8), "warps_n": (1, 2, 4, 8), "stages": (2, 3, 4),
         "split_k": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), "arrive": ("cas", "add"),
-        "epi": ("direct", "smem")},  # the tile of C staged in shared memory, 16-byte stores (not in the pool)
+        "epi": ("direct", "smem")},  # the tile of C staged in shared memory, 16-byte stores (raw.staged_epilogue)
 }
 # dtype and acc: set by the problem; pdl: a launch that overlaps consecutive calls, which the
 # kernel-mode timing would credit, so never a search candidate (results/README.md, eleventh session)

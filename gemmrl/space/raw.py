@@ -37,7 +37,7 @@ same reset, the same tolerance.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from string import Template
 
 from gemmrl.core.problem import Problem
@@ -54,6 +54,8 @@ TENSOR_WARPS = 8               # estimate_us: resident warps per SM that keep mm
 ARRIVALS = ("cas", "add")      # split-K arrival: a CAS loop (retries per earlier arrival) or one fetch-add
 EPILOGUES = ("direct", "smem")  # C stores: from the accumulators (4 bytes a lane), or through shared memory (16)
 SPLIT_US = {"cas": 0.4, "add": 0.1}  # estimate_us: reduction latency per split, by arrival (runs 810-817)
+STAGED_EPI_MIN_MN = 256 * 1024  # M*N from which the pool and heuristic take epi='smem' (runs 864-889)
+STAGED_EPI_MAX_K = 1024         # ... up to this K: the longest the twins were timed at
 DEEP_CTAS_PER_SM = 3           # heuristic: a grid this many CTAs per SM deep is a 'deep split'
 DEEP_MIN_KT = 4                # heuristic: K tiles per split below which no deep split is offered
 COUNTER_TAG = 0x67656D6D726C   # 'gemmrl': the 48-bit tag of a live counter word
@@ -832,10 +834,12 @@ def heuristic_specs(problem: Problem, layout: str, acc: str | None = None, limit
     timings of such grids to rank them by, so a search should time one (issue #3).
 
     Split-K specs arrive with the fetch-add (arrive='add'): it beat its CAS twin in all 24 pairs
-    timed side by side (runs 810-817; estimate_us)."""
+    timed side by side (runs 810-817; estimate_us). Unsplit specs store C through shared memory
+    where staged_epilogue() says so (runs 864-889)."""
     acc = acc or problem.acc
     M, N, K = problem.M, problem.N, problem.K
     swaps = [False] + ([True] if M < N and M <= 64 else [])
+    epi = staged_epilogue(problem)  # unsplit specs only: the twins timed were unsplit
     cands = []
     for swap in swaps:
         GM, GN = (N, M) if swap else (M, N)
@@ -851,8 +855,11 @@ def heuristic_specs(problem: Problem, layout: str, acc: str | None = None, limit
                     kt = -(-K // bk)
                     for stages in (3, 4):
                         for split in _splits(tiles, kt, bm * bn):
-                            cands.append(RawSpec(bm, bn, bk, wm, wn, stages, split, swap, layout, acc,
-                                                 "add" if split > 1 else "cas"))
+                            s = RawSpec(bm, bn, bk, wm, wn, stages, split, swap, layout, acc,
+                                        "add" if split > 1 else "cas", epi if split == 1 else "direct")
+                            if s.epi != "direct" and valid(s, problem) is not None:
+                                s = replace(s, epi="direct")  # the staged tile would not fit
+                            cands.append(s)
     ok = [s for s in cands if valid(s, problem) is None]
     ok.sort(key=lambda s: (round(estimate_us(s, problem), 2), geometry(s, problem).smem_bytes, s.key()))
     out, seen = [], {}
@@ -867,6 +874,21 @@ def heuristic_specs(problem: Problem, layout: str, acc: str | None = None, limit
         if deep is not None:
             out[-1] = deep  # ranked after every spec it follows (else it would be in the list)
     return out
+
+
+def staged_epilogue(problem: Problem) -> str:
+    """The epilogue the pool and the heuristic give an unsplit raw spec: 'smem' (the tile of C staged
+    in shared memory, 16-byte stores) where M*N >= STAGED_EPI_MIN_MN, K <= STAGED_EPI_MAX_K and
+    N % 8 == 0, else 'direct'. The other one stays a mutation away (the search's raw ladder).
+
+    From the twins timed side by side (scripts/arrive-twins.py --twin epi, runs 864-889, H200,
+    2026-11-30, fp32 accumulation, 23 shapes at K=64-1024, each the shape's fastest stored raw
+    spec, split 1): at M*N >= 256K the staged twin was faster in 8 of 8 (1.004x-1.059x; 512x512x64
+    2.75 -> 2.59 us, 2048x128x64 3.14 -> 3.03); at M*N of 128K, 1 of 3 by more than 1% (0.990x-1.017x);
+    at 64K and under, 2 of 12 (0.979x-1.013x; the smallest tiles lose 0.02-0.04 us to the extra
+    barrier and round trip through shared memory)."""
+    big = problem.M * problem.N >= STAGED_EPI_MIN_MN and problem.K <= STAGED_EPI_MAX_K
+    return "smem" if big and problem.N % 8 == 0 else "direct"
 
 
 def is_deep_split(spec: RawSpec, problem: Problem) -> bool:
