@@ -284,6 +284,15 @@ def main(argv=None) -> int:
             if sps else f" (no finished run timed {a.mode} mode alone: no cost estimate)")
     print(f"{device}, acc {a.acc}, {a.mode}: {len(stale)} stale shapes{cost}; "
           + ", ".join(f"{n} {k}" for k, n in sorted(why.items(), key=lambda x: -x[1])))
+    if a.out and not stale:  # an earlier list there must not be what a following bench times
+        out = Path(a.out)
+        gone = [p for p in [out] + sorted(out.parent.glob(f"{out.stem}-*{out.suffix}")) if p.is_file()
+                and (p == out or p.stem[len(out.stem) + 1:] in ("rest", "unbuilt")
+                     or p.stem[len(out.stem) + 1:].lstrip("l").isdigit())]
+        for p in gone:
+            p.unlink()
+        print(f"nothing to write to {out}" + (f"; removed the earlier list{'s' * (len(gone) > 1)} there: "
+                                               + ", ".join(str(p) for p in gone) if gone else ""))
     if a.out and stale:
         shapes = [shape for shape, _ in stale]
         head = f"# {device} acc {a.acc}: shapes whose {a.mode}-mode session of {SUBJECT} is stale " \

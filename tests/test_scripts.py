@@ -1136,6 +1136,16 @@ def test_stale_shapes_lists_what_a_retime_should_take(tmp_path):
     assert [l for l in out.read_text().splitlines() if not l.startswith("#")] == [
         "128x64x64", "256x64x64", "512x64x64", "1024x64x64"]  # all of them too: the build step's list
     assert stale("--protocol", "server:v5").returncode == 2
+    # nothing stale (no fp16 winners): the lists an earlier call left at OUT go, so that a bench after it
+    # cannot time them again (2026-11-30: `stale-shapes --out F; bench --shapes F` in one device call)
+    keep = out.parent / "r-keep.txt"
+    keep.write_text("64x64x64\n")
+    r = stale("--acc", "fp16", "--out", str(out), "--lanes", "2")
+    assert r.returncode == 0, r.stderr
+    assert "0 stale shapes" in r.stdout and "removed the earlier lists" in r.stdout
+    assert not out.exists() and not list(out.parent.glob("r-l*.txt")) and keep.exists()
+    r = stale("--acc", "fp16", "--out", str(out))
+    assert r.returncode == 0 and f"nothing to write to {out}\n" in r.stdout
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "stale-shapes.py"), "--db", str(db),
                         "--device", "H200", "--mode", "server"], capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode == 0 and "5 stale shapes (no finished run timed server mode alone" in r.stdout
