@@ -22,8 +22,8 @@ session's paired ratios. On the GPU machine, as a device-steps.sh step:
 --twin epi times the other raw field a twin can differ in: each shape's fastest stored raw spec (any
 split; else the heuristic's first) with the direct epilogue beside its twin that stages the tile of C
 in shared memory and stores 16-byte vectors (raw epi='smem'). Timed on 23 fp32 shapes (runs 864-889,
-H200, 2026-11-30), the staged twin won at M*N >= 256K; the raw pool and heuristic now take it there
-(raw.staged_epilogue):
+H200, 2026-11-30), the staged twin won on all 8 at M*N = 256K; the raw pool and heuristic now take
+it from there up (raw.staged_epilogue):
 
     scripts/arrive-twins.py --twin epi --device H200 --acc fp32 --shapes F --json F2
 """

@@ -266,7 +266,7 @@ def test_raw_splits_arrive_with_the_fetch_add_and_the_cas_loop_is_a_mutation_awa
 def test_the_staged_epilogue_is_in_the_pool_on_a_large_output_and_a_mutation_away_elsewhere():
     """epi='smem' (the tile of C staged in shared memory, 16-byte stores): the raw pool's and
     heuristic's unsplit specs take it where M*N >= 256K and K <= 1024 (its twins were faster in 8 of
-    8 there, runs 864-889), split specs and smaller or longer-K problems keep the direct epilogue;
+    8 at 256K, runs 864-889), split specs and smaller or longer-K problems keep the direct epilogue;
     the pool's size does not change; either epilogue is one mutation from the other wherever N
     allows the staged one; the cost model tells the two apart."""
     from gemmrl.search.policy import _features

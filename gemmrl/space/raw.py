@@ -883,10 +883,11 @@ def staged_epilogue(problem: Problem) -> str:
 
     From the twins timed side by side (scripts/arrive-twins.py --twin epi, runs 864-889, H200,
     2026-11-30, fp32 accumulation, 23 shapes at K=64-1024, each the shape's fastest stored raw
-    spec, split 1): at M*N >= 256K the staged twin was faster in 8 of 8 (1.004x-1.059x; 512x512x64
-    2.75 -> 2.59 us, 2048x128x64 3.14 -> 3.03); at M*N of 128K, 1 of 3 by more than 1% (0.990x-1.017x);
-    at 64K and under, 2 of 12 (0.979x-1.013x; the smallest tiles lose 0.02-0.04 us to the extra
-    barrier and round trip through shared memory)."""
+    spec, split 1): at M*N = 256K the staged twin was faster in 8 of 8 (1.004x-1.059x; 512x512x64
+    2.75 -> 2.59 us, 2048x128x64 3.14 -> 3.03); at M*N of 128K, 1 of 6 by more than 1% (0.990x-1.017x);
+    at 64K and under, 1 of 9 (0.979x-1.013x; the smallest tiles lose 0.02-0.04 us to the extra
+    barrier and round trip through shared memory). No twin above 256K was timed: the rule extends
+    there on the reasoning that more of C to store favours the wide stores."""
     big = problem.M * problem.N >= STAGED_EPI_MIN_MN and problem.K <= STAGED_EPI_MAX_K
     return "smem" if big and problem.N % 8 == 0 else "direct"
 
