@@ -16,8 +16,8 @@ session of the winner in `--mode` is stale when
   recorded no key (older runs) is not called stale by it.
 Writes the stale shapes smallest first, one a line (a bench --shapes FILE, or the build step
 that compiles their winners), and with `--lanes N` also N files of every Nth by FLOPs (for
-scripts/device-steps.sh's lanes); says what the retime will cost at the seconds a shape that
-mode's recent runs took. With `--top-kernels K`, OUT (and its lanes) keeps only the shapes whose
+scripts/device-steps.sh's lanes); says what the retime will cost from that mode's recent bench
+runs (a start and seconds a shape, run_cost). With `--top-kernels K`, OUT (and its lanes) keeps only the shapes whose
 winner's build is one of the K builds that serve the most stale shapes (one wave of a build on K
 cores buys the most timed shapes), and OUT's stem + '-rest' lists the others (their kernels
 compiled elsewhere, for a later call). With `--built-in CACHE`, OUT (and its lanes) keeps only the
@@ -189,29 +189,48 @@ def write_lanes(out: Path, head: str, shapes: list[str], lanes: int) -> None:
             print(p)
 
 
-def seconds_per_shape(db: sqlite3.Connection, device: str, mode: str, acc: str | None = None,
-                      protocol: str | None = None, last: int = 8) -> float | None:
-    """The median wall seconds a shape of the `last` finished runs that timed the subject in only
-    this mode took (run time over the shapes it timed), or None. Only runs that timed it with
+def run_cost(db: sqlite3.Connection, device: str, mode: str, acc: str | None = None,
+             protocol: str | None = None, last: int = 8) -> tuple[float, float] | None:
+    """(start seconds, seconds a shape) of a bench that times the subject in this mode, from the
+    `last` finished runs that timed it in only this mode, or None. Only runs that timed it with
     accumulator `acc` under `protocol` (a prefix: server:v2 takes server:v2:qps=1000:gaps=round)
     count where there are any, else those of `acc`, else any: fp16 offline took 6.0 s a shape on
     the H200 while fp32 took 4.2, and the server mode's old precision-target runs 13 s against
     --quick's 1.1-1.5 (the estimate of 2026-11-30 said 66 GPU-minutes for the fp16 offline
-    list, from the fp32 runs: about 94)."""
-    def rates(where: str, args: tuple) -> list[float]:
+    list, from the fp32 runs: about 94).
+
+    Bench runs only: a tune run's wall time holds its search. A run's wall time is a start (the
+    process, the peaks, the first compile) plus its shapes: the
+    least-squares line through (shapes, seconds) gives both where the runs' sizes differ and the
+    line has a positive slope and start, else the runs' seconds over their shapes, summed (no
+    start). A median of each run's seconds a shape reads the small runs' start as per-shape
+    time: on 2026-11-30 it said 14.8 s a shape (97 GPU-minutes) for 392 fp16 kernel-mode
+    shapes, from settle runs of 3-6 shapes at 15-17 s, where run 894 had just timed 253 shapes
+    in 322 s."""
+    def sizes(where: str, args: tuple) -> list[tuple[int, float]]:
         rows = db.execute(
             "SELECT r.id, r.started, r.finished, COUNT(DISTINCT m.M || 'x' || m.N || 'x' || m.K || m.acc), "
             "COUNT(DISTINCT m.mode) FROM runs r JOIN measurements m ON m.run_id = r.id WHERE r.device=? "
-            "AND r.finished IS NOT NULL AND r.id IN (SELECT run_id FROM measurements WHERE impl=? AND mode=?"
-            f"{where}) GROUP BY r.id ORDER BY r.id DESC", (device, SUBJECT, mode, *args)).fetchall()
-        return [(f - s) / n for _, s, f, n, modes in rows if modes == 1 and n and f > s][:last]
-    per = []
+            "AND r.finished IS NOT NULL AND r.command LIKE 'gemmrl bench%' AND r.id IN (SELECT run_id FROM "
+            f"measurements WHERE impl=? AND mode=?{where}) GROUP BY r.id ORDER BY r.id DESC",
+            (device, SUBJECT, mode, *args)).fetchall()
+        return [(n, f - s) for _, s, f, n, modes in rows if modes == 1 and n and f > s][:last]
+    runs: list = []
     for a, p in dict.fromkeys(((acc, protocol), (acc, None), (None, None))):  # the closest runs there are
         where = (" AND acc=?" if a else "") + (" AND protocol LIKE ? || '%'" if p else "")
-        per = rates(where, tuple(x for x in (a, p) if x))
-        if per:
+        runs = sizes(where, tuple(x for x in (a, p) if x))
+        if runs:
             break
-    return statistics.median(per) if per else None
+    if not runs:
+        return None
+    ns = [n for n, _ in runs]
+    if len(set(ns)) > 1:
+        mn, mt = statistics.fmean(ns), statistics.fmean(t for _, t in runs)
+        slope = sum((n - mn) * (t - mt) for n, t in runs) / sum((n - mn) ** 2 for n in ns)
+        start = mt - slope * mn
+        if slope > 0 and start >= 0:
+            return start, slope
+    return 0.0, sum(t for _, t in runs) / sum(ns)
 
 
 def main(argv=None) -> int:
@@ -279,9 +298,15 @@ def main(argv=None) -> int:
     for _, w in stale:
         key = "winner changed" if w.startswith("timed") else "another build" if w.startswith("another build") else w
         why[key] = why.get(key, 0) + 1
-    sps = seconds_per_shape(db, device, a.mode, a.acc, a.protocol)
-    cost = (f", about {sps * len(stale) / 60:.0f} GPU-minutes at the {sps:.1f} s a shape of recent {a.mode} runs"
-            if sps else f" (no finished run timed {a.mode} mode alone: no cost estimate)")
+    rc = run_cost(db, device, a.mode, a.acc, a.protocol)
+    if rc is None:
+        cost = f" (no finished run timed {a.mode} mode alone: no cost estimate)"
+    else:
+        start, sps = rc
+        secs = (start + sps * len(stale)) if stale else 0.0
+        minutes = f"{secs / 60:.0f}" if secs >= 600 else f"{secs / 60:.1f}"
+        cost = (f", about {minutes} GPU-minutes at the {sps:.1f} s a shape"
+                + (f" and {start:.0f} s to start" if start >= 0.5 else "") + f" of recent {a.mode} runs")
     print(f"{device}, acc {a.acc}, {a.mode}: {len(stale)} stale shapes{cost}; "
           + ", ".join(f"{n} {k}" for k, n in sorted(why.items(), key=lambda x: -x[1])))
     if a.out and not stale:  # an earlier list there must not be what a following bench times

@@ -1228,6 +1228,44 @@ def test_stale_shapes_prices_a_retime_from_runs_of_its_accumulator_and_protocol(
     assert "at the 7.0 s a shape" in cost("--mode", "server")  # no fp32 server run: any accumulator's
 
 
+def test_stale_shapes_prices_a_retime_as_a_start_plus_seconds_a_shape(tmp_path):
+    """Runs of different sizes: the line through (shapes, seconds) gives a start and seconds a
+    shape, where a median of each run's seconds a shape would read the small runs' start as
+    per-shape time (2026-11-30: 14.8 s a shape for 392 fp16 kernel-mode shapes, from 3-6 shape
+    settles, where a 253-shape bench had run 1.3 s a shape); tune runs, whose wall time holds a
+    search, do not count."""
+    import sqlite3
+
+    from gemmrl.core.problem import Problem
+    from gemmrl.store.db import Store
+
+    db = tmp_path / "s.sqlite"
+    st = Store(db)
+    dev = "NVIDIA H200"
+    runs = []
+    for command, shapes, secs in (("gemmrl bench", 100, 150), ("gemmrl bench", 2, 30), ("gemmrl bench", 2, 30),
+                                  ("gemmrl tune", 10, 900)):
+        run = st.start_run(command, dev, {}, {})
+        for i in range(shapes):
+            p = Problem(64 * (i + 1), 64, 64)
+            st.put_tuning(dev, p, "gemmrl-tuned", b"{}", f"k_{i}", 1.0)
+            st.record_session(run, f"s{run}-{i}", dev, p, "kernel", "kernel:v3:ci=0.005",
+                              {"gemmrl-tuned": {"median_us": 5.0, "n": 5}})
+        st.finish_run(run)
+        runs.append((run, secs))
+    st.close()
+    c = sqlite3.connect(db)
+    for run, secs in runs:
+        c.execute("UPDATE runs SET finished = started + ? WHERE id=?", (secs, run))
+    c.commit()
+    c.close()
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "stale-shapes.py"), "--db", str(db), "--device", "H200",
+                        "--mode", "kernel", "--protocol", "kernel:v4"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr
+    # slope 7840 / 6402.7 = 1.22 s a shape, start 70 - 1.2245 * 34.67 = 27.5 s; 100 stale shapes: 150 s
+    assert "100 stale shapes, about 2.5 GPU-minutes at the 1.2 s a shape and 28 s to start" in r.stdout, r.stdout
+
+
 def test_stale_shapes_builds_finds_sessions_of_another_build_of_the_winner(tmp_path, monkeypatch):
     """scripts/stale-shapes.py --builds: a session whose run verified the winner under another
     build key than its source makes now is stale ("another build"), e.g. a plain CUTLASS build
