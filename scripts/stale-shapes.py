@@ -17,10 +17,10 @@ session of the winner in `--mode` is stale when
 Writes the stale shapes smallest first, one a line (a bench --shapes FILE, or the build step
 that compiles their winners), and with `--lanes N` also N files of every Nth by FLOPs (for
 scripts/device-steps.sh's lanes); says what the retime will cost from that mode's recent bench
-runs (a start and seconds a shape, run_cost). With `--top-kernels K`, OUT (and its lanes) keeps only the shapes whose
-winner's build is one of the K builds that serve the most stale shapes (one wave of a build on K
-cores buys the most timed shapes), and OUT's stem + '-rest' lists the others (their kernels
-compiled elsewhere, for a later call). With `--built-in CACHE`, OUT (and its lanes) keeps only the
+runs (a start and seconds a shape, run_cost). With `--top-kernels K`, OUT (and its lanes) keeps
+only the shapes whose winner's build is one of the K builds that serve the most stale shapes (one
+wave of a build on K cores buys the most timed shapes), and OUT's stem + '-rest' lists the others
+(their kernels compiled elsewhere, for a later call). With `--built-in CACHE`, OUT (and its lanes) keeps only the
 shapes whose winner's build is finished in CACHE (a build cache, $GEMMRL_CACHE's layout, or a
 tarball of one from scripts/pack-build-cache.sh or a device call's CACHE_BACK), and OUT's stem +
 '-unbuilt' lists the others: what a call carrying a partial cache can time without compiling
@@ -200,10 +200,9 @@ def run_cost(db: sqlite3.Connection, device: str, mode: str, acc: str | None = N
     list, from the fp32 runs: about 94).
 
     Bench runs only: a tune run's wall time holds its search. A run's wall time is a start (the
-    process, the peaks, the first compile) plus its shapes: the
-    least-squares line through (shapes, seconds) gives both where the runs' sizes differ and the
-    line has a positive slope and start, else the runs' seconds over their shapes, summed (no
-    start). A median of each run's seconds a shape reads the small runs' start as per-shape
+    process, the peaks, the first compile) plus its shapes: the least-squares line through
+    (shapes, seconds) gives both where the runs' sizes differ and the line has a positive slope
+    and start, else the runs' seconds over their shapes, summed (no start). A median of each run's seconds a shape reads the small runs' start as per-shape
     time: on 2026-11-30 it said 14.8 s a shape (97 GPU-minutes) for 392 fp16 kernel-mode
     shapes, from settle runs of 3-6 shapes at 15-17 s, where run 894 had just timed 253 shapes
     in 322 s."""

@@ -144,8 +144,8 @@ def candidate_pool(problem: Problem, layouts: tuple = ("NN", "TN"),
     specs arrive with one fetch-add (arrive='add'), which beat the CAS loop in all 24 twins timed
     side by side (scripts/arrive-twins.py, runs 810-817, by 1.02x-1.96x); the CAS arrival is a
     mutation away (the raw ladder). Unsplit raw specs take raw.staged_epilogue(problem): C staged
-    in shared memory where M*N >= 256K and K <= 1024 (8 of 8 twins at 256K faster, runs 864-889), the direct
-    epilogue a mutation away; the direct one elsewhere."""
+    in shared memory where M*N >= 256K and K <= 1024 (8 of 8 twins at 256K faster, runs
+    864-889), the direct epilogue a mutation away; the direct one elsewhere."""
     out, seen = [], set()
     for name in families:
         fam = registry.get(name)
