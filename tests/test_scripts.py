@@ -1185,35 +1185,44 @@ def _skip_without_build_keys():
         pytest.skip("nvcc not found")
 
 
-def test_stale_shapes_prices_a_retime_from_runs_of_its_accumulator_and_protocol(tmp_path):
-    """The cost estimate takes the seconds a shape of recent runs of the same accumulator and
-    protocol where there are any (H200, 2026-11-30: fp16 offline ran 6.0 s a shape, the fp32 runs
-    the estimate read 4.2; old precision-target server runs 13 s, --quick ones 1.5), else of any."""
+def _store_timed_runs(db, runs):
+    """A store at `db` with one finished H200 run per (command, acc, mode, protocol, shapes, seconds):
+    a session of gemmrl-tuned (and its tuning) on each of `shapes` shapes (64*i x 64 x 64), the run
+    `seconds` long."""
     import sqlite3
 
     from gemmrl.core.problem import Problem
     from gemmrl.store.db import Store
 
-    db = tmp_path / "s.sqlite"
     st = Store(db)
     dev = "NVIDIA H200"
-    runs = []
-    for acc, mode, proto, secs in (("fp32", "offline", "offline:v3:ci=0.005", 8), ("fp16", "offline", "offline:v3:ci=0.005", 24),
-                                   ("fp16", "server", "server:v5:ci=0.005:qps=1000", 52),
-                                   ("fp16", "server", "server:v2:qps=1000:gaps=round", 4)):
-        run = st.start_run("gemmrl bench", dev, {}, {})
-        for m in (64, 128, 256, 512):  # 4 shapes: secs / 4 a shape
-            p = Problem(m, 64, 64, acc=acc)
-            st.put_tuning(dev, p, "gemmrl-tuned", b"{}", f"k_{m}", 1.0)
-            st.record_session(run, f"s{run}-{m}", dev, p, mode, proto, {"gemmrl-tuned": {"median_us": 5.0, "n": 5}})
+    made = []
+    for command, acc, mode, proto, shapes, secs in runs:
+        run = st.start_run(command, dev, {}, {})
+        for i in range(shapes):
+            p = Problem(64 * (i + 1), 64, 64, acc=acc)
+            st.put_tuning(dev, p, "gemmrl-tuned", b"{}", f"k_{i}", 1.0)
+            st.record_session(run, f"s{run}-{i}", dev, p, mode, proto, {"gemmrl-tuned": {"median_us": 5.0, "n": 5}})
         st.finish_run(run)
-        runs.append((run, secs))
+        made.append((run, secs))
     st.close()
     c = sqlite3.connect(db)
-    for run, secs in runs:
+    for run, secs in made:
         c.execute("UPDATE runs SET finished = started + ? WHERE id=?", (secs, run))
     c.commit()
     c.close()
+
+
+def test_stale_shapes_prices_a_retime_from_runs_of_its_accumulator_and_protocol(tmp_path):
+    """The cost estimate takes the seconds a shape of recent runs of the same accumulator and
+    protocol where there are any (H200, 2026-11-30: fp16 offline ran 6.0 s a shape, the fp32 runs
+    the estimate read 4.2; old precision-target server runs 13 s, --quick ones 1.5), else of any."""
+    db = tmp_path / "s.sqlite"
+    _store_timed_runs(db, [("gemmrl bench", acc, mode, proto, 4, secs)  # 4 shapes: secs / 4 a shape
+                           for acc, mode, proto, secs in (
+                               ("fp32", "offline", "offline:v3:ci=0.005", 8), ("fp16", "offline", "offline:v3:ci=0.005", 24),
+                               ("fp16", "server", "server:v5:ci=0.005:qps=1000", 52),
+                               ("fp16", "server", "server:v2:qps=1000:gaps=round", 4))])
 
     def cost(*args):
         r = subprocess.run([sys.executable, str(ROOT / "scripts" / "stale-shapes.py"), "--db", str(db),
@@ -1234,31 +1243,9 @@ def test_stale_shapes_prices_a_retime_as_a_start_plus_seconds_a_shape(tmp_path):
     per-shape time (2026-11-30: 14.8 s a shape for 392 fp16 kernel-mode shapes, from 3-6 shape
     settles, where a 253-shape bench had run 1.3 s a shape); tune runs, whose wall time holds a
     search, do not count."""
-    import sqlite3
-
-    from gemmrl.core.problem import Problem
-    from gemmrl.store.db import Store
-
     db = tmp_path / "s.sqlite"
-    st = Store(db)
-    dev = "NVIDIA H200"
-    runs = []
-    for command, shapes, secs in (("gemmrl bench", 100, 150), ("gemmrl bench", 2, 30), ("gemmrl bench", 2, 30),
-                                  ("gemmrl tune", 10, 900)):
-        run = st.start_run(command, dev, {}, {})
-        for i in range(shapes):
-            p = Problem(64 * (i + 1), 64, 64)
-            st.put_tuning(dev, p, "gemmrl-tuned", b"{}", f"k_{i}", 1.0)
-            st.record_session(run, f"s{run}-{i}", dev, p, "kernel", "kernel:v3:ci=0.005",
-                              {"gemmrl-tuned": {"median_us": 5.0, "n": 5}})
-        st.finish_run(run)
-        runs.append((run, secs))
-    st.close()
-    c = sqlite3.connect(db)
-    for run, secs in runs:
-        c.execute("UPDATE runs SET finished = started + ? WHERE id=?", (secs, run))
-    c.commit()
-    c.close()
+    _store_timed_runs(db, [(command, "fp32", "kernel", "kernel:v3:ci=0.005", shapes, secs) for command, shapes, secs in (
+        ("gemmrl bench", 100, 150), ("gemmrl bench", 2, 30), ("gemmrl bench", 2, 30), ("gemmrl tune", 10, 900))])
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "stale-shapes.py"), "--db", str(db), "--device", "H200",
                         "--mode", "kernel", "--protocol", "kernel:v4"], capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode == 0, r.stderr
