@@ -646,6 +646,12 @@ EMU_CASES = [
     (S(block_m=16, block_n=32, warps_m=1, warps_n=2, stages=4, layout="TN", acc="fp16", epi="smem"),
      Problem(40, 24, 256, "fp16", "fp16")),
     (S(block_m=128, block_n=64, block_k=32, warps_m=4, warps_n=2, epi="smem"), Problem(130, 72, 64)),
+    # the extremes of the tiles the raw pool now stages (raw.staged_epilogue; all 128 of its tile, swap,
+    # layout and accumulator combinations passed a one-off sweep of this emulation, 2026-11-30)
+    (S(block_m=128, block_n=128, block_k=64, warps_m=2, warps_n=4, swap_ab=True, layout="TN", epi="smem"),
+     Problem(264, 264, 128)),
+    (S(block_m=16, block_n=128, block_k=64, warps_m=1, warps_n=4, acc="fp16", epi="smem"),
+     Problem(40, 264, 128, "fp16", "fp16")),
 ]
 EMU_IDS = [kernel_name(s, p) for s, p in EMU_CASES]
 # each call: inputs, cp.async applied lazily?, blocks run at once, block order (0 in order, -1 reversed, else a shuffle seed)
