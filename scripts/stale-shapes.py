@@ -39,14 +39,9 @@ import statistics
 import sys
 from pathlib import Path
 
+from gemmrl.store.db import protocol_version
+
 SUBJECT = "gemmrl-tuned"
-
-
-def protocol_version(protocol: str) -> tuple[str, int]:
-    """('offline', 3) from 'offline:v3:ci=0.005'; version 0 where none is named."""
-    mode, _, rest = protocol.partition(":")
-    v = rest.split(":")[0]
-    return mode, int(v[1:]) if v.startswith("v") and v[1:].isdigit() else 0
 
 
 def winner_jobs(store, device: str, acc: str, dtype: str = "fp16", want=None) -> dict:

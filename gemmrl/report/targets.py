@@ -395,17 +395,14 @@ def markdown(result: Mapping) -> str:
     prot = result.get("protocols") or {}
     mixed = {m: p for m, p in prot.items() if isinstance(p, dict) and len(p) > 1}
     if mixed:
+        from gemmrl.store.db import protocol_version
+
         acc = "fp16" if result["precision"].startswith("F16") else "fp32"
         dev = result["gpu"].upper()
-
-        def version(protocol: str) -> int:  # 3 from 'kernel:v3:ci=0.005'; 0 where none is named
-            v = protocol.split(":")[1] if ":" in protocol else ""
-            return int(v[1:]) if v[:1] == "v" and v[1:].isdigit() else 0
-
         lines += ["", "Mixed measuring protocols: " + "; ".join(
             f"{m}: " + ", ".join(f"{n} {k}" for k, n in p.items()) for m, p in mixed.items())
             + " (the older ones to retime: " + "; ".join(
-                f"scripts/stale-shapes.py --device {dev} --acc {acc} --mode {m} --protocol {m}:v{max(map(version, p))}"
+                f"scripts/stale-shapes.py --device {dev} --acc {acc} --mode {m} --protocol {m}:v{max(protocol_version(k)[1] for k in p)}"
                 for m, p in mixed.items()) + ")"]
     shifted = result.get("run_bias") or []
     if shifted:

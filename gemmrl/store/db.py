@@ -106,6 +106,13 @@ def packed_path(path: str | Path) -> Path:
     return path.with_name(path.name + ".xz")
 
 
+def protocol_version(protocol: str) -> tuple[str, int]:
+    """('offline', 3) from a stored protocol 'offline:v3:ci=0.005'; version 0 where none is named. Pure."""
+    mode, _, rest = protocol.partition(":")
+    v = rest.split(":")[0]
+    return mode, int(v[1:]) if v.startswith("v") and v[1:].isdigit() else 0
+
+
 def device_by_part(name: str, names, noun: str = "devices") -> str:
     """The one of `names` that `name` is, or the only one whose name holds it, case aside
     (`H200` for "NVIDIA H200"); `name` itself where none holds it (the caller says what that
