@@ -305,9 +305,8 @@ def main(argv=None) -> int:
           + ", ".join(f"{n} {k}" for k, n in sorted(why.items(), key=lambda x: -x[1])))
     if a.out and not stale:  # an earlier list there must not be what a following bench times
         out = Path(a.out)
-        gone = [p for p in [out] + sorted(out.parent.glob(f"{out.stem}-*{out.suffix}")) if p.is_file()
-                and (p == out or p.stem[len(out.stem) + 1:] in ("rest", "unbuilt")
-                     or p.stem[len(out.stem) + 1:].lstrip("l").isdigit())]
+        made = [out] + [out.with_name(f"{out.stem}-{x}{out.suffix}") for x in ("rest", "unbuilt")]
+        gone = [p for p in made + sorted(out.parent.glob(f"{out.stem}-l[0-9]*{out.suffix}")) if p.is_file()]
         for p in gone:
             p.unlink()
         print(f"nothing to write to {out}" + (f"; removed the earlier list{'s' * (len(gone) > 1)} there: "
