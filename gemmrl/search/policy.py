@@ -99,17 +99,14 @@ def _raw_pool(problem: Problem, layout: str) -> list:
     from gemmrl.space import raw
 
     out = []
-    epi = raw.staged_epilogue(problem)  # unsplit specs: C staged in shared memory on a large M*N (runs 864-889)
     for swap in (False, True):
         for (bm, bn), (wm, wn) in raw._WARPS.items():
             for bk in (32, 64, 128):
                 for stages in (3, 4):
                     for split in (1, 2, 4, 8, 16):  # split-K with the fetch-add arrival (runs 810-817)
-                        s = raw.RawSpec(bm, bn, bk, wm, wn, stages, split, swap, layout, problem.acc,
-                                        "add" if split > 1 else "cas", epi if split == 1 else "direct")
-                        if s.epi != "direct" and raw.valid(s, problem) is not None:
-                            s = replace(s, epi="direct")  # the staged tile would not fit: as before
-                        out.append(s)
+                        # unsplit: C staged in shared memory on a large M*N (raw.staged_epilogue, runs 864-889)
+                        out.append(raw.with_epilogue(raw.RawSpec(bm, bn, bk, wm, wn, stages, split, swap, layout,
+                                                                 problem.acc, "add" if split > 1 else "cas"), problem))
     return out
 
 

@@ -839,7 +839,6 @@ def heuristic_specs(problem: Problem, layout: str, acc: str | None = None, limit
     acc = acc or problem.acc
     M, N, K = problem.M, problem.N, problem.K
     swaps = [False] + ([True] if M < N and M <= 64 else [])
-    epi = staged_epilogue(problem)  # unsplit specs only: the twins timed were unsplit
     cands = []
     for swap in swaps:
         GM, GN = (N, M) if swap else (M, N)
@@ -855,11 +854,8 @@ def heuristic_specs(problem: Problem, layout: str, acc: str | None = None, limit
                     kt = -(-K // bk)
                     for stages in (3, 4):
                         for split in _splits(tiles, kt, bm * bn):
-                            s = RawSpec(bm, bn, bk, wm, wn, stages, split, swap, layout, acc,
-                                        "add" if split > 1 else "cas", epi if split == 1 else "direct")
-                            if s.epi != "direct" and valid(s, problem) is not None:
-                                s = replace(s, epi="direct")  # the staged tile would not fit
-                            cands.append(s)
+                            cands.append(with_epilogue(RawSpec(bm, bn, bk, wm, wn, stages, split, swap, layout,
+                                                               acc, "add" if split > 1 else "cas"), problem))
     ok = [s for s in cands if valid(s, problem) is None]
     ok.sort(key=lambda s: (round(estimate_us(s, problem), 2), geometry(s, problem).smem_bytes, s.key()))
     out, seen = [], {}
@@ -890,6 +886,16 @@ def staged_epilogue(problem: Problem) -> str:
     there on the reasoning that more of C to store favours the wide stores."""
     big = problem.M * problem.N >= STAGED_EPI_MIN_MN and problem.K <= STAGED_EPI_MAX_K
     return "smem" if big and problem.N % 8 == 0 else "direct"
+
+
+def with_epilogue(spec: RawSpec, problem: Problem) -> RawSpec:
+    """`spec` with the epilogue staged_epilogue() gives `problem` where it is unsplit and the staged
+    tile is valid for it (the twins timed were unsplit), else `spec` as it is."""
+    if spec.split_k == 1 and staged_epilogue(problem) != spec.epi:
+        staged = replace(spec, epi=staged_epilogue(problem))
+        if valid(staged, problem) is None:
+            return staged
+    return spec
 
 
 def is_deep_split(spec: RawSpec, problem: Problem) -> bool:
