@@ -2615,3 +2615,54 @@ def test_arrive_twins_renders_each_split_kernels_fetch_add_twin_and_reads_their_
         (dev, "580.159.04", "13.0", "2.11.0+cu130", "abc123") and prov["first_date"] == prov["last_date"]
     r = subprocess.run(cmd + ["--splits", "1,4", "--plan"], capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode == 2 and "--splits" in r.stderr
+
+
+def test_device_slim_hides_what_the_device_does_not_read_and_puts_it_back(tmp_path):
+    """scripts/device-slim.sh: the other GPU's packs and reports, the logs and the sample-efficiency
+    studies leave the working tree (the device tool sends at most 64 MiB), the store, this GPU's packs
+    and reports stay; restore gives back the same bytes from git; a change git does not hold is never
+    thrown away."""
+    repo = tmp_path / "repo"
+    files = {"scripts/device-slim.sh": (ROOT / "scripts/device-slim.sh").read_text(),
+             "results/gemmrl.sqlite.xz": "store", "results/h200/report.csv": "h200",
+             "results/h200/sample-efficiency/sweep.sqlite.xz": "s1",
+             "results/h200/sample-efficiency-top2/sweep.sqlite.xz": "s2",
+             "results/h100/report.csv": "h100", "results/logs/run.log": "log" * 10000,
+             "results/shapes/a.txt": "64x64x64\n",
+             "packs/h200-fp16-F32F16F16F32/manifest.json": "{}", "packs/h100-fp16-F32F16F16F32/manifest.json": "{1}",
+             "packs/h100-fp16-F16F16F16F16/kernels/k.cu": "// k"}
+    for name, text in files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "x"]):
+        subprocess.run(git + cmd, check=True, capture_output=True)
+    slim = ["bash", str(repo / "scripts/device-slim.sh")]
+
+    def run(*args):
+        return subprocess.run(slim + list(args), capture_output=True, text=True, timeout=60)
+
+    assert run("hide", "a100").returncode == 2  # not a GPU it knows: nothing hidden
+    assert not (repo / ".git/device-slim-hidden").exists()
+    (repo / "results/h100/report.csv").write_text("changed, not committed")
+    r = run("hide", "H200")
+    assert r.returncode == 1 and "results/h100/report.csv" in r.stderr
+    assert all((repo / n).exists() for n in files)  # refused: nothing taken out
+    subprocess.run(git + ["checkout", "--", "results/h100/report.csv"], check=True)
+
+    r = run("hide", "H200")
+    assert r.returncode == 0, r.stderr
+    gone = {n for n in files if not (repo / n).exists()}
+    assert gone == {"results/h100/report.csv", "results/logs/run.log",
+                    "results/h200/sample-efficiency/sweep.sqlite.xz",
+                    "results/h200/sample-efficiency-top2/sweep.sqlite.xz",
+                    "packs/h100-fp16-F32F16F16F32/manifest.json", "packs/h100-fp16-F16F16F16F16/kernels/k.cu"}
+    assert run("hide", "h200").returncode == 2  # twice would lose the list of what to put back
+    size = run("size")
+    assert size.returncode == 0 and float(size.stdout.split()[0]) < 0.01  # the 30,000-byte log is gone
+    r = run("restore")
+    assert r.returncode == 0, r.stderr
+    assert {n: (repo / n).read_text() for n in files} == files
+    st = subprocess.run(git + ["status", "--porcelain"], capture_output=True, text=True, check=True)
+    assert st.stdout == ""
+    assert run("restore").returncode == 0 and "nothing hidden" in run("restore").stdout
