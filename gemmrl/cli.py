@@ -663,7 +663,8 @@ def targets(results_dir, device, subject, acc, product, json_out):
               help="candidate kernels per shape, the earlier runs' included")
 @click.option("--more", default=None, type=click.IntRange(1, 10000),
               help="instead of --candidates: this many candidates per shape beyond those the store holds "
-                   "(a rerun searches as many more again)")
+                   "(a rerun searches as many more again, starting with the shapes no search reached in "
+                   "the last 12 hours, so that it goes on where a run cut by its deadline stopped)")
 @click.option("--batch", default=8, show_default=True, type=click.IntRange(1, 256))
 @click.option("--budget-s", default=None, type=float, help="device seconds for the search (default: none)")
 @click.option("--wall-s", default=None, type=float,
@@ -899,7 +900,9 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, fini
                            "of the shapes it reached)")
                 elif res.stopped == "wall-clock deadline":
                     why = f" (the wall-clock deadline came {wall_s:g} s after the start, the baselines' measurement included)"
-                click.echo(f"this run searched {searched} of its {len(problems)} shapes{why}", err=True)
+                again = (f"; a rerun with --more in the next 12 hours starts with the {len(problems) - searched} "
+                         "it did not reach" if more is not None else "")
+                click.echo(f"this run searched {searched} of its {len(problems)} shapes{why}{again}", err=True)
             if not no_report:
                 write_curves({policy_name: res.per_shape_curve()}, Path(out) / env.gpu_slug(device) / "tune_curve")
             final = [] if search_only else shapes_to_time(problems, res.trials, store, device,

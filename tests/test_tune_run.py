@@ -528,3 +528,44 @@ def test_a_candidate_that_does_not_build_is_rejected_at_the_build_and_never_load
         assert t.candidate == c and t.details["stage"] == "build"
         assert t.details["reason"].startswith(f"AbiError: {c.name} failed to build")
         assert "error" in t.details["reason"] and t.details["device_s"] == 0.0 and t.details["build_s"] > 0
+
+
+def test_resume_order_puts_the_shapes_not_searched_lately_first():
+    from gemmrl.search.run import resume_order
+
+    a, b, c, d = Problem(64, 64, 64), Problem(128, 64, 64), Problem(256, 64, 64), Problem(512, 64, 64)
+    now = 1_000_000.0
+    last = {a.key(): now - 60, b.key(): now - 13 * 3600, c.key(): now - 30}  # d: never searched
+    assert resume_order([a, b, c, d], last, now) == [b, d, a, c]
+    assert resume_order([a, c], last, now) == [a, c]  # all recent: the order given
+    assert resume_order([d, b], last, now) == [d, b]  # none recent: the order given
+    assert resume_order([a, b, c, d], last, now, window_s=10) == [a, b, c, d]
+
+
+def test_a_more_rerun_goes_on_where_a_run_cut_short_stopped(tmp_path):
+    """tune --more counts from each shape's history: a rerun used to start again from the list's
+    first shape, so a run cut by its deadline was repeated, never continued (two fp32 runs over a
+    28-shape list searched the same 11 shapes, 2026-11-30). The shapes the last run reached now go
+    last; --candidates keeps the list's order."""
+    p1, p2, p3 = Problem(512, 768, 1024), Problem(1024, 768, 1024), Problem(2048, 768, 1024)
+    store = Store(tmp_path / "s.sqlite")
+    order = []
+
+    def evaluate(problem, candidates):
+        order.append(problem)
+        return fake_evaluate(problem, candidates)
+
+    def tune(problems, **kw):
+        order.clear()
+        run_tune(problems, store, "H100", evaluate, batch=2, layouts=("TN",),
+                 policy=ModelFreePolicy(layouts=("TN",), seed=len(store.trials("H100"))), **kw)
+        return list(dict.fromkeys(order))  # each shape once, in the order first searched
+
+    assert tune([p1], more=2) == [p1]  # a run that reached only the first shape
+    assert tune([p1, p2, p3], more=2) == [p2, p3, p1]
+    assert tune([p1, p2, p3], more=2) == [p1, p2, p3]  # each searched lately: the list's order
+    assert tune([p1, p2, p3], candidates=8) == [p1, p2, p3]  # 2, 4 and 4 more
+    counts = {}
+    for r in store.trials("H100"):
+        counts[(r["M"], r["N"], r["K"])] = counts.get((r["M"], r["N"], r["K"]), 0) + 1
+    assert counts == {(512, 768, 1024): 8, (1024, 768, 1024): 8, (2048, 768, 1024): 8}

@@ -5,8 +5,10 @@ trial is stored, and each shape's winner is kept as the implementation 'gemmrl-t
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
+import time
 
 from gemmrl.bench.worker import HEARTBEAT_ENV, Worker, last_beat
 from gemmrl.core.problem import Problem
@@ -301,6 +303,22 @@ def make_policy(name: str = "model-free", *, families: tuple | None = None, layo
     raise ValueError(f"unknown policy {name!r}: one of {', '.join(POLICIES)}")
 
 
+RESUME_WINDOW_S = 12 * 3600.0
+
+
+def resume_order(problems, last_trial: dict, now: float, window_s: float = RESUME_WINDOW_S) -> list:
+    """The order a `--more` search takes `problems` in: those with no trial in the last `window_s`
+    seconds first, then those searched within it, each group in the order given. `last_trial`:
+    problem key -> when its newest trial was recorded. `--more` counts from each shape's history, so
+    a rerun in list order searched the shapes the last run had reached again, and a run cut by its
+    deadline never got further: on 2026-11-30 (sixty-second session) two fp32 runs over a 28-shape
+    list both searched the same first 11 shapes. A second full pass over a list the last run
+    finished keeps the list's order (every shape is recent)."""
+    recent = [p for p in problems if now - last_trial.get(p.key(), -math.inf) < window_s]
+    stale = [p for p in problems if now - last_trial.get(p.key(), -math.inf) >= window_s]
+    return stale + recent
+
+
 def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, batch: int = 8,
              budget_s: float = float("inf"), layouts=("NN", "TN"), run_id: int | None = None,
              policy=None, on_trial=None, deadline: float | None = None,
@@ -322,6 +340,8 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
     `tune --seed-from-lt`), a prior like a transfer's, its suggestions ranked with theirs.
     `reserve`: seconds to keep before `deadline` for the final timing (search.tune.tune's)."""
     problems = list(problems)
+    if more is not None:  # a rerun goes on where a run cut by its deadline stopped (resume_order)
+        problems = resume_order(problems, store.last_trial_times(device), time.time())
     wanted = {p.key() for p in problems}
     stored = stored_history(store, device, None)
     history = [t for t in stored if t.problem.key() in wanted]

@@ -578,6 +578,14 @@ class Store:
                 (run_id, device, *problem.key(), candidate, status, measured(float(reward)), measured(time_us),
                  json.dumps(measured_tree(record), sort_keys=True, default=str), time.time()))
 
+    def last_trial_times(self, device: str) -> dict[tuple, float]:
+        """(M, N, K, dtype, acc) -> when the newest trial on that problem was recorded (epoch s)."""
+        if not self.db.execute("SELECT 1 FROM sqlite_master WHERE name='trials'").fetchone():
+            return {}
+        return {tuple(r[:5]): r[5] for r in self.db.execute(
+            "SELECT M, N, K, dtype, acc, MAX(created) FROM trials WHERE device=? GROUP BY M, N, K, dtype, acc",
+            (device,))}
+
     def trials(self, device: str, problems=None) -> list[dict]:
         if not self.db.execute("SELECT 1 FROM sqlite_master WHERE name='trials'").fetchone():
             return []
