@@ -1,5 +1,5 @@
-// raw_tn_fp16_32x64x128_w2x2_s4_k1_1024x256x128: gemmrl raw family (gemmrl/space/raw.py); generated, regenerate rather than edit.
-// C[1024,256] fp16 = A[1024,128] @ B[N,K]^T, fp16 accumulate, row-major, packed.
+// raw_tn_fp16_32x64x128_w2x2_s4_k1_512x512x64: gemmrl raw family (gemmrl/space/raw.py); generated, regenerate rather than edit.
+// C[512,512] fp16 = A[512,64] @ B[N,K]^T, fp16 accumulate, row-major, packed.
 // block_m=32, block_n=64, block_k=128, warps_m=2, warps_n=2, stages=4, split_k=1, swap_ab=False, layout=TN, acc=fp16
 // Logical GEMM D[GM,GN] = P[GM,K] . Q[GN,K]^T, P = A, Q = B, D = C
 // P is stored K-contiguous, Q K-contiguous; mma.sync m16n8k16, ldmatrix, cp.async.cg
@@ -13,10 +13,10 @@
 #define GEMMRL_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace raw {
-constexpr int M = 1024, N = 256, K = 128;
-constexpr int LDA = K, LDB = 128, LDC = N;          // packed: the only strides served
-constexpr int GM = 1024, GN = 256;                   // logical D = C
-constexpr int LD_P = 128, LD_Q = 128;              // global row pitch of P, Q
+constexpr int M = 512, N = 512, K = 64;
+constexpr int LDA = K, LDB = 64, LDC = N;          // packed: the only strides served
+constexpr int GM = 512, GN = 512;                   // logical D = C
+constexpr int LD_P = 64, LD_Q = 64;              // global row pitch of P, Q
 constexpr int BM = 32, BN = 64, BK = 128;
 constexpr int WM = 2, WN = 2;
 constexpr int STAGES = 4, SPLIT_K = 1;
@@ -196,7 +196,7 @@ gemmrl_raw_gemm(const __half* __restrict__ Pg, const __half* __restrict__ Qg, __
       }
 }
 
-GEMMRL_EXPORT const char* gemmrl_meta(void) { return "{\"layout\": \"TN\", \"dtype\": \"fp16\", \"acc\": \"fp16\", \"name\": \"raw_tn_fp16_32x64x128_w2x2_s4_k1_1024x256x128\"}"; }
+GEMMRL_EXPORT const char* gemmrl_meta(void) { return "{\"layout\": \"TN\", \"dtype\": \"fp16\", \"acc\": \"fp16\", \"name\": \"raw_tn_fp16_32x64x128_w2x2_s4_k1_512x512x64\"}"; }
 
 GEMMRL_EXPORT size_t gemmrl_workspace_bytes(int m, int n, int k) {
   return (m == raw::M && n == raw::N && k == raw::K) ? raw::WORKSPACE_BYTES : 0;

@@ -1,7 +1,7 @@
-// raw_tn_fp16_128x16x64_w4x1_s4_k1_swap_128x2048x64: gemmrl raw family (gemmrl/space/raw.py); generated, regenerate rather than edit.
-// C[128,2048] fp16 = A[128,64] @ B[N,K]^T, fp16 accumulate, row-major, packed.
-// block_m=128, block_n=16, block_k=64, warps_m=4, warps_n=1, stages=4, split_k=1, swap_ab=True, layout=TN, acc=fp16
-// Logical GEMM D[GM,GN] = P[GM,K] . Q[GN,K]^T, swap_ab: GM = N, GN = M, P = B-side, Q = A, D = C^T
+// raw_tn_fp16_32x32x64_w2x2_s4_k1_4096x64x64: gemmrl raw family (gemmrl/space/raw.py); generated, regenerate rather than edit.
+// C[4096,64] fp16 = A[4096,64] @ B[N,K]^T, fp16 accumulate, row-major, packed.
+// block_m=32, block_n=32, block_k=64, warps_m=2, warps_n=2, stages=4, split_k=1, swap_ab=False, layout=TN, acc=fp16
+// Logical GEMM D[GM,GN] = P[GM,K] . Q[GN,K]^T, P = A, Q = B, D = C
 // P is stored K-contiguous, Q K-contiguous; mma.sync m16n8k16, ldmatrix, cp.async.cg
 // ring of STAGES, padded shared rows. K tail zero-filled; M/N residues bounds-checked.
 #include <cuda_fp16.h>
@@ -13,12 +13,12 @@
 #define GEMMRL_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace raw {
-constexpr int M = 128, N = 2048, K = 64;
+constexpr int M = 4096, N = 64, K = 64;
 constexpr int LDA = K, LDB = 64, LDC = N;          // packed: the only strides served
-constexpr int GM = 2048, GN = 128;                   // logical D = C^T
+constexpr int GM = 4096, GN = 64;                   // logical D = C
 constexpr int LD_P = 64, LD_Q = 64;              // global row pitch of P, Q
-constexpr int BM = 128, BN = 16, BK = 64;
-constexpr int WM = 4, WN = 1;
+constexpr int BM = 32, BN = 32, BK = 64;
+constexpr int WM = 2, WN = 2;
 constexpr int STAGES = 4, SPLIT_K = 1;
 constexpr int THREADS = WM * WN * 32;
 constexpr int WTM = BM / WM, WTN = BN / WN;             // warp tile
@@ -28,14 +28,14 @@ constexpr int TILES = TILES_M * TILES_N;
 constexpr int KT = (K + BK - 1) / BK;                   // K tiles, the last maybe a zero-filled tail
 constexpr int KT_PER = (KT + SPLIT_K - 1) / SPLIT_K;    // K tiles per split
 constexpr bool FULL_M = GM % BM == 0, FULL_N = GN % BN == 0, FULL_K = K % BK == 0;
-constexpr int P_LD = 72, P_STAGE = 9216;          // shared: [BM][BK+8] halves per stage
-constexpr int Q_LD = 72, Q_STAGE = 1152;          // shared: [BN][BK+8] halves per stage
+constexpr int P_LD = 72, P_STAGE = 2304;          // shared: [BM][BK+8] halves per stage
+constexpr int Q_LD = 72, Q_STAGE = 2304;          // shared: [BN][BK+8] halves per stage
 constexpr int SMEM_BYTES = STAGES * (P_STAGE + Q_STAGE) * 2;
 constexpr size_t COUNTER_OFFSET = 0ull;      // bytes: fp32 partials first, then counters
 constexpr size_t WORKSPACE_BYTES = 0ull;
 static_assert(BM % (16 * WM) == 0 && BN % (16 * WN) == 0 && BK % 16 == 0, "tile shape");
 static_assert((SPLIT_K - 1) * KT_PER < KT, "every split has K tiles");
-static_assert(SMEM_BYTES == 82944, "shared memory layout");
+static_assert(SMEM_BYTES == 36864, "shared memory layout");
 static_assert(COUNTER_OFFSET % 256 == 0 && WORKSPACE_BYTES % 8 == 0, "workspace layout");
 
 // ---- PTX wrappers: the only inline assembly ----
@@ -190,18 +190,13 @@ gemmrl_raw_gemm(const __half* __restrict__ Pg, const __half* __restrict__ Qg, __
         const int gm = m0 + wm * WTM + mi * 16 + (lane >> 2) + h * 8;
         const int gn = n0 + wn * WTN + ni * 8 + (lane & 3) * 2;
         const float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
-        // D = C^T: D[gm][gn] is C[gn][gm]. Lanes g and g^1 (lane ^ 4) trade values so each stores
-        // one half2 along a row of C: even g -> C[gn][gm..gm+1], odd g -> C[gn+1][gm-1..gm].
-        const bool odd = (lane >> 2) & 1;
-        const float other = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
-        const int row = odd ? gn + 1 : gn, col = odd ? gm - 1 : gm;
-        const __half2 v = odd ? __floats2half2_rn(other, v1) : __floats2half2_rn(v0, other);
-        if ((FULL_N || row < GN) && (FULL_M || col < GM))
-          *reinterpret_cast<__half2*>(C + (size_t)row * LDC + col) = v;
+        // D = C: lane (g, q) holds C[gm][gn], C[gm][gn+1] (N even: one aligned half2 store)
+        if ((FULL_M || gm < GM) && (FULL_N || gn < GN))
+          *reinterpret_cast<__half2*>(C + (size_t)gm * LDC + gn) = __floats2half2_rn(v0, v1);
       }
 }
 
-GEMMRL_EXPORT const char* gemmrl_meta(void) { return "{\"layout\": \"TN\", \"dtype\": \"fp16\", \"acc\": \"fp16\", \"name\": \"raw_tn_fp16_128x16x64_w4x1_s4_k1_swap_128x2048x64\"}"; }
+GEMMRL_EXPORT const char* gemmrl_meta(void) { return "{\"layout\": \"TN\", \"dtype\": \"fp16\", \"acc\": \"fp16\", \"name\": \"raw_tn_fp16_32x32x64_w2x2_s4_k1_4096x64x64\"}"; }
 
 GEMMRL_EXPORT size_t gemmrl_workspace_bytes(int m, int n, int k) {
   return (m == raw::M && n == raw::N && k == raw::K) ? raw::WORKSPACE_BYTES : 0;
@@ -230,7 +225,7 @@ GEMMRL_EXPORT int gemmrl_run(const void* A, const void* B, void* C, int m, int n
     }
   }
   gemmrl_raw_gemm<<<TILES * SPLIT_K, THREADS, SMEM_BYTES, stream>>>(
-      static_cast<const __half*>(B), static_cast<const __half*>(A),
+      static_cast<const __half*>(A), static_cast<const __half*>(B),
       static_cast<__half*>(C), static_cast<float*>(workspace));
   return cudaGetLastError() == cudaSuccess ? 0 : 7;
 }

@@ -1,8 +1,8 @@
-// raw_nn_fp16_32x64x128_w2x2_s3_k1_256x1024x128: gemmrl raw family (gemmrl/space/raw.py); generated, regenerate rather than edit.
-// C[256,1024] fp16 = A[256,128] @ B[K,N], fp16 accumulate, row-major, packed.
-// block_m=32, block_n=64, block_k=128, warps_m=2, warps_n=2, stages=3, split_k=1, swap_ab=False, layout=NN, acc=fp16
+// raw_tn_fp16_64x32x128_w2x2_s4_k1_se_2048x128x128: gemmrl raw family (gemmrl/space/raw.py); generated, regenerate rather than edit.
+// C[2048,128] fp16 = A[2048,128] @ B[N,K]^T, fp16 accumulate, row-major, packed.
+// block_m=64, block_n=32, block_k=128, warps_m=2, warps_n=2, stages=4, split_k=1, swap_ab=False, layout=TN, acc=fp16, epi=smem
 // Logical GEMM D[GM,GN] = P[GM,K] . Q[GN,K]^T, P = A, Q = B, D = C
-// P is stored K-contiguous, Q MN-contiguous; mma.sync m16n8k16, ldmatrix, cp.async.cg
+// P is stored K-contiguous, Q K-contiguous; mma.sync m16n8k16, ldmatrix, cp.async.cg
 // ring of STAGES, padded shared rows. K tail zero-filled; M/N residues bounds-checked.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -13,13 +13,13 @@
 #define GEMMRL_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace raw {
-constexpr int M = 256, N = 1024, K = 128;
-constexpr int LDA = K, LDB = 1024, LDC = N;          // packed: the only strides served
-constexpr int GM = 256, GN = 1024;                   // logical D = C
-constexpr int LD_P = 128, LD_Q = 1024;              // global row pitch of P, Q
-constexpr int BM = 32, BN = 64, BK = 128;
+constexpr int M = 2048, N = 128, K = 128;
+constexpr int LDA = K, LDB = 128, LDC = N;          // packed: the only strides served
+constexpr int GM = 2048, GN = 128;                   // logical D = C
+constexpr int LD_P = 128, LD_Q = 128;              // global row pitch of P, Q
+constexpr int BM = 64, BN = 32, BK = 128;
 constexpr int WM = 2, WN = 2;
-constexpr int STAGES = 3, SPLIT_K = 1;
+constexpr int STAGES = 4, SPLIT_K = 1;
 constexpr int THREADS = WM * WN * 32;
 constexpr int WTM = BM / WM, WTN = BN / WN;             // warp tile
 constexpr int MI = WTM / 16, NI = WTN / 8;              // m16n8 blocks per warp
@@ -28,14 +28,16 @@ constexpr int TILES = TILES_M * TILES_N;
 constexpr int KT = (K + BK - 1) / BK;                   // K tiles, the last maybe a zero-filled tail
 constexpr int KT_PER = (KT + SPLIT_K - 1) / SPLIT_K;    // K tiles per split
 constexpr bool FULL_M = GM % BM == 0, FULL_N = GN % BN == 0, FULL_K = K % BK == 0;
-constexpr int P_LD = 136, P_STAGE = 4352;          // shared: [BM][BK+8] halves per stage
-constexpr int Q_LD = 72, Q_STAGE = 9216;          // shared: [BK][BN+8] halves per stage
-constexpr int SMEM_BYTES = STAGES * (P_STAGE + Q_STAGE) * 2;
+constexpr int P_LD = 136, P_STAGE = 8704;          // shared: [BM][BK+8] halves per stage
+constexpr int Q_LD = 136, Q_STAGE = 4352;          // shared: [BN][BK+8] halves per stage
+constexpr int C_ROWS = 64, C_COLS = 32, C_LD = C_COLS + 8;  // epi='smem': the tile of C, staged
+constexpr int PIPE_BYTES = STAGES * (P_STAGE + Q_STAGE) * 2, C_BYTES = C_ROWS * C_LD * 2;
+constexpr int SMEM_BYTES = PIPE_BYTES > C_BYTES ? PIPE_BYTES : C_BYTES;
 constexpr size_t COUNTER_OFFSET = 0ull;      // bytes: fp32 partials first, then counters
 constexpr size_t WORKSPACE_BYTES = 0ull;
 static_assert(BM % (16 * WM) == 0 && BN % (16 * WN) == 0 && BK % 16 == 0, "tile shape");
 static_assert((SPLIT_K - 1) * KT_PER < KT, "every split has K tiles");
-static_assert(SMEM_BYTES == 81408, "shared memory layout");
+static_assert(SMEM_BYTES == 104448, "shared memory layout");
 static_assert(COUNTER_OFFSET % 256 == 0 && WORKSPACE_BYTES % 8 == 0, "workspace layout");
 
 // ---- PTX wrappers: the only inline assembly ----
@@ -71,6 +73,10 @@ __device__ __forceinline__ float2 h2_to_f2(uint32_t u) {
   memcpy(&h, &u, 4);
   return __half22float2(h);
 }
+// epi='smem': 16 bytes from shared to global memory (LDS.128 then STG.128)
+__device__ __forceinline__ void copy16_to_global(__half* dst, const __half* src) {
+  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+}
 // ---- end of PTX wrappers ----
 
 __device__ __forceinline__ void load_p(uint32_t s, const __half* __restrict__ g, int r0, int k0, int tid) {
@@ -90,17 +96,17 @@ __device__ __forceinline__ void load_p(uint32_t s, const __half* __restrict__ g,
 }
 
 __device__ __forceinline__ void load_q(uint32_t s, const __half* __restrict__ g, int r0, int k0, int tid) {
-  constexpr int CPR = BN / 8;          // 16-byte chunks per row
-  constexpr int TOTAL = BK * CPR;         // tile [BK][BN] of an M/N-contiguous operand
+  constexpr int CPR = BK / 8;            // 16-byte chunks per row
+  constexpr int TOTAL = BN * CPR;      // tile [BN][BK] of a K-contiguous operand
 #pragma unroll
   for (int i = 0; i < (TOTAL + THREADS - 1) / THREADS; ++i) {
     const int c = tid + i * THREADS;
     if (TOTAL % THREADS == 0 || c < TOTAL) {
-      const int r = c / CPR, c8 = (c % CPR) * 8;
-      const int gk = k0 + r, gc = r0 + c8;  // GN % 8 == 0: a chunk is all in or all out
-      const bool ok = (FULL_K || gk < K) && (FULL_N || gc < GN);
-      const __half* src = ok ? g + (size_t)gk * LD_Q + gc : g;
-      cp_async16(s + (uint32_t)(r * Q_LD + c8) * 2u, src, ok);
+      const int r = c / CPR, k8 = (c % CPR) * 8;
+      const int gr = r0 + r, gk = k0 + k8;
+      const bool ok = (FULL_N || gr < GN) && (FULL_K || gk < K);
+      const __half* src = ok ? g + (size_t)gr * LD_Q + gk : g;
+      cp_async16(s + (uint32_t)(r * Q_LD + k8) * 2u, src, ok);
     }
   }
 }
@@ -160,7 +166,7 @@ gemmrl_raw_gemm(const __half* __restrict__ Pg, const __half* __restrict__ Qg, __
 #pragma unroll
       for (int nj = 0; nj < NI / 2; ++nj) {
         uint32_t t[4];
-        ldsm_x4_trans(t, sq + (uint32_t)((kk * 16 + ((lane & 7) + ((lane >> 3) & 1) * 8)) * Q_LD + wn * WTN + nj * 16 + ((lane >> 4) * 8)) * 2u);
+        ldsm_x4(t, sq + (uint32_t)((wn * WTN + nj * 16 + ((lane & 7) + (lane >> 4) * 8)) * Q_LD + kk * 16 + (((lane >> 3) & 1) * 8)) * 2u);
         b[2 * nj][0] = t[0]; b[2 * nj][1] = t[1]; b[2 * nj + 1][0] = t[2]; b[2 * nj + 1][1] = t[3];
       }
 #pragma unroll
@@ -180,23 +186,36 @@ gemmrl_raw_gemm(const __half* __restrict__ Pg, const __half* __restrict__ Qg, __
     }
 
 
-  // ---- epilogue: accumulator r of block (mi, ni) is D[gm + (r >> 1) * 8][gn + (r & 1)]
+  // ---- epilogue through shared memory: accumulator r of block (mi, ni) is D[lm + (r >> 1) * 8][ln + (r & 1)]
+  // of the tile, staged as C's rows (C_ROWS x C_COLS, padded), then copied out 16 bytes a thread
+  __syncthreads();  // every warp is done with the pipeline's shared memory
+  __half* cs = reinterpret_cast<__half*>(smem);
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
     for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int gm = m0 + wm * WTM + mi * 16 + (lane >> 2) + h * 8;
-        const int gn = n0 + wn * WTN + ni * 8 + (lane & 3) * 2;
+        const int lm = wm * WTM + mi * 16 + (lane >> 2) + h * 8;
+        const int ln = wn * WTN + ni * 8 + (lane & 3) * 2;
         const float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
-        // D = C: lane (g, q) holds C[gm][gn], C[gm][gn+1] (N even: one aligned half2 store)
-        if ((FULL_M || gm < GM) && (FULL_N || gn < GN))
-          *reinterpret_cast<__half2*>(C + (size_t)gm * LDC + gn) = __floats2half2_rn(v0, v1);
+        *reinterpret_cast<__half2*>(cs + lm * C_LD + ln) = __floats2half2_rn(v0, v1);
       }
+  __syncthreads();
+  constexpr int VPR = C_COLS / 8, VECS = C_ROWS * VPR;  // 16-byte vectors per row, per tile
+  const int r0 = m0, c0 = n0;                  // the tile's first row and column of C
+#pragma unroll
+  for (int j = 0; j < (VECS + THREADS - 1) / THREADS; ++j) {
+    const int i = tid + j * THREADS;
+    if (VECS % THREADS == 0 || i < VECS) {
+      const int r = i / VPR, c = (i % VPR) * 8;
+      if ((FULL_M || r0 + r < M) && (FULL_N || c0 + c < N))
+        copy16_to_global(C + (size_t)(r0 + r) * LDC + c0 + c, cs + r * C_LD + c);
+    }
+  }
 }
 
-GEMMRL_EXPORT const char* gemmrl_meta(void) { return "{\"layout\": \"NN\", \"dtype\": \"fp16\", \"acc\": \"fp16\", \"name\": \"raw_nn_fp16_32x64x128_w2x2_s3_k1_256x1024x128\"}"; }
+GEMMRL_EXPORT const char* gemmrl_meta(void) { return "{\"layout\": \"TN\", \"dtype\": \"fp16\", \"acc\": \"fp16\", \"name\": \"raw_tn_fp16_64x32x128_w2x2_s4_k1_se_2048x128x128\"}"; }
 
 GEMMRL_EXPORT size_t gemmrl_workspace_bytes(int m, int n, int k) {
   return (m == raw::M && n == raw::N && k == raw::K) ? raw::WORKSPACE_BYTES : 0;
@@ -211,7 +230,7 @@ GEMMRL_EXPORT int gemmrl_run(const void* A, const void* B, void* C, int m, int n
   if (lda != LDA || ldb != LDB || ldc != LDC) return 2;
   if (!A || !B || !C) return 3;
   if ((reinterpret_cast<uintptr_t>(A) | reinterpret_cast<uintptr_t>(B)) % 16 != 0) return 4;
-  if (reinterpret_cast<uintptr_t>(C) % 4 != 0) return 4;
+  if (reinterpret_cast<uintptr_t>(C) % 16 != 0) return 4;
   if (WORKSPACE_BYTES > 0 && (!workspace || reinterpret_cast<uintptr_t>(workspace) % 16 != 0)) return 5;
   if (SMEM_BYTES > 48 * 1024) {  // opt in once per device (no sync; legal under stream capture)
     static volatile int opted[64];

@@ -1,7 +1,7 @@
-// raw_tn_fp16_32x64x128_w2x2_s3_k1_swap_512x512x64: gemmrl raw family (gemmrl/space/raw.py); generated, regenerate rather than edit.
-// C[512,512] fp16 = A[512,64] @ B[N,K]^T, fp16 accumulate, row-major, packed.
-// block_m=32, block_n=64, block_k=128, warps_m=2, warps_n=2, stages=3, split_k=1, swap_ab=True, layout=TN, acc=fp16
-// Logical GEMM D[GM,GN] = P[GM,K] . Q[GN,K]^T, swap_ab: GM = N, GN = M, P = B-side, Q = A, D = C^T
+// raw_tn_fp16_16x128x64_w1x4_s4_k1_se_256x1024x128: gemmrl raw family (gemmrl/space/raw.py); generated, regenerate rather than edit.
+// C[256,1024] fp16 = A[256,128] @ B[N,K]^T, fp16 accumulate, row-major, packed.
+// block_m=16, block_n=128, block_k=64, warps_m=1, warps_n=4, stages=4, split_k=1, swap_ab=False, layout=TN, acc=fp16, epi=smem
+// Logical GEMM D[GM,GN] = P[GM,K] . Q[GN,K]^T, P = A, Q = B, D = C
 // P is stored K-contiguous, Q K-contiguous; mma.sync m16n8k16, ldmatrix, cp.async.cg
 // ring of STAGES, padded shared rows. K tail zero-filled; M/N residues bounds-checked.
 #include <cuda_fp16.h>
@@ -13,13 +13,13 @@
 #define GEMMRL_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace raw {
-constexpr int M = 512, N = 512, K = 64;
-constexpr int LDA = K, LDB = 64, LDC = N;          // packed: the only strides served
-constexpr int GM = 512, GN = 512;                   // logical D = C^T
-constexpr int LD_P = 64, LD_Q = 64;              // global row pitch of P, Q
-constexpr int BM = 32, BN = 64, BK = 128;
-constexpr int WM = 2, WN = 2;
-constexpr int STAGES = 3, SPLIT_K = 1;
+constexpr int M = 256, N = 1024, K = 128;
+constexpr int LDA = K, LDB = 128, LDC = N;          // packed: the only strides served
+constexpr int GM = 256, GN = 1024;                   // logical D = C
+constexpr int LD_P = 128, LD_Q = 128;              // global row pitch of P, Q
+constexpr int BM = 16, BN = 128, BK = 64;
+constexpr int WM = 1, WN = 4;
+constexpr int STAGES = 4, SPLIT_K = 1;
 constexpr int THREADS = WM * WN * 32;
 constexpr int WTM = BM / WM, WTN = BN / WN;             // warp tile
 constexpr int MI = WTM / 16, NI = WTN / 8;              // m16n8 blocks per warp
@@ -28,14 +28,16 @@ constexpr int TILES = TILES_M * TILES_N;
 constexpr int KT = (K + BK - 1) / BK;                   // K tiles, the last maybe a zero-filled tail
 constexpr int KT_PER = (KT + SPLIT_K - 1) / SPLIT_K;    // K tiles per split
 constexpr bool FULL_M = GM % BM == 0, FULL_N = GN % BN == 0, FULL_K = K % BK == 0;
-constexpr int P_LD = 136, P_STAGE = 4352;          // shared: [BM][BK+8] halves per stage
-constexpr int Q_LD = 136, Q_STAGE = 8704;          // shared: [BN][BK+8] halves per stage
-constexpr int SMEM_BYTES = STAGES * (P_STAGE + Q_STAGE) * 2;
+constexpr int P_LD = 72, P_STAGE = 1152;          // shared: [BM][BK+8] halves per stage
+constexpr int Q_LD = 72, Q_STAGE = 9216;          // shared: [BN][BK+8] halves per stage
+constexpr int C_ROWS = 16, C_COLS = 128, C_LD = C_COLS + 8;  // epi='smem': the tile of C, staged
+constexpr int PIPE_BYTES = STAGES * (P_STAGE + Q_STAGE) * 2, C_BYTES = C_ROWS * C_LD * 2;
+constexpr int SMEM_BYTES = PIPE_BYTES > C_BYTES ? PIPE_BYTES : C_BYTES;
 constexpr size_t COUNTER_OFFSET = 0ull;      // bytes: fp32 partials first, then counters
 constexpr size_t WORKSPACE_BYTES = 0ull;
 static_assert(BM % (16 * WM) == 0 && BN % (16 * WN) == 0 && BK % 16 == 0, "tile shape");
 static_assert((SPLIT_K - 1) * KT_PER < KT, "every split has K tiles");
-static_assert(SMEM_BYTES == 78336, "shared memory layout");
+static_assert(SMEM_BYTES == 82944, "shared memory layout");
 static_assert(COUNTER_OFFSET % 256 == 0 && WORKSPACE_BYTES % 8 == 0, "workspace layout");
 
 // ---- PTX wrappers: the only inline assembly ----
@@ -70,6 +72,10 @@ __device__ __forceinline__ float2 h2_to_f2(uint32_t u) {
   __half2 h;
   memcpy(&h, &u, 4);
   return __half22float2(h);
+}
+// epi='smem': 16 bytes from shared to global memory (LDS.128 then STG.128)
+__device__ __forceinline__ void copy16_to_global(__half* dst, const __half* src) {
+  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
 }
 // ---- end of PTX wrappers ----
 
@@ -180,28 +186,36 @@ gemmrl_raw_gemm(const __half* __restrict__ Pg, const __half* __restrict__ Qg, __
     }
 
 
-  // ---- epilogue: accumulator r of block (mi, ni) is D[gm + (r >> 1) * 8][gn + (r & 1)]
+  // ---- epilogue through shared memory: accumulator r of block (mi, ni) is D[lm + (r >> 1) * 8][ln + (r & 1)]
+  // of the tile, staged as C's rows (C_ROWS x C_COLS, padded), then copied out 16 bytes a thread
+  __syncthreads();  // every warp is done with the pipeline's shared memory
+  __half* cs = reinterpret_cast<__half*>(smem);
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
     for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int gm = m0 + wm * WTM + mi * 16 + (lane >> 2) + h * 8;
-        const int gn = n0 + wn * WTN + ni * 8 + (lane & 3) * 2;
+        const int lm = wm * WTM + mi * 16 + (lane >> 2) + h * 8;
+        const int ln = wn * WTN + ni * 8 + (lane & 3) * 2;
         const float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
-        // D = C^T: D[gm][gn] is C[gn][gm]. Lanes g and g^1 (lane ^ 4) trade values so each stores
-        // one half2 along a row of C: even g -> C[gn][gm..gm+1], odd g -> C[gn+1][gm-1..gm].
-        const bool odd = (lane >> 2) & 1;
-        const float other = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
-        const int row = odd ? gn + 1 : gn, col = odd ? gm - 1 : gm;
-        const __half2 v = odd ? __floats2half2_rn(other, v1) : __floats2half2_rn(v0, other);
-        if ((FULL_N || row < GN) && (FULL_M || col < GM))
-          *reinterpret_cast<__half2*>(C + (size_t)row * LDC + col) = v;
+        *reinterpret_cast<__half2*>(cs + lm * C_LD + ln) = __floats2half2_rn(v0, v1);
       }
+  __syncthreads();
+  constexpr int VPR = C_COLS / 8, VECS = C_ROWS * VPR;  // 16-byte vectors per row, per tile
+  const int r0 = m0, c0 = n0;                  // the tile's first row and column of C
+#pragma unroll
+  for (int j = 0; j < (VECS + THREADS - 1) / THREADS; ++j) {
+    const int i = tid + j * THREADS;
+    if (VECS % THREADS == 0 || i < VECS) {
+      const int r = i / VPR, c = (i % VPR) * 8;
+      if ((FULL_M || r0 + r < M) && (FULL_N || c0 + c < N))
+        copy16_to_global(C + (size_t)(r0 + r) * LDC + c0 + c, cs + r * C_LD + c);
+    }
+  }
 }
 
-GEMMRL_EXPORT const char* gemmrl_meta(void) { return "{\"layout\": \"TN\", \"dtype\": \"fp16\", \"acc\": \"fp16\", \"name\": \"raw_tn_fp16_32x64x128_w2x2_s3_k1_swap_512x512x64\"}"; }
+GEMMRL_EXPORT const char* gemmrl_meta(void) { return "{\"layout\": \"TN\", \"dtype\": \"fp16\", \"acc\": \"fp16\", \"name\": \"raw_tn_fp16_16x128x64_w1x4_s4_k1_se_256x1024x128\"}"; }
 
 GEMMRL_EXPORT size_t gemmrl_workspace_bytes(int m, int n, int k) {
   return (m == raw::M && n == raw::N && k == raw::K) ? raw::WORKSPACE_BYTES : 0;
@@ -216,7 +230,7 @@ GEMMRL_EXPORT int gemmrl_run(const void* A, const void* B, void* C, int m, int n
   if (lda != LDA || ldb != LDB || ldc != LDC) return 2;
   if (!A || !B || !C) return 3;
   if ((reinterpret_cast<uintptr_t>(A) | reinterpret_cast<uintptr_t>(B)) % 16 != 0) return 4;
-  if (reinterpret_cast<uintptr_t>(C) % 4 != 0) return 4;
+  if (reinterpret_cast<uintptr_t>(C) % 16 != 0) return 4;
   if (WORKSPACE_BYTES > 0 && (!workspace || reinterpret_cast<uintptr_t>(workspace) % 16 != 0)) return 5;
   if (SMEM_BYTES > 48 * 1024) {  // opt in once per device (no sync; legal under stream capture)
     static volatile int opted[64];
@@ -230,7 +244,7 @@ GEMMRL_EXPORT int gemmrl_run(const void* A, const void* B, void* C, int m, int n
     }
   }
   gemmrl_raw_gemm<<<TILES * SPLIT_K, THREADS, SMEM_BYTES, stream>>>(
-      static_cast<const __half*>(B), static_cast<const __half*>(A),
+      static_cast<const __half*>(A), static_cast<const __half*>(B),
       static_cast<__half*>(C), static_cast<float*>(workspace));
   return cudaGetLastError() == cudaSuccess ? 0 : 7;
 }

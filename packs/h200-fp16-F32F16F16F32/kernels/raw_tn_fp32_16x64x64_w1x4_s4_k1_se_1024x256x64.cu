@@ -1,6 +1,6 @@
-// raw_tn_fp16_32x128x64_w2x4_s4_k1_256x2048x64: gemmrl raw family (gemmrl/space/raw.py); generated, regenerate rather than edit.
-// C[256,2048] fp16 = A[256,64] @ B[N,K]^T, fp16 accumulate, row-major, packed.
-// block_m=32, block_n=128, block_k=64, warps_m=2, warps_n=4, stages=4, split_k=1, swap_ab=False, layout=TN, acc=fp16
+// raw_tn_fp32_16x64x64_w1x4_s4_k1_se_1024x256x64: gemmrl raw family (gemmrl/space/raw.py); generated, regenerate rather than edit.
+// C[1024,256] fp16 = A[1024,64] @ B[N,K]^T, fp32 accumulate, row-major, packed.
+// block_m=16, block_n=64, block_k=64, warps_m=1, warps_n=4, stages=4, split_k=1, swap_ab=False, layout=TN, acc=fp32, epi=smem
 // Logical GEMM D[GM,GN] = P[GM,K] . Q[GN,K]^T, P = A, Q = B, D = C
 // P is stored K-contiguous, Q K-contiguous; mma.sync m16n8k16, ldmatrix, cp.async.cg
 // ring of STAGES, padded shared rows. K tail zero-filled; M/N residues bounds-checked.
@@ -13,12 +13,12 @@
 #define GEMMRL_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace raw {
-constexpr int M = 256, N = 2048, K = 64;
+constexpr int M = 1024, N = 256, K = 64;
 constexpr int LDA = K, LDB = 64, LDC = N;          // packed: the only strides served
-constexpr int GM = 256, GN = 2048;                   // logical D = C
+constexpr int GM = 1024, GN = 256;                   // logical D = C
 constexpr int LD_P = 64, LD_Q = 64;              // global row pitch of P, Q
-constexpr int BM = 32, BN = 128, BK = 64;
-constexpr int WM = 2, WN = 4;
+constexpr int BM = 16, BN = 64, BK = 64;
+constexpr int WM = 1, WN = 4;
 constexpr int STAGES = 4, SPLIT_K = 1;
 constexpr int THREADS = WM * WN * 32;
 constexpr int WTM = BM / WM, WTN = BN / WN;             // warp tile
@@ -28,14 +28,16 @@ constexpr int TILES = TILES_M * TILES_N;
 constexpr int KT = (K + BK - 1) / BK;                   // K tiles, the last maybe a zero-filled tail
 constexpr int KT_PER = (KT + SPLIT_K - 1) / SPLIT_K;    // K tiles per split
 constexpr bool FULL_M = GM % BM == 0, FULL_N = GN % BN == 0, FULL_K = K % BK == 0;
-constexpr int P_LD = 72, P_STAGE = 2304;          // shared: [BM][BK+8] halves per stage
-constexpr int Q_LD = 72, Q_STAGE = 9216;          // shared: [BN][BK+8] halves per stage
-constexpr int SMEM_BYTES = STAGES * (P_STAGE + Q_STAGE) * 2;
+constexpr int P_LD = 72, P_STAGE = 1152;          // shared: [BM][BK+8] halves per stage
+constexpr int Q_LD = 72, Q_STAGE = 4608;          // shared: [BN][BK+8] halves per stage
+constexpr int C_ROWS = 16, C_COLS = 64, C_LD = C_COLS + 8;  // epi='smem': the tile of C, staged
+constexpr int PIPE_BYTES = STAGES * (P_STAGE + Q_STAGE) * 2, C_BYTES = C_ROWS * C_LD * 2;
+constexpr int SMEM_BYTES = PIPE_BYTES > C_BYTES ? PIPE_BYTES : C_BYTES;
 constexpr size_t COUNTER_OFFSET = 0ull;      // bytes: fp32 partials first, then counters
 constexpr size_t WORKSPACE_BYTES = 0ull;
 static_assert(BM % (16 * WM) == 0 && BN % (16 * WN) == 0 && BK % 16 == 0, "tile shape");
 static_assert((SPLIT_K - 1) * KT_PER < KT, "every split has K tiles");
-static_assert(SMEM_BYTES == 92160, "shared memory layout");
+static_assert(SMEM_BYTES == 46080, "shared memory layout");
 static_assert(COUNTER_OFFSET % 256 == 0 && WORKSPACE_BYTES % 8 == 0, "workspace layout");
 
 // ---- PTX wrappers: the only inline assembly ----
@@ -57,19 +59,17 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
-// D += A(16x16, row) . B(16x8, col), fp16 in, fp16 accumulate (d[0] = rows g, d[1] = rows g+8)
-__device__ __forceinline__ void mma(uint32_t (&d)[2], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+// D += A(16x16, row) . B(16x8, col), fp16 in, fp32 accumulate
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f16.f16.f16.f16 {%0,%1}, {%2,%3,%4,%5}, {%6,%7}, "
-      "{%0,%1};\n"
-      : "+r"(d[0]), "+r"(d[1])
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-
-__device__ __forceinline__ float2 h2_to_f2(uint32_t u) {
-  __half2 h;
-  memcpy(&h, &u, 4);
-  return __half22float2(h);
+// epi='smem': 16 bytes from shared to global memory (LDS.128 then STG.128)
+__device__ __forceinline__ void copy16_to_global(__half* dst, const __half* src) {
+  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
 }
 // ---- end of PTX wrappers ----
 
@@ -121,13 +121,13 @@ gemmrl_raw_gemm(const __half* __restrict__ Pg, const __half* __restrict__ Qg, __
   const int kt0 = split * KT_PER;
   const int nkt = min(KT, kt0 + KT_PER) - kt0;  // >= 1 (static_assert above)
 
-  uint32_t acch[MI][NI][2];  // fp16 accumulators, half2 pairs
+  float acc[MI][NI][4];
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
     for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) acch[mi][ni][r] = 0u;
+      for (int r = 0; r < 4; ++r) acc[mi][ni][r] = 0.0f;
 
   // prologue: STAGES-1 tiles in flight (one commit group per tile, empty groups past the end)
 #pragma unroll
@@ -166,37 +166,42 @@ gemmrl_raw_gemm(const __half* __restrict__ Pg, const __half* __restrict__ Qg, __
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-        for (int ni = 0; ni < NI; ++ni) mma(acch[mi][ni], a[mi], b[ni][0], b[ni][1]);
+        for (int ni = 0; ni < NI; ++ni) mma(acc[mi][ni], a[mi], b[ni][0], b[ni][1]);
     }
   }
   cp_async_wait<0>();
-  float acc[MI][NI][4];
-#pragma unroll
-  for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-    for (int ni = 0; ni < NI; ++ni) {
-      const float2 lo = h2_to_f2(acch[mi][ni][0]), hi = h2_to_f2(acch[mi][ni][1]);
-      acc[mi][ni][0] = lo.x; acc[mi][ni][1] = lo.y; acc[mi][ni][2] = hi.x; acc[mi][ni][3] = hi.y;
-    }
 
 
-  // ---- epilogue: accumulator r of block (mi, ni) is D[gm + (r >> 1) * 8][gn + (r & 1)]
+  // ---- epilogue through shared memory: accumulator r of block (mi, ni) is D[lm + (r >> 1) * 8][ln + (r & 1)]
+  // of the tile, staged as C's rows (C_ROWS x C_COLS, padded), then copied out 16 bytes a thread
+  __syncthreads();  // every warp is done with the pipeline's shared memory
+  __half* cs = reinterpret_cast<__half*>(smem);
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
     for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int gm = m0 + wm * WTM + mi * 16 + (lane >> 2) + h * 8;
-        const int gn = n0 + wn * WTN + ni * 8 + (lane & 3) * 2;
+        const int lm = wm * WTM + mi * 16 + (lane >> 2) + h * 8;
+        const int ln = wn * WTN + ni * 8 + (lane & 3) * 2;
         const float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
-        // D = C: lane (g, q) holds C[gm][gn], C[gm][gn+1] (N even: one aligned half2 store)
-        if ((FULL_M || gm < GM) && (FULL_N || gn < GN))
-          *reinterpret_cast<__half2*>(C + (size_t)gm * LDC + gn) = __floats2half2_rn(v0, v1);
+        *reinterpret_cast<__half2*>(cs + lm * C_LD + ln) = __floats2half2_rn(v0, v1);
       }
+  __syncthreads();
+  constexpr int VPR = C_COLS / 8, VECS = C_ROWS * VPR;  // 16-byte vectors per row, per tile
+  const int r0 = m0, c0 = n0;                  // the tile's first row and column of C
+#pragma unroll
+  for (int j = 0; j < (VECS + THREADS - 1) / THREADS; ++j) {
+    const int i = tid + j * THREADS;
+    if (VECS % THREADS == 0 || i < VECS) {
+      const int r = i / VPR, c = (i % VPR) * 8;
+      if ((FULL_M || r0 + r < M) && (FULL_N || c0 + c < N))
+        copy16_to_global(C + (size_t)(r0 + r) * LDC + c0 + c, cs + r * C_LD + c);
+    }
+  }
 }
 
-GEMMRL_EXPORT const char* gemmrl_meta(void) { return "{\"layout\": \"TN\", \"dtype\": \"fp16\", \"acc\": \"fp16\", \"name\": \"raw_tn_fp16_32x128x64_w2x4_s4_k1_256x2048x64\"}"; }
+GEMMRL_EXPORT const char* gemmrl_meta(void) { return "{\"layout\": \"TN\", \"dtype\": \"fp16\", \"acc\": \"fp32\", \"name\": \"raw_tn_fp32_16x64x64_w1x4_s4_k1_se_1024x256x64\"}"; }
 
 GEMMRL_EXPORT size_t gemmrl_workspace_bytes(int m, int n, int k) {
   return (m == raw::M && n == raw::N && k == raw::K) ? raw::WORKSPACE_BYTES : 0;
@@ -211,7 +216,7 @@ GEMMRL_EXPORT int gemmrl_run(const void* A, const void* B, void* C, int m, int n
   if (lda != LDA || ldb != LDB || ldc != LDC) return 2;
   if (!A || !B || !C) return 3;
   if ((reinterpret_cast<uintptr_t>(A) | reinterpret_cast<uintptr_t>(B)) % 16 != 0) return 4;
-  if (reinterpret_cast<uintptr_t>(C) % 4 != 0) return 4;
+  if (reinterpret_cast<uintptr_t>(C) % 16 != 0) return 4;
   if (WORKSPACE_BYTES > 0 && (!workspace || reinterpret_cast<uintptr_t>(workspace) % 16 != 0)) return 5;
   if (SMEM_BYTES > 48 * 1024) {  // opt in once per device (no sync; legal under stream capture)
     static volatile int opted[64];
