@@ -619,15 +619,46 @@ def test_a_reserve_for_the_final_timing_stops_the_search_before_the_deadline():
 
     result, sim, _ = run(None)
     assert len(sim.evaluated) == 10 * 8  # batches at 0, 10, ..., 90 s: five shapes
-    # 8 s a shape reached: at 40 s the third shape's first batch keeps 24 s (64 < 100); at 60 s the
-    # fourth shape's keeps 32 (92 < 100); at 70 s its second batch would end the search at 102: stop
+    # 8 s a shape reached, and the longest batch so far (10 s) with it: at 40 s the third shape's
+    # first batch keeps 24 + 10 s (74 < 100); at 60 s the fourth shape's would keep 32 + 10 (102):
+    # stop, where the batch would end at 70 s and its final timing at 102
     result, sim, seen = run(lambda reached: final_reserve_s(len(reached)))
     assert result.stopped == "wall-clock deadline"
-    assert len(sim.evaluated) == 7 * 8 and set(result.best) == set(PROBLEMS[:4])
+    assert len(sim.evaluated) == 6 * 8 and set(result.best) == set(PROBLEMS[:3])
     assert seen[0] == frozenset(PROBLEMS[:1]) and seen[-1] == frozenset(PROBLEMS[:4])
     # a reserve larger than the whole window: nothing is searched
     result, sim, _ = run(lambda reached: 1000.0)
     assert result.stopped == "wall-clock deadline" and not sim.evaluated
+
+
+def test_a_finish_deadline_keeps_the_longest_batch_too():
+    """tune --finish-s: a batch that starts must also end before the final timing's reserve.
+    The H200's 2026-11-30j run: CUTLASS batches of about 60 s began inside the window and the
+    final timing was cut. A slow batch after fast ones raises what every later start keeps."""
+    sim, now, starts = SimGPU(), [0.0], []
+    lengths = iter([5.0, 60.0] + [5.0] * 100)  # the second batch is a slow one
+
+    def evaluate(problem, cands):
+        starts.append(now[0])
+        now[0] += next(lengths)
+        return sim(problem, cands)
+    result = tune(PROBLEMS, ModelFreePolicy(layouts=LAYOUTS), evaluate, per_shape_candidates=16, batch=8,
+                  deadline=150.0, clock=lambda: now[0], reserve=lambda reached: 20.0)
+    assert result.stopped == "wall-clock deadline"
+    # starts at 0 (keeps 20), 5 (keeps 20 + 5: 30 < 150), 65 (keeps 20 + 60: 145 < 150); at 70 it
+    # would keep 80 again (150, not below 150): stop. Keeping only the reserve, batches would have
+    # started up to 125 s, where another slow one ends at 185, past the window
+    assert starts == [0.0, 5.0, 65.0]
+    assert now[0] + 20.0 <= 150.0
+    # --wall-s (no reserve) bounds only when batches start
+    sim2, now2 = SimGPU(), [0.0]
+
+    def evaluate2(problem, cands):
+        now2[0] += 60.0
+        return sim2(problem, cands)
+    result = tune(PROBLEMS, ModelFreePolicy(layouts=LAYOUTS), evaluate2, per_shape_candidates=16, batch=8,
+                  deadline=100.0, clock=lambda: now2[0])
+    assert len(sim2.evaluated) == 2 * 8  # started at 0 and 60 s, ended at 120
 
 
 def test_final_reserve_grows_with_shapes_race_and_unbuilt_incumbents():

@@ -152,7 +152,9 @@ def tune(problems: Iterable[Problem], policy: Policy, evaluate: Evaluate, *, per
     """`more`: instead of `per_shape_candidates` in all, that many beyond each problem's history.
     `reserve(problems)`: seconds to keep before `deadline` for what follows the search when it
     has reached `problems` (this run's searched shapes, and the one a batch is about to start
-    on): no batch starts later than that (tune --finish-s; final_reserve_s)."""
+    on): no batch starts later than that, less the longest batch this run has timed so far, so
+    that the batch too ends inside the window (tune --finish-s; final_reserve_s). Without a
+    reserve (tune --wall-s) the deadline bounds when batches start, not when they end."""
     problems = list(dict.fromkeys(problems))
     wanted = set(problems)
     history = [t for t in history if t.problem in wanted]
@@ -172,6 +174,11 @@ def tune(problems: Iterable[Problem], policy: Policy, evaluate: Evaluate, *, per
     touched: set[Problem] = set()  # the problems this run has searched
     curve: list[tuple[int, float]] = []
     spent, dropped, stopped = 0.0, 0, ""
+    # the wall time of this run's longest batch: a --finish-s run keeps it too before starting
+    # another (H200, 2026-11-30j: a batch of 8 CUTLASS kernels for 8192x8192x8192 compiled and
+    # timed for about 60 s, began inside the window left before the final timing's reserve and
+    # pushed that timing past the step's end: every winner of the run went untimed)
+    longest = 0.0
     failed: dict[Problem, str] = {}
 
     def point():
@@ -190,7 +197,7 @@ def tune(problems: Iterable[Problem], policy: Policy, evaluate: Evaluate, *, per
             if remaining <= 0:
                 stopped = "device budget"
                 break
-            keep = reserve(frozenset(touched | {problem})) if reserve is not None else 0.0
+            keep = reserve(frozenset(touched | {problem})) + longest if reserve is not None else 0.0
             if deadline is not None and clock() + keep >= deadline:
                 stopped = "wall-clock deadline"
                 break
@@ -213,7 +220,9 @@ def tune(problems: Iterable[Problem], policy: Policy, evaluate: Evaluate, *, per
                 fresh.append(c)
             if not fresh:
                 break  # the policy has nothing new for this problem
+            began = clock()
             got = evaluate(problem, fresh)
+            longest = max(longest, clock() - began)
             touched.add(problem)
             for t in got:
                 trials.append(t)
