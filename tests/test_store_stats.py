@@ -513,3 +513,20 @@ def test_storing_the_same_choice_again_keeps_when_it_was_made(monkeypatch):
     clock[0] = 4000.0
     s.put_tuning("H100", Q, "cuBLASLt-auto-tuning-nn", b"\x01", "algo=1", 2.4)
     assert s.db.execute("SELECT created FROM tuning WHERE impl='cuBLASLt-auto-tuning-nn'").fetchone()[0] == 3000.0
+
+
+def test_trials_of_some_problems_come_oldest_first_with_their_records(tmp_path):
+    """Store.trials(device, problems) reads each problem's trials through the index: the same
+    rows, in the same order (by id, across problems), as the whole device's trials filtered."""
+    s = Store(tmp_path / "s.sqlite")
+    a, b, c = Problem(64, 64, 64), Problem(128, 64, 64), Problem(64, 64, 64, acc="fp16")
+    for i, (dev, p) in enumerate([("H200", a), ("H200", b), ("H100", a), ("H200", c), ("H200", a), ("H200", b)]):
+        s.record_trial(None, dev, p, f"k{i}", "ok", 1.0 + i, 2.0 + i, {"i": i})
+    every = s.trials("H200")
+    assert [r["candidate"] for r in every] == ["k0", "k1", "k3", "k4", "k5"]
+    got = s.trials("H200", [b, a, a])  # any order, a problem twice: each row once, by id
+    assert [r["candidate"] for r in got] == ["k0", "k1", "k4", "k5"]
+    assert [r["record"] for r in got] == [{"i": 0}, {"i": 1}, {"i": 4}, {"i": 5}]
+    assert got == [r for r in every if (r["M"], r["N"], r["K"], r["dtype"], r["acc"]) in {a.key(), b.key()}]
+    assert s.trials("H200", [c])[0]["candidate"] == "k3" and s.trials("H200", []) == []
+    assert [r["candidate"] for r in s.trials("H100", iter([a]))] == ["k2"]

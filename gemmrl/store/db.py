@@ -587,15 +587,21 @@ class Store:
             (device,))}
 
     def trials(self, device: str, problems=None) -> list[dict]:
+        """The device's trials, oldest first (by id), each with its record parsed; only those of
+        `problems` if given, read through the (device, M, N, K, dtype, acc) index one problem at a
+        time: the whole table (35,000 H200 trials by 2026-11-30) read and filtered once per shape
+        took a race's contender lookup 0.2 s a shape, 21 s before a 90-shape tune could search."""
         if not self.db.execute("SELECT 1 FROM sqlite_master WHERE name='trials'").fetchone():
             return []
-        rows = self.db.execute("SELECT * FROM trials WHERE device=? ORDER BY id", (device,)).fetchall()
-        keys = {p.key() for p in problems} if problems is not None else None
-        out = []
-        for r in rows:
-            if keys is None or (r["M"], r["N"], r["K"], r["dtype"], r["acc"]) in keys:
-                out.append(dict(r, record=json.loads(r["record"])))
-        return out
+        if problems is None:
+            rows = self.db.execute("SELECT * FROM trials WHERE device=? ORDER BY id", (device,)).fetchall()
+        else:
+            rows = []
+            for key in dict.fromkeys(p.key() for p in problems):
+                rows.extend(self.db.execute("SELECT * FROM trials WHERE device=? AND M=? AND N=? AND K=? AND dtype=? "
+                                            "AND acc=? ORDER BY id", (device, *key)).fetchall())
+            rows.sort(key=lambda r: r["id"])
+        return [dict(r, record=json.loads(r["record"])) for r in rows]
 
     # quarantine: implementations or candidate kernels that crashed or hung on a problem -------
     def quarantine(self, device: str, problem: Problem, name: str, reason: str) -> None:
