@@ -164,6 +164,32 @@ def test_the_prior_reads_the_stored_choices_of_each_layout(tmp_path):
         store.close()
 
 
+def test_an_fp16_problem_reads_its_own_accumulators_choice_first(tmp_path):
+    """The fp16-accumulator baseline runs cuBLASLt in fp16 compute and stores its own pick: an fp16
+    problem is seeded with that pick's kernels first, then with the fp32 pick's; an fp32 problem
+    never reads the fp16 pick (H200, 2026-12-01: the fp16 autotuning chose 128x256 with a 2x1
+    cluster where the fp32 one chose 128x160, and only the latter was ever offered)."""
+    from gemmrl.search.lt_seed import choice_accs
+
+    assert choice_accs("fp32") == ("fp32",) and choice_accs("fp16") == ("fp16", "fp32")
+    store, p, _q = _store_with_choices(tmp_path / "s.sqlite")  # fp32 picks: TN 128x160, NN 128x128
+    try:
+        p16 = Problem(p.M, p.N, p.K, acc="fp16")
+        only32 = names(s for _f, s in lt_prior(store, DEV, [p16], LT_TILES, LT_CLUSTERS)[p16])
+        store.put_tuning(DEV, p16, LT_IMPL.format("nn"), b"\x04" * 64, INFO.replace("tile=29", "tile=23"), 700.0)
+        own = names(lt_specs(LT_TILES[23], LT_CLUSTERS[3], "NN", "fp16", "fp16", p16))
+        assert own and all(n.endswith(("_f16_f16", "_f16_f16_xab")) for n in own)
+        got = names(s for _f, s in lt_prior(store, DEV, [p16], LT_TILES, LT_CLUSTERS)[p16])
+        assert got[:len(own)] == own  # its own pick first (NN; no fp16 TN pick stored)
+        assert got[len(own):] == [n for n in only32 if n not in own]  # then the fp32 picks, each spec once
+        assert len(got) == len(set(got))
+        # an fp32 problem of the shape: the fp32 picks only, as before
+        assert names(s for _f, s in lt_prior(store, DEV, [p], LT_TILES, LT_CLUSTERS)[p]) == [
+            n.replace("_f16_f16", "_f16_f32") for n in only32]
+    finally:
+        store.close()
+
+
 def test_the_search_proposes_the_prior_first(tmp_path):
     """run_tune(lt_prior=...): the model-free policy's first batch on the shape leads with the
     suggestions; a policy that takes no prior refuses it."""

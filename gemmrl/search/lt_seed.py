@@ -175,29 +175,52 @@ def parse_choice(info: str, tiles: dict, clusters: dict) -> tuple[tuple[int, int
 
 def lt_prior(store, device: str, problems, tiles: dict, clusters: dict, layouts=("NN", "TN")) -> dict:
     """{problem: [(family, spec), ...]} for tune's policy (add_prior): per problem, the specs of
-    the autotuned cuBLASLt choice stored on `device` for each of `layouts` (lt_specs; the
-    choices are fp32-accumulator ones, as the baseline runs, and the specs take the problem's
-    accumulator; a split-K choice's twins, then their 1x1-cluster twins). Problems with no usable
-    stored choice are left out."""
-    from gemmrl.runtime.pack import LT_IMPL
-
+    the autotuned cuBLASLt choices stored on `device` for each of `layouts` (lt_specs; a split-K
+    choice's twins, then their 1x1-cluster twins), all with the problem's accumulator. The
+    choices read are those of the problem's own accumulator first (an fp16-accumulator baseline
+    runs cuBLASLt with CUBLAS_COMPUTE_16F, and its autotuning stores its own pick), then the
+    fp32-accumulator ones (choice_accs). Each spec once; problems with no usable stored choice
+    are left out."""
     out: dict = {}
     for problem in problems:
-        suggestions = []
-        for layout in layouts:
-            row = store.db.execute(
-                "SELECT info FROM tuning WHERE device=? AND M=? AND N=? AND K=? AND dtype=? AND acc='fp32' "
-                "AND impl=?", (device, problem.M, problem.N, problem.K, problem.dtype,
-                               LT_IMPL.format(layout.lower()))).fetchone()
-            got = _parse(row[0], tiles, clusters) if row else None
-            if got is not None and got[2] <= 1:
-                suggestions += [(FAMILY, s) for s in lt_specs(*got[:2], layout, problem.dtype, problem.acc, problem)]
-            elif got is not None:  # a split-K choice, then the 1x1-cluster twins of its forms
-                split = lt_split_specs(*got, layout, problem.dtype, problem.acc, problem)
-                suggestions += [(FAMILY, s) for s in split + unclustered(split, problem)]
+        suggestions, seen = [], set()
+        for acc in choice_accs(problem.acc):
+            for layout in layouts:
+                for spec in _choice_specs(store, device, problem, layout, acc, tiles, clusters):
+                    if spec.name not in seen:
+                        seen.add(spec.name)
+                        suggestions.append((FAMILY, spec))
         if suggestions:
             out[problem] = suggestions
     return out
+
+
+def choice_accs(acc: str) -> tuple[str, ...]:
+    """The accumulators whose stored cuBLASLt choices seed a problem of accumulator `acc`, in the
+    order lt_prior offers them: its own, then fp32's. Before 2026-12-01 an fp16 problem read only
+    the fp32 choices: on the H200's three largest fp16 rows under 0.98 of cuBLASLt autotuned, the
+    fp16 autotuning had picked tile 128x256 with a 2x1 cluster on NN, whose twins no trial had
+    tried, where the fp32 picks were 192x192, 128x160 and 256x96. Pure."""
+    return (acc,) if acc == "fp32" else (acc, "fp32")
+
+
+def _choice_specs(store, device: str, problem, layout: str, acc: str, tiles: dict, clusters: dict) -> list:
+    """The specs (the problem's accumulator) of the cuBLASLt choice stored on `device` for the
+    problem's shape and dtype, `layout`, by the baseline of accumulator `acc`: lt_specs of a
+    plain choice, lt_split_specs and then their unclustered twins of a split-K one; [] where none
+    is stored or the tables do not know its tile or cluster."""
+    from gemmrl.runtime.pack import LT_IMPL
+
+    row = store.db.execute(
+        "SELECT info FROM tuning WHERE device=? AND M=? AND N=? AND K=? AND dtype=? AND acc=? AND impl=?",
+        (device, problem.M, problem.N, problem.K, problem.dtype, acc, LT_IMPL.format(layout.lower()))).fetchone()
+    got = _parse(row[0], tiles, clusters) if row else None
+    if got is None:
+        return []
+    if got[2] <= 1:
+        return lt_specs(*got[:2], layout, problem.dtype, problem.acc, problem)
+    split = lt_split_specs(*got, layout, problem.dtype, problem.acc, problem)
+    return split + unclustered(split, problem)
 
 
 def lt_devices(store) -> list[str]:
