@@ -681,8 +681,9 @@ def targets(results_dir, device, subject, acc, product, json_out):
 @click.option("--no-report", is_flag=True, help="do not write CSVs, summary and plots at the end")
 @click.option("--seed-from-lt", "seed_from_lt", is_flag=True,
               help="seed each shape's first batch with the CUTLASS kernels of cuBLASLt autotuned's own "
-                   "choice there (its stored tile and cluster, in our orientation: search/lt_seed.py), beside "
-                   "any --transfer-from; the baselines must have been measured on this GPU")
+                   "choice there (its stored tile and cluster, in our orientation: search/lt_seed.py; with --acc "
+                   "fp16 the fp16 autotuning's pick first, then the fp32 one's), beside any --transfer-from; "
+                   "the baselines must have been measured on this GPU")
 @click.option("--reuse-baselines", is_flag=True,
               help="time only the winners at the end and compare them with the baselines already in the "
                    "store (default: time the baselines again beside them, so each ratio is from one run)")
