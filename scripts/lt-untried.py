@@ -57,6 +57,8 @@ def main(argv=None) -> int:
     ap.add_argument("--low", type=float, default=0.0, help="lowest ratio taken (inclusive)")
     ap.add_argument("--high", type=float, default=1.0, help="ratio taken below this (exclusive)")
     ap.add_argument("--more", type=int, default=3, help="the untried seeds per shape the next tune takes")
+    ap.add_argument("--min-flops-log2", type=float, default=None, metavar="E",
+                    help="only shapes of 2^E FLOPs (2*M*N*K) or more, e.g. 36: the large-shapes target's")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--parts", type=int, default=1, help="also OUT-a, OUT-b, ...: consecutive slices")
     a = ap.parse_args(argv)
@@ -66,6 +68,8 @@ def main(argv=None) -> int:
         ap.error("--parts must be 1-26")
     if a.more < 1:
         ap.error("--more must be 1 or more")
+    if a.min_flops_log2 is not None and not 0 <= a.min_flops_log2 <= 64:
+        ap.error(f"--min-flops-log2 {a.min_flops_log2:g}: expected 0-64")
 
     from gemmrl.baselines.cublas import lt_enum_tables
     from gemmrl.core.problem import Problem
@@ -85,18 +89,20 @@ def main(argv=None) -> int:
         ap.error(f"no cuBLASLt autotuned choice stored on {a.device!r} in {a.db}"
                  + (f"; it has them on {', '.join(known)}" if known else ""))
     ratio = read_report(a.report)
-    chosen = {mnk: r for mnk, r in ratio.items() if a.low <= r < a.high}
+    floor = 0.0 if a.min_flops_log2 is None else 2.0 ** a.min_flops_log2
+    chosen = {mnk: r for mnk, r in ratio.items() if a.low <= r < a.high and 2.0 * mnk[0] * mnk[1] * mnk[2] >= floor}
+    band = f"{a.low:g}-{a.high:g}" + ("" if a.min_flops_log2 is None else f" of 2^{a.min_flops_log2:g} FLOPs or more")
     problems = [Problem(*mnk, dtype=a.dtype, acc=a.acc) for mnk in chosen]
     tiles, clusters, source = lt_enum_tables(extra_roots=tuple(sorted(Path.cwd().glob(".ext/*/nvidia/cu13"))))
     left = untried(store, device, problems, tiles, clusters)
     rows = sorted(left, key=lambda p: (chosen[(p.M, p.N, p.K)], p.M * p.N * p.K, p.key()))
     kernels = {n for p in rows for n in left[p][:a.more]}
-    head = (f"# {device} {a.dtype} acc {a.acc}: the {len(rows)} shapes at {a.low:g}-{a.high:g} of cuBLASLt "
+    head = (f"# {device} {a.dtype} acc {a.acc}: the {len(rows)} shapes at {band} of cuBLASLt "
             f"autotuned ({a.report.name}) with cuBLASLt-tile seeds not yet tried (scripts/lt-untried.py; "
             f"{source}); lowest first. tune --seed-from-lt --more {a.more}")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(head + "\n" + "".join(p.shape + "\n" for p in rows))
-    print(f"{len(chosen)} shapes at {a.low:g}-{a.high:g}; {len(rows)} with untried seeds; the first {a.more} "
+    print(f"{len(chosen)} shapes at {band}; {len(rows)} with untried seeds; the first {a.more} "
           f"untried of each: {len(kernels)} distinct kernels -> {a.out}", file=sys.stderr)
     if a.parts > 1:
         for letter, part in zip(string.ascii_lowercase, split(rows, a.parts)):

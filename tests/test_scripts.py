@@ -2064,6 +2064,14 @@ def test_lt_untried_lists_the_shapes_in_a_ratio_band_whose_seeds_are_not_all_tri
     assert (tmp_path / "list-a.txt").read_text().splitlines()[1:] == ["8192x4096x4096"]
     assert (tmp_path / "list-b.txt").read_text().splitlines()[1:] == ["16384x4096x4096"]
     assert lt.split(list(range(234)), 4)[3] == list(range(177, 234))
+    # --min-flops-log2: 16384x4096x4096 is 2^39 FLOPs, 8192x4096x4096 2^38
+    big = subprocess.run([sys.executable, str(ROOT / "scripts" / "lt-untried.py"), "--db", str(db), "--device", "H200",
+                          "--report", str(report), "--high", "0.98", "--min-flops-log2", "39", "--out", str(out)],
+                         capture_output=True, text=True, env=ENV, timeout=300, cwd=tmp_path)
+    assert big.returncode == 0, big.stderr
+    assert out.read_text().splitlines()[1:] == ["16384x4096x4096"]
+    assert "the 1 shapes at 0-0.98 of 2^39 FLOPs or more of cuBLASLt" in out.read_text()
+    assert "1 shapes at 0-0.98 of 2^39 FLOPs or more; 1 with untried seeds" in big.stderr
 
     bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "lt-untried.py"), "--db", str(db), "--device", "H200",
                           "--report", str(report), "--low", "1.0", "--high", "0.98", "--out", str(out)],
