@@ -60,7 +60,10 @@ P = Problem(256, 256, 4096)
 RULES = [
     (S(layout="NT"), P, "layout"),
     (S(acc="bf16"), P, "acc must be"),
-    (S(), Problem(256, 256, 4096, "bf16", "fp32"), "fp16 only"),
+    (S(), Problem(256, 256, 4096, "bf16", "fp32"), "spec multiplies fp16 but the problem is bf16"),
+    (S(dtype="bf16"), P, "spec multiplies bf16 but the problem is fp16"),
+    (S(dtype="fp8"), P, "dtype must be one of fp16, bf16"),
+    (S(dtype="bf16", acc="fp16"), Problem(256, 256, 4096, "bf16", "fp32"), "bf16 accumulates in fp32 only"),
     (S(acc="fp16"), P, "problem asks for fp32"),
     (S(block_m=64.0), P, "must be ints"),
     (S(swap_ab=1), P, "must be ints"),
@@ -129,6 +132,45 @@ def test_render_is_deterministic_and_specialized():
     assert (meta.layout, meta.dtype, meta.acc, meta.name) == ("NN", "fp16", "fp32", kernel_name(spec, problem))
 
 
+def test_a_bf16_kernel_is_its_fp16_twin_retyped():
+    """dtype='bf16': the fp16 twin's source with the element type, its conversions, the MMA's
+    operand types and the meta retyped; nothing else differs, and no fp16 type, conversion or MMA
+    is left. fp16 sources carry no bf16 text."""
+    from gemmrl.space.raw import _BF16_TEXT, _retype
+
+    for spec, problem in [(S(block_n=32, split_k=3, swap_ab=True, arrive="add"), Problem(65, 72, 264)),
+                          (S(layout="TN"), Problem(33, 71, 200)), (S(epi="smem"), Problem(72, 136, 96))]:
+        half = render(spec, problem)
+        bspec, bprob = dataclasses.replace(spec, dtype="bf16"), Problem(problem.M, problem.N, problem.K, "bf16", "fp32")
+        bf = render(bspec, bprob)
+        assert "bfloat" not in half and "bf16" not in half
+        assert not re.search(r"__half|2half|\.f16\.f16", bf), "fp16 text left in a bf16 kernel"
+        assert "#include <cuda_bf16.h>" in bf and "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in bf
+        meta = KernelMeta.parse(json.loads(re.search(r"gemmrl_meta\(void\) \{ return (\".*\"); \}", bf).group(1)))
+        assert (meta.dtype, meta.acc, meta.name) == ("bf16", "fp32", kernel_name(bspec, bprob))
+        # line by line: only lines holding a retyped word (or the name, the fields, C's type) differ
+        diff = [(a, b) for a, b in zip(half.replace(spec.name, bspec.name).splitlines(),
+                                       bf.replace("#include <cuda_bf16.h>\n", "").splitlines()) if a != b]
+        assert len(half.splitlines()) + 1 == len(bf.splitlines())
+        for a, b in diff:
+            assert any(old in a for old, _new in _BF16_TEXT) or any(w in a for w in ("fp16 =", "acc=fp32", "gemmrl_meta")), (a, b)
+    assert _retype("fp16", "anything") == "anything"
+    with pytest.raises(ValueError, match="no element type"):
+        _retype("fp8", "#include <cuda_fp16.h>\n")
+    with pytest.raises(ValueError, match="not in the fp16 source"):
+        _retype("bf16", "// no include here\n")
+
+
+def test_the_pool_and_heuristic_take_the_problems_element_type():
+    from gemmrl.search.policy import _raw_pool
+
+    for problem in (Problem(65, 72, 4096, "bf16", "fp32"), Problem(65, 72, 4096)):
+        for layout in ("NN", "TN"):
+            specs = _raw_pool(problem, layout) + heuristic_specs(problem, layout)
+            assert specs and {s.dtype for s in specs} == {problem.dtype}
+            assert any(valid(s, problem) is None for s in specs)
+
+
 def test_render_emits_only_what_the_spec_uses():
     split = render(*GOLDEN[0])
     plain = render(*GOLDEN[2])
@@ -177,11 +219,14 @@ def test_names_and_keys_are_unique_and_encode_every_field():
     base = RawSpec(split_k=2)
     changes = {"block_m": 128, "block_n": 32, "block_k": 32, "warps_m": 4, "warps_n": 1,
                "stages": 4, "split_k": 4, "swap_ab": True, "layout": "TN", "acc": "fp16", "arrive": "add",
-               "epi": "smem"}
+               "epi": "smem", "dtype": "bf16"}
     assert set(changes) == {f.name for f in dataclasses.fields(RawSpec)}
     # the default arrival and epilogue keep the names and keys every stored raw winner has
     assert RawSpec(split_k=2).name == "raw_nn_fp32_64x64x64_w2x2_s3_k2" and len(RawSpec().key()) == 11
     assert RawSpec(split_k=2, arrive="add", epi="smem").name == "raw_nn_fp32_64x64x64_w2x2_s3_k2_fa_se"
+    assert RawSpec(split_k=2, dtype="bf16").name == "raw_nn_fp32_64x64x64_w2x2_s3_k2_bf16"
+    # a stored spec (a dict from before the dtype field) reads back as the fp16 spec it was
+    assert RawSpec(**{k: v for k, v in dataclasses.asdict(base).items() if k != "dtype"}) == base
     for field, value in changes.items():
         other = dataclasses.replace(base, **{field: value})
         assert other.name != base.name and other.key() != base.key(), field
@@ -605,6 +650,32 @@ def test_a_smem_epilogue_twin_builds_for_sm90a_without_spills(tmp_path):
         assert kern.run(fake, fake, fake + 4, M, N, K, K, K, N, fake, 0) == 4  # C 4-byte but not 16-byte aligned
 
 
+def test_bf16_kernels_build_for_sm90a_without_spills_and_say_bf16(tmp_path):
+    """dtype='bf16', built by nvcc for sm_90a: a plain tile with residues, a swapped fetch-add split-K,
+    a staged epilogue and the deepest split the heuristic offers a long-K shape; no spills, and the
+    loaded library's meta says bf16 (what the harness reads to feed it bf16 inputs)."""
+    from gemmrl.build.nvcc import NvccNotFound, build_shared, nvcc_path
+    from gemmrl.runtime.abi import AbiKernel
+
+    long_k = Problem(64, 64, 12288, "bf16", "fp32")
+    cases = [(S(dtype="bf16"), Problem(72, 136, 96, "bf16", "fp32")),
+             (S(block_n=32, split_k=3, swap_ab=True, arrive="add", dtype="bf16"), Problem(65, 72, 264, "bf16", "fp32")),
+             (S(epi="smem", dtype="bf16", layout="TN"), Problem(512, 512, 256, "bf16", "fp32")),
+             (max((s for s in heuristic_specs(long_k, "TN") if s.split_k > 1), key=lambda s: s.split_k), long_k)]
+    try:
+        nvcc_path()
+    except NvccNotFound:
+        pytest.skip("nvcc not found")
+    for spec, problem in cases:
+        assert spec.dtype == "bf16" and valid(spec, problem) is None
+        res = build_shared(render(spec, problem), name=kernel_name(spec, problem), arch="sm_90a", cache_dir=tmp_path)
+        assert res.ok, res.log[-3000:]
+        k = [k for k in res.resources if "gemmrl_raw_gemm" in k.name][0]
+        assert res.spills == 0 and k.spill_stores == 0 and k.stack_bytes == 0, k
+        meta = AbiKernel(res.path).meta
+        assert (meta.dtype, meta.acc, meta.name) == ("bf16", "fp32", kernel_name(spec, problem))
+
+
 def test_golden_kernels_run_hmma_ldsm_and_cp_async_in_sass(golden_builds):
     tool = _cuobjdump()
     if tool is None:
@@ -652,13 +723,18 @@ EMU_CASES = [
      Problem(264, 264, 128)),
     (S(block_m=16, block_n=128, block_k=64, warps_m=1, warps_n=4, acc="fp16", epi="smem"),
      Problem(40, 264, 128, "fp16", "fp16")),
+    # bf16 (2026-12-01): plain with residues, swapped NN split-K (fetch-add, lane trade), TN odd N, staged C
+    (S(dtype="bf16"), Problem(72, 136, 96, "bf16", "fp32")),
+    (S(block_n=32, split_k=3, swap_ab=True, arrive="add", dtype="bf16"), Problem(65, 72, 264, "bf16", "fp32")),
+    (S(block_m=32, block_n=32, warps_m=2, warps_n=2, layout="TN", dtype="bf16"), Problem(33, 71, 200, "bf16", "fp32")),
+    (S(block_n=32, swap_ab=True, epi="smem", dtype="bf16"), Problem(64, 72, 128, "bf16", "fp32")),
 ]
 EMU_IDS = [kernel_name(s, p) for s, p in EMU_CASES]
 # each call: inputs, cp.async applied lazily?, blocks run at once, block order (0 in order, -1 reversed, else a shuffle seed)
 EMU_RUNS = [("exact", 0, 1, 0), ("random", 1, 2, 7), ("repeat", 0, 3, -1)]
 
 _SURGERY = [  # (pattern, replacement, least matches): CUDA-only syntax to the CPU stand-in's
-    (r"#include <cuda_fp16\.h>\n#include <cuda_runtime\.h>\n", "", 1),
+    (r"#include <cuda_fp16\.h>\n(#include <cuda_bf16\.h>\n)?#include <cuda_runtime\.h>\n", "", 1),
     (r"// ---- PTX wrappers: the only inline assembly ----\n.*?// ---- end of PTX wrappers ----\n", "", 1),
     (r"extern __shared__ __align__\(128\) unsigned char smem\[\];", "unsigned char* smem = emu_dynamic_smem();", 1),
     (r"__shared__ int (\w+);", r"int& \1 = emu_block_int();", 0),
@@ -667,11 +743,23 @@ _SURGERY = [  # (pattern, replacement, least matches): CUDA-only syntax to the C
 
 
 def cpu_source(source: str) -> str:
+    bf16 = "#include <cuda_bf16.h>" in source  # the stand-in reads bf16 fragments and writes bf16 NaNs
     for pattern, repl, least in _SURGERY:
         source, n = re.subn(pattern, repl, source, flags=re.S)
         assert n >= least, f"the CPU stand-in no longer matches the rendered source: {pattern}"
     assert "asm" not in source and "__shared__" not in source
-    return EMU_SHIM + source + EMU_DRIVER
+    return ("#define EMU_BF16 1\n" if bf16 else "") + EMU_SHIM + source + EMU_DRIVER
+
+
+def to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bf16 (nearest even), as bf16 bit patterns (uint16)."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def from_bf16(u: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns (uint16) as float32, exactly."""
+    return (u.astype(np.uint32) << 16).view(np.float32)
 
 
 # planted bugs the emulation must catch: (id, case, text in the source, its replacement)
@@ -709,22 +797,27 @@ def _emulate(case, root: Path, gxx: str, mutation: tuple[str, str] | None = None
         return {"error": "g++ failed:\n" + cc.stderr[-4000:]}
     rng = np.random.default_rng(zlib.crc32(kernel_name(spec, problem).encode()))
     inputs = []
+    bf16 = problem.dtype == "bf16"  # inputs exact in bf16, kept as float32; files hold the bit patterns
+    elem = (lambda x: from_bf16(to_bf16(x))) if bf16 else (lambda x: x.astype(np.float16))
     for i, (kind, lazy, conc, order) in enumerate(EMU_RUNS):
         if kind == "exact":
-            a = (rng.random((M, K)) < 0.1).astype(np.float16)
-            b = (rng.random((K, N)) < 0.1).astype(np.float16)
+            a = elem((rng.random((M, K)) < 0.1).astype(np.float32))
+            b = elem((rng.random((K, N)) < 0.1).astype(np.float32))
         elif kind == "random":
-            a = rng.standard_normal((M, K)).astype(np.float16)
-            b = rng.standard_normal((K, N)).astype(np.float16)
+            a = elem(rng.standard_normal((M, K)))
+            b = elem(rng.standard_normal((K, N)))
         inputs.append((a, b))
-        a.tofile(d / f"a{i}.bin")
-        (np.ascontiguousarray(b.T) if spec.layout == "TN" else b).tofile(d / f"b{i}.bin")
+        store = to_bf16 if bf16 else (lambda x: x)
+        store(a).tofile(d / f"a{i}.bin")
+        store(np.ascontiguousarray(b.T) if spec.layout == "TN" else b).tofile(d / f"b{i}.bin")
         (d / f"run{i}.txt").write_text(f"{lazy} {conc} {order}\n")
     run = subprocess.run([str(d / "k"), str(d), str(len(EMU_RUNS))], capture_output=True, text=True,
                          timeout=600)
     out = {"rc": run.returncode, "stdout": run.stdout, "stderr": run.stderr[-4000:], "inputs": inputs}
     if run.returncode == 0:
-        out["outs"] = [np.fromfile(d / f"c{i}.bin", dtype=np.float16).reshape(M, N) for i in range(len(EMU_RUNS))]
+        read = (lambda f: from_bf16(np.fromfile(f, dtype=np.uint16))) if bf16 else \
+            (lambda f: np.fromfile(f, dtype=np.float16))
+        out["outs"] = [read(d / f"c{i}.bin").reshape(M, N) for i in range(len(EMU_RUNS))]
     return out
 
 
@@ -753,6 +846,7 @@ def test_emulated_kernel_computes_the_product(emulated, spec, problem):
     out = r["stdout"]
     meta = KernelMeta.parse(out.split("META ", 1)[1].splitlines()[0])
     assert (meta.layout, meta.acc, meta.name) == (spec.layout, spec.acc, kernel_name(spec, problem))
+    assert meta.dtype == problem.dtype
     assert _lines(out, "WS") == [[str(workspace_bytes(spec, problem)), "0"]]
     assert _lines(out, "RC") == [["0"]] * len(EMU_RUNS)
     outs, inputs = r["outs"], r["inputs"]
@@ -763,9 +857,9 @@ def test_emulated_kernel_computes_the_product(emulated, spec, problem):
     assert np.array_equal(outs[0].astype(np.float64), exact), f"{(outs[0] != exact).sum()} wrong"
     ref = a1.astype(np.float64) @ b1.astype(np.float64)
     err = np.linalg.norm(outs[1].astype(np.float64) - ref) / np.linalg.norm(ref)
-    assert err < (1e-3 if spec.acc == "fp32" else 1e-2), err
+    assert err < (1e-3 if (spec.acc, spec.dtype) == ("fp32", "fp16") else 1e-2), err  # bf16 keeps 8 bits
     # same inputs, other block order and cp.async timing: bit-identical (split-K sums in split order)
-    assert np.array_equal(outs[1].view(np.uint16), outs[2].view(np.uint16))
+    assert np.array_equal(outs[1].view(np.uint8), outs[2].view(np.uint8))
 
 
 @pytest.mark.parametrize("mutant", [m[0] for m in MUTANTS])
@@ -848,6 +942,25 @@ inline float __half2float(__half h) {
 }
 inline __half2 __floats2half2_rn(float a, float b) { return {__float2half_rn(a), __float2half_rn(b)}; }
 inline float2 __half22float2(__half2 h) { return {__half2float(h.x), __half2float(h.y)}; }
+struct __nv_bfloat16 { uint16_t x; };
+struct __nv_bfloat162 { __nv_bfloat16 x, y; };
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {  // nearest even (the kernels convert only finite sums)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return {uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)};
+}
+inline float __bfloat162float(__nv_bfloat16 h) {
+  const uint32_t u = uint32_t(h.x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return {__float2bfloat16_rn(a), __float2bfloat16_rn(b)}; }
+#ifdef EMU_BF16
+constexpr unsigned char EMU_NAN_LO = 0xC0, EMU_NAN_HI = 0x7F;  // bf16 NaN 0x7FC0
+#else
+constexpr unsigned char EMU_NAN_LO = 0x7E, EMU_NAN_HI = 0x7E;  // fp16 NaN 0x7E7E
+#endif
 
 typedef void* cudaStream_t;
 typedef int cudaError_t;
@@ -880,7 +993,7 @@ struct Block {
   int shared_int = 0;
   std::atomic<long> conflicts{0};
   Block(int threads, size_t smem_bytes) : smem(smem_bytes + 16), bar(threads), xchg(threads * 16) {
-    for (size_t i = 0; i + 1 < smem.size(); i += 2) { smem[i] = 0x7E; smem[i + 1] = 0x7E; }  // fp16 NaN
+    for (size_t i = 0; i + 1 < smem.size(); i += 2) { smem[i] = EMU_NAN_LO; smem[i + 1] = EMU_NAN_HI; }  // NaN
     for (int w = 0; w < (threads + 31) / 32; ++w) warp_bar.emplace_back(new std::barrier<>(min(32, threads - 32 * w)));
   }
 };
@@ -902,7 +1015,7 @@ inline int& emu_block_int() { return tl_block->shared_int; }
 
 inline void __stcg(float4* p, float4 v) { check_global(p, 16, "__stcg outside the workspace"); *p = v; }
 static Region g_c;  // C: the only buffer copy16_to_global (epi='smem') may write
-inline void copy16_to_global(__half* dst, const __half* src) {
+inline void copy16_to_global(void* dst, const void* src) {  // __half or __nv_bfloat16
   const unsigned char* d = reinterpret_cast<const unsigned char*>(dst);
   if (reinterpret_cast<uintptr_t>(dst) % 16 || d < g_c.lo || d + 16 > g_c.lo + g_c.n)
     emu_fail("copy16_to_global: outside C or misaligned");
@@ -982,8 +1095,13 @@ inline void emu_ldsm(uint32_t (&r)[4], uint32_t addr, bool trans) {
 inline void ldsm_x4(uint32_t (&r)[4], uint32_t addr) { emu_ldsm(r, addr, false); }
 inline void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) { emu_ldsm(r, addr, true); }
 
+#ifdef EMU_BF16  // the operands' 16-bit elements as the kernel's element type
+inline float emu_lo(uint32_t u) { __nv_bfloat16 h; h.x = u & 0xFFFF; return __bfloat162float(h); }
+inline float emu_hi(uint32_t u) { __nv_bfloat16 h; h.x = u >> 16; return __bfloat162float(h); }
+#else
 inline float emu_lo(uint32_t u) { __half h; h.x = u & 0xFFFF; return __half2float(h); }
 inline float emu_hi(uint32_t u) { __half h; h.x = u >> 16; return __half2float(h); }
+#endif
 // A (16x16, row) and B (16x8, col) of a warp's mma from every lane's fragment registers
 inline void emu_mma_operands(const uint32_t (&a)[4], uint32_t b0, uint32_t b1, float (&A)[16][16], float (&B)[16][8]) {
   uint32_t* s = emu_slot(emu_lane());
@@ -1122,7 +1240,7 @@ int main(int argc, char** argv) {
       if (seed < 0) std::reverse(g_order.begin(), g_order.end());
       else std::shuffle(g_order.begin(), g_order.end(), std::mt19937_64(seed));
     }
-    for (size_t j = 0; j + 1 < c_bytes; j += 2) { C.p[j] = 0x7E; C.p[j + 1] = 0x7E; }  // NaN poison
+    for (size_t j = 0; j + 1 < c_bytes; j += 2) { C.p[j] = EMU_NAN_LO; C.p[j + 1] = EMU_NAN_HI; }  // NaN poison
     const int rc = gemmrl_run(A.p, B.p, C.p, M, N, K, LDA, LDB, LDC, W.p, nullptr);
     std::printf("RC %d\n", rc);
     std::ofstream out(dir + "/c" + std::to_string(i) + ".bin", std::ios::binary);

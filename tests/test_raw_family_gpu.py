@@ -11,7 +11,7 @@ from gemmrl.space.raw import RawSpec, heuristic_specs, kernel_name, render, vali
 
 pytestmark = pytest.mark.gpu
 
-# (spec, problem): the three golden cases, then residues in M, N and K, swap_ab, fp16 accumulate
+# (spec, problem): the three golden cases, then residues in M, N and K, swap_ab, fp16 accumulate, bf16
 CASES = [
     (RawSpec(64, 64, 64, 2, 2, 4, 8, False, "NN", "fp32"), Problem(64, 64, 12288)),
     (RawSpec(64, 64, 64, 2, 2, 4, 16, False, "TN", "fp32"), Problem(512, 64, 12288)),
@@ -31,6 +31,10 @@ CASES = [
     (RawSpec(32, 64, 32, 1, 2, 4, 1, False, "TN", "fp32", "cas", "smem"), Problem(33, 136, 4096)),
     (RawSpec(16, 32, 128, 1, 2, 4, 1, False, "TN", "fp16", "cas", "smem"), Problem(1024, 128, 64, "fp16", "fp16")),
     (RawSpec(128, 128, 32, 2, 4, 3, 1, False, "NN", "fp32", "cas", "smem"), Problem(256, 4096, 512)),
+    # bf16 (2026-12-01): a swapped NN fetch-add split with residues, a staged TN tile, a deep TN split
+    (RawSpec(64, 32, 64, 2, 2, 3, 4, True, "NN", "fp32", "add", dtype="bf16"), Problem(65, 72, 4096, "bf16", "fp32")),
+    (RawSpec(32, 64, 32, 1, 2, 4, 1, False, "TN", "fp32", "cas", "smem", "bf16"), Problem(33, 136, 4096, "bf16", "fp32")),
+    (RawSpec(64, 64, 64, 2, 2, 4, 16, False, "TN", "fp32", "add", dtype="bf16"), Problem(512, 64, 12288, "bf16", "fp32")),
 ]
 
 
@@ -58,7 +62,8 @@ def test_raw_kernel_passes_verify(spec, problem, tmp_path):
 
 
 @pytest.mark.parametrize("problem", [Problem(64, 64, 12288), Problem(512, 64, 12288, "fp16", "fp32"),
-                                     Problem(8, 4096, 4096)], ids=lambda p: p.shape)
+                                     Problem(8, 4096, 4096), Problem(64, 64, 12288, "bf16", "fp32")],
+                         ids=lambda p: f"{p.shape}-{p.dtype}")
 def test_heuristic_first_choice_passes_verify(problem, tmp_path):
     from gemmrl.verify.checks import verify
 
@@ -68,9 +73,7 @@ def test_heuristic_first_choice_passes_verify(problem, tmp_path):
 
 
 def _reference(a, b, tn):
-    import torch
-
-    return (a.float() @ (b.float().t() if tn else b.float())).half()
+    return (a.float() @ (b.float().t() if tn else b.float())).to(a.dtype)
 
 
 @pytest.mark.parametrize("spec,problem", [c for c in CASES if c[0].split_k > 1],
@@ -82,6 +85,7 @@ def test_split_k_counters_reset_across_calls_and_graph_replays(spec, problem, tm
     k = impl.kernel
     M, N, K = problem.M, problem.N, problem.K
     tn = spec.layout == "TN"
+    dt = torch.bfloat16 if problem.dtype == "bf16" else torch.half
     # a workspace full of garbage: the counters must not need a memset, ever
     ws = torch.randint(0, 256, (workspace_bytes(spec, problem),), dtype=torch.uint8, device="cuda")
     stream = torch.cuda.current_stream()
@@ -94,17 +98,17 @@ def test_split_k_counters_reset_across_calls_and_graph_replays(spec, problem, tm
     # exact {0,1} inputs: every call must be bit-exact; several calls in a row
     for i in range(3):
         g = torch.Generator(device="cuda").manual_seed(i)
-        a = (torch.rand(M, K, generator=g, device="cuda") < 0.1).half()
-        b = (torch.rand(*((N, K) if tn else (K, N)), generator=g, device="cuda") < 0.1).half()
-        c = torch.full((M, N), float("nan"), dtype=torch.half, device="cuda")
+        a = (torch.rand(M, K, generator=g, device="cuda") < 0.1).to(dt)
+        b = (torch.rand(*((N, K) if tn else (K, N)), generator=g, device="cuda") < 0.1).to(dt)
+        c = torch.full((M, N), float("nan"), dtype=dt, device="cuda")
         call(a, b, c)
         torch.cuda.synchronize()
         assert torch.equal(c, _reference(a, b, tn)), f"call {i}"
 
     # a captured graph, replayed with new inputs in the same buffers
-    a = torch.zeros(M, K, dtype=torch.half, device="cuda")
-    b = torch.zeros(*((N, K) if tn else (K, N)), dtype=torch.half, device="cuda")
-    c = torch.zeros(M, N, dtype=torch.half, device="cuda")
+    a = torch.zeros(M, K, dtype=dt, device="cuda")
+    b = torch.zeros(*((N, K) if tn else (K, N)), dtype=dt, device="cuda")
+    c = torch.zeros(M, N, dtype=dt, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
@@ -116,8 +120,8 @@ def test_split_k_counters_reset_across_calls_and_graph_replays(spec, problem, tm
     assert rc == 0
     for i in range(3):
         g = torch.Generator(device="cuda").manual_seed(100 + i)
-        a.copy_((torch.rand(a.shape, generator=g, device="cuda") < 0.1).half())
-        b.copy_((torch.rand(b.shape, generator=g, device="cuda") < 0.1).half())
+        a.copy_((torch.rand(a.shape, generator=g, device="cuda") < 0.1).to(dt))
+        b.copy_((torch.rand(b.shape, generator=g, device="cuda") < 0.1).to(dt))
         c.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()

@@ -106,7 +106,8 @@ def _raw_pool(problem: Problem, layout: str) -> list:
                     for split in (1, 2, 4, 8, 16):  # split-K with the fetch-add arrival (runs 810-817)
                         # unsplit: C staged in shared memory on a large M*N (raw.staged_epilogue, runs 864-889)
                         out.append(raw.with_epilogue(raw.RawSpec(bm, bn, bk, wm, wn, stages, split, swap, layout,
-                                                                 problem.acc, "add" if split > 1 else "cas"), problem))
+                                                                 problem.acc, "add" if split > 1 else "cas",
+                                                                 dtype=problem.dtype), problem))
     return out
 
 

@@ -32,6 +32,11 @@ the 48-bit tag with a count in 1..S-1. With arrive='add' (`_fa`) a CTA arrives w
 instead of the CAS loop (which retries once per CTA that arrived between its read and its swap),
 after tagging an untagged word by a CAS from the value it read at its start; the same word, the
 same reset, the same tolerance.
+
+Element type (dtype): fp16 (fp32 or fp16 accumulation) or bf16 (fp32 accumulation: mma.sync has
+no bf16 accumulator). A bf16 kernel is the fp16 kernel's text with the element type, its
+conversions and the MMA's operand types retyped (_retype): cp.async, ldmatrix and the fragment
+layouts move 16-bit elements the same way whatever they hold. fp16 sources are not touched.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ DEEP_CTAS_PER_SM = 3           # heuristic: a grid this many CTAs per SM deep is
 DEEP_MIN_KT = 4                # heuristic: K tiles per split below which no deep split is offered
 COUNTER_TAG = 0x67656D6D726C   # 'gemmrl': the 48-bit tag of a live counter word
 PAD = 8                        # halves of padding per shared row (16 bytes)
+DTYPES = ("fp16", "bf16")      # element types; bf16 accumulates in fp32 only
 
 # ldmatrix.x4 row addresses for a 16x16 operand block: (row, col) in the stored [rows][cols]
 # tile relative to the block's origin, as expressions of `lane` valid in both C and Python.
@@ -92,18 +98,20 @@ class RawSpec:
     acc: str = "fp32"
     arrive: str = "cas"   # split-K arrival on the tile's counter: 'cas' (a CAS loop) or 'add' (one fetch-add)
     epi: str = "direct"   # C stores: 'direct' (each lane its half2s) or 'smem' (the tile staged, 16-byte rows)
+    dtype: str = "fp16"   # element type of A, B and C: fp16 or bf16 (last, so positional specs keep their meaning)
 
     @property
     def name(self) -> str:
         return (f"raw_{self.layout.lower()}_{self.acc}_{self.block_m}x{self.block_n}x{self.block_k}"
                 f"_w{self.warps_m}x{self.warps_n}_s{self.stages}_k{self.split_k}"
                 f"{'_swap' if self.swap_ab else ''}{'_fa' if self.arrive == 'add' else ''}"
-                f"{'_se' if self.epi == 'smem' else ''}")
+                f"{'_se' if self.epi == 'smem' else ''}{'' if self.dtype == 'fp16' else '_' + self.dtype}")
 
     def key(self) -> tuple:
         return ("raw", self.layout, self.acc, self.block_m, self.block_n, self.block_k,
                 self.warps_m, self.warps_n, self.stages, self.split_k, bool(self.swap_ab)) + (
-            (self.arrive,) if self.arrive != "cas" else ()) + ((self.epi,) if self.epi != "direct" else ())
+            (self.arrive,) if self.arrive != "cas" else ()) + ((self.epi,) if self.epi != "direct" else ()) + (
+            (self.dtype,) if self.dtype != "fp16" else ())
 
     @property
     def threads(self) -> int:
@@ -183,8 +191,12 @@ def valid(spec: RawSpec, problem: Problem) -> str | None:
         return f"layout must be NN or TN, got {s.layout!r}"
     if s.acc not in ("fp32", "fp16"):
         return f"acc must be fp32 or fp16, got {s.acc!r}"
-    if problem.dtype != "fp16":
-        return f"the raw family multiplies fp16 only, not {problem.dtype}"
+    if s.dtype not in DTYPES:
+        return f"dtype must be one of {', '.join(DTYPES)}, got {s.dtype!r}"
+    if problem.dtype != s.dtype:
+        return f"spec multiplies {s.dtype} but the problem is {problem.dtype}"
+    if s.dtype == "bf16" and s.acc != "fp32":
+        return "bf16 accumulates in fp32 only (mma.sync has no bf16 accumulator)"
     if problem.acc != s.acc:
         return f"spec accumulates in {s.acc} but the problem asks for {problem.acc}"
     ints = (s.block_m, s.block_n, s.block_k, s.warps_m, s.warps_n, s.stages, s.split_k)
@@ -726,12 +738,12 @@ def render(spec: RawSpec, problem: Problem) -> str:
         epilogue_block = _EPI_DIRECT.substitute(epilogue=epi)
         smem_decl = _SMEM_DECL_DIRECT
     split = spec.split_k > 1
-    meta = json.dumps({"layout": spec.layout, "dtype": "fp16", "acc": spec.acc, "name": name})
+    meta = json.dumps({"layout": spec.layout, "dtype": spec.dtype, "acc": spec.acc, "name": name})
     fields = ", ".join(f"{k}={getattr(spec, k)}" for k in
                        ("block_m", "block_n", "block_k", "warps_m", "warps_n", "stages", "split_k",
                         "swap_ab", "layout", "acc") + (("arrive",) if spec.arrive != "cas" else ())
-                       + (("epi",) if spec.epi != "direct" else ()))
-    return _SOURCE.substitute(
+                       + (("epi",) if spec.epi != "direct" else ()) + (("dtype",) if spec.dtype != "fp16" else ()))
+    return _retype(spec.dtype, _SOURCE.substitute(
         kname=name, M=M, N=N, K=K, acc=spec.acc, fields=fields,
         bdesc="B[K,N]" if nn else "B[N,K]^T",
         swapdesc=("swap_ab: GM = N, GN = M, P = B-side, Q = A, D = C^T" if spec.swap_ab
@@ -756,7 +768,41 @@ def render(spec: RawSpec, problem: Problem) -> str:
         splitk_start=_SPLITK_START if split and spec.arrive == "add" else "",
         epilogue_block=epilogue_block, smem_decl=smem_decl, c_align=16 if spec.epi == "smem" else 4,
         meta=json.dumps(meta),
-        p_arg="B" if spec.swap_ab else "A", q_arg="A" if spec.swap_ab else "B")
+        p_arg="B" if spec.swap_ab else "A", q_arg="A" if spec.swap_ab else "B"))
+
+
+# _retype: what changes in a bf16 kernel's text, in this order (longer names first). Every other
+# line is the same: the loads, ldmatrix fragments, split-K partials (fp32) and index math move or
+# hold 16-bit elements and fp32 sums whatever the element type.
+_BF16_TEXT = (
+    ("#include <cuda_fp16.h>\n", "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n"),
+    ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"),
+    ("fp16 in, fp32 accumulate", "bf16 in, fp32 accumulate"),
+    ("__floats2half2_rn", "__floats2bfloat162_rn"),
+    ("__float2half_rn", "__float2bfloat16_rn"),
+    ("__half2", "__nv_bfloat162"),
+    ("__half", "__nv_bfloat16"),
+)
+
+
+def _retype(dtype: str, source: str) -> str:
+    """`source` (an fp16 kernel's text) for element type `dtype`: itself for fp16; for bf16 each
+    of _BF16_TEXT's replacements, and the header's 'fp16 =' (C's type). Raises ValueError where the
+    include or the MMA it retypes is missing, or where fp16 conversions, types or MMA operands are
+    left (a renderer change _BF16_TEXT does not know). Pure."""
+    if dtype == "fp16":
+        return source
+    if dtype != "bf16":
+        raise ValueError(f"no element type {dtype!r}: one of {', '.join(DTYPES)}")
+    out = source.replace("] fp16 = A[", "] bf16 = A[", 1)
+    for old, new in _BF16_TEXT:
+        if old.startswith(("#include", "mma.sync")) and old not in out:
+            raise ValueError(f"bf16 retype: {old.strip()!r} not in the fp16 source")
+        out = out.replace(old, new)
+    left = [w for w in ("__half", "2half", ".f16.f16") if w in out]  # (comments may still say 'half2')
+    if left:
+        raise ValueError(f"bf16 retype left fp16 text in the source: {', '.join(left)}")
+    return out
 
 
 def _zero(name: str, n: int) -> str:
@@ -855,7 +901,8 @@ def heuristic_specs(problem: Problem, layout: str, acc: str | None = None, limit
                     for stages in (3, 4):
                         for split in _splits(tiles, kt, bm * bn):
                             cands.append(with_epilogue(RawSpec(bm, bn, bk, wm, wn, stages, split, swap, layout,
-                                                               acc, "add" if split > 1 else "cas"), problem))
+                                                               acc, "add" if split > 1 else "cas",
+                                                               dtype=problem.dtype), problem))
     ok = [s for s in cands if valid(s, problem) is None]
     ok.sort(key=lambda s: (round(estimate_us(s, problem), 2), geometry(s, problem).smem_bytes, s.key()))
     out, seen = [], {}
