@@ -136,6 +136,34 @@ def test_export_writes_verified_winners_that_beat_the_baselines(pack_dir):
     assert any("512x512x512" in s and "failed verification" in s for s in m["skipped"])
 
 
+def test_a_bf16_pack_ships_a_bf16_raw_kernel_and_serves_only_bf16(tmp_path):
+    """A bf16 store's raw winner (the raw family's dtype='bf16', 2026-12-01) exports as a bf16 pack
+    entry whose file is the bf16 source, loads with its source hash checked, and the dispatch table
+    serves it to bf16 calls of its shape only; the store has nothing for an fp16 pack."""
+    s = Store(tmp_path / "bf.sqlite")
+    try:
+        run = s.start_run("gemmrl bench", DEV, PROV, {})
+        p = Problem(16, 4096, 14336, "bf16", "fp32")
+        spec = raw.heuristic_specs(p, "TN")[0]
+        assert spec.dtype == "bf16" and spec.name.endswith("_bf16")
+        _win(s, run, p, "gemmrl-tuned", spec, "raw", ours=20.0, baselines={"torch.matmul": 25.0, "cuBLAS-tn": 24.0})
+        d = export_pack(s, DEV, tmp_path / "packs" / "h100-bf16", "bf16", "fp32")
+        m = _manifest(d)
+        assert m["dtype"] == "bf16" and [e["spec_name"] for e in m["entries"]] == [spec.name]
+        e = m["entries"][0]
+        assert e["dtype"] == "bf16" and e["spec"]["dtype"] == "bf16"
+        src = (d / e["file"]).read_text()
+        assert src == raw.render(spec, p) and "__nv_bfloat16" in src and "__half" not in src
+        pack = load_pack(d)
+        t = DispatchTable(pack.entries, pack.acc)
+        assert t.lookup(16, 4096, 14336, "TN", "bf16").spec == spec
+        assert t.lookup(16, 4096, 14336, "TN", "fp16") is None
+        with pytest.raises(PackError, match=r"nothing to export .*\(fp16, acc fp32\)"):
+            export_pack(s, DEV, tmp_path / "packs" / "h100-fp16", "fp16", "fp32")
+    finally:
+        s.close()
+
+
 def test_min_speedup_and_atomic_replace(store, pack_dir):
     again = export_pack(store, DEV, pack_dir, "fp16", "fp32", min_speedup=1.2)
     assert again == pack_dir
