@@ -799,6 +799,7 @@ def _emulate(case, root: Path, gxx: str, mutation: tuple[str, str] | None = None
     inputs = []
     bf16 = problem.dtype == "bf16"  # inputs exact in bf16, kept as float32; files hold the bit patterns
     elem = (lambda x: from_bf16(to_bf16(x))) if bf16 else (lambda x: x.astype(np.float16))
+    store = to_bf16 if bf16 else (lambda x: x)
     for i, (kind, lazy, conc, order) in enumerate(EMU_RUNS):
         if kind == "exact":
             a = elem((rng.random((M, K)) < 0.1).astype(np.float32))
@@ -807,7 +808,6 @@ def _emulate(case, root: Path, gxx: str, mutation: tuple[str, str] | None = None
             a = elem(rng.standard_normal((M, K)))
             b = elem(rng.standard_normal((K, N)))
         inputs.append((a, b))
-        store = to_bf16 if bf16 else (lambda x: x)
         store(a).tofile(d / f"a{i}.bin")
         store(np.ascontiguousarray(b.T) if spec.layout == "TN" else b).tofile(d / f"b{i}.bin")
         (d / f"run{i}.txt").write_text(f"{lazy} {conc} {order}\n")
