@@ -819,9 +819,9 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, fini
     def measure(specs, what, cfg=kernel_only, probs=None):
         probs = problems if probs is None else probs
         click.echo(what, err=True)
-        return _run_with_progress(lambda progress, log: runner.run_isolated(
-            probs, specs, store, cfg, device=device, run_id=run_id, db_path=str(db),
-            progress=progress, log=log), len(probs))
+        return _compile_then_time(specs, probs, store, device, lambda part: _run_with_progress(
+            lambda progress, log: runner.run_isolated(part, specs, store, cfg, device=device, run_id=run_id,
+                                                      db_path=str(db), progress=progress, log=log), len(part)))
 
     status, short = "partial", False
     t_start = time.monotonic()
@@ -1062,6 +1062,54 @@ def shapes_to_time(problems, trials, store, device: str, protocol) -> list:
                     not ver["passed"] or verified_differs(choice, verified_choice(ver)))):
                 out.append(p)
     return out
+
+
+def _compile_then_time(specs, problems, store, device: str, time_part) -> dict:
+    """tune's timing passes: the kernels `specs` will load for `problems` (a race's contenders, a
+    stored winner: BestOf.prebuild) compiled in parallel on this machine's cores, a slice of the
+    shapes at a time (as bench does: at most one wave of nvcc processes a slice), each slice then
+    timed by time_part(slice) -> the runner's counts. The timing worker otherwise compiles each
+    contender as it reaches it, one at a time (H200, run 977: a fresh machine's race of 5 large fp16
+    shapes spent 109 s on its first shape, most of it compiling its CUTLASS contenders in turn, while
+    --finish-s had kept 115 s for all five, reckoned as parallel builds: search.tune.final_reserve_s).
+    Counts summed over the slices; a SIGTERM while compiling stops with counts['stopped']."""
+    from gemmrl.bench import runner
+    from gemmrl.bench.select import impls_from_specs
+    from gemmrl.build.pool import default_jobs
+
+    named = [s for s in specs if s != "baselines"]
+    builders = [i for i in impls_from_specs(named, store, device) if hasattr(i, "build_jobs")] if named else []
+    if not builders:
+        return time_part(list(problems))
+    plans = build_plans(builders, problems)
+    slices = cut_slices(list(problems), unbuilt_counts(plans), default_jobs())
+    counts: dict = {}
+    offset = 0
+    for part in slices:
+        share = slice(offset, offset + len(part))
+        with runner.stop_on_sigterm() as stop:
+            for impl, plan in zip(builders, plans):
+                impl.prebuild(part, log=lambda m: click.echo(m, err=True), plan=plan[share])
+        if stop.stopped:
+            click.echo(f"stopped while compiling; the shapes timed so far ({offset} of {len(problems)}) are in "
+                       "the store", err=True)
+            counts["stopped"] = True
+            break
+        got = time_part(part)
+        for k, v in got.items():
+            if k == "deadline_after":
+                counts[k] = offset + v
+            elif isinstance(v, bool):
+                counts[k] = counts.get(k, False) or v
+            elif isinstance(v, (int, float)) and k != "problems":
+                counts[k] = counts.get(k, 0) + v
+            elif k != "problems":
+                counts[k] = v
+        counts["problems"] = len(problems)
+        offset += len(part)
+        if got.get("stopped"):
+            break
+    return counts
 
 
 def _final_reserve(store, device: str, problems, race: int, protocols, built_only: bool = False):
@@ -1315,13 +1363,14 @@ def store_cmd(db, compress, small, merge_from, since_run, release, release_shape
     q = store.db.execute
     runs = q("SELECT COUNT(*) FROM runs").fetchone()[0]
     click.echo(f"{db}: {Path(db).stat().st_size / 1e6:.1f} MB, {runs} runs")
-    for dev, n_meas, n_shapes in q("SELECT device, COUNT(*), COUNT(DISTINCT M||'x'||N||'x'||K||acc) "
+    # problems are (shape, input type, accumulator): a bf16 shape is not counted with the fp16 ones
+    for dev, n_meas, n_shapes in q("SELECT device, COUNT(*), COUNT(DISTINCT M||'x'||N||'x'||K||dtype||acc) "
                                    "FROM measurements GROUP BY device").fetchall():
         trials = q("SELECT COUNT(*) FROM trials WHERE device=?", (dev,)).fetchone()[0]
-        tuned = q("SELECT acc, COUNT(*) FROM tuning WHERE device=? AND impl='gemmrl-tuned' GROUP BY acc",
-                  (dev,)).fetchall()
-        click.echo(f"  {dev}: {n_meas} measurements of {n_shapes} (shape, accumulator) pairs, {trials} trials, "
-                   "tuned: " + (", ".join(f"{n} shapes (acc {a})" for a, n in tuned) or "none"))
+        tuned = q("SELECT dtype, acc, COUNT(*) FROM tuning WHERE device=? AND impl='gemmrl-tuned' "
+                  "GROUP BY dtype, acc ORDER BY dtype DESC, acc", (dev,)).fetchall()
+        click.echo(f"  {dev}: {n_meas} measurements of {n_shapes} (shape, input, accumulator) problems, {trials} "
+                   "trials, tuned: " + (", ".join(f"{n} shapes ({d} in, acc {a})" for d, a, n in tuned) or "none"))
     store.close()
     if compress:
         try:

@@ -1009,6 +1009,28 @@ def test_a_bench_run_ends_with_its_own_noise_per_mode():
     assert run_noise_lines([m(64, "torch.matmul", "kernel", 3.0)]) == []  # no repeat: nothing to say
 
 
+def test_store_summary_counts_bf16_problems_apart_from_fp16(tmp_path):
+    """`gemmrl store` counts (shape, input type, accumulator) problems: one shape measured and tuned
+    in fp16 and in bf16 is two problems, and the tuned line names the input type (the first bf16
+    tunes, 2026-12-01, read as 13 more fp16 shapes)."""
+    db = tmp_path / "s.sqlite"
+    st = Store(db)
+    run = st.start_run("gemmrl tune", "NVIDIA H200", {}, {})
+    for dtype in ("fp16", "bf16"):
+        p = Problem(64, 64, 64, dtype, "fp32")
+        st.record_session(run, "s" + dtype, "NVIDIA H200", p, "kernel", "kernel:v1", {
+            "torch.matmul": {"median_us": 3.0, "n": 20, "status": "ok", "details": {}}})
+        st.put_tuning("NVIDIA H200", p, "gemmrl-tuned", b"{}", "", 2.0)
+    st.put_tuning("NVIDIA H200", Problem(128, 64, 64, "fp16", "fp16"), "gemmrl-tuned", b"{}", "", 2.0)
+    st.finish_run(run)
+    st.close()
+    r = CliRunner().invoke(main, ["store", "--db", str(db)])
+    assert r.exit_code == 0, r.output
+    assert "2 measurements of 2 (shape, input, accumulator) problems" in r.output, r.output
+    assert ("tuned: 1 shapes (fp16 in, acc fp16), 1 shapes (fp16 in, acc fp32), 1 shapes (bf16 in, acc fp32)"
+            in r.output), r.output
+
+
 def test_store_releases_a_quarantine_and_says_what_it_was(tmp_path):
     db = tmp_path / "s.sqlite"
     s = Store(db)
@@ -1400,3 +1422,71 @@ def test_build_slices_count_each_kernel_once_and_only_unbuilt_ones(monkeypatch):
     assert build_slices([Shared()], ps, per_slice=2) == [ps[:2], ps[2:4], ps[4:]]
     assert build_slices([object()], ps, per_slice=2) == [ps]  # nothing to compile: one slice
     assert build_slices([Shared()], ps[:1], per_slice=1) == [ps[:1]]  # a slice holds one shape at least
+
+
+def test_tune_timing_compiles_each_slice_of_contenders_in_parallel_before_timing_it(monkeypatch):
+    """tune's race and final timing (cli._compile_then_time): the kernels the implementations will
+    load are compiled a slice at a time, at most one wave of nvcc processes (default_jobs) a slice,
+    each slice compiled before it is timed (run 977: the timing worker compiled a fresh machine's
+    contenders one at a time, 109 s on the first of 5 shapes). Counts add up over the slices; a
+    stop in a slice's timing or a SIGTERM while compiling ends it there; baselines alone compile
+    nothing and are timed in one pass."""
+    import os
+    import signal
+
+    import gemmrl.bench.select as select
+    import gemmrl.build.nvcc as nvcc
+    import gemmrl.build.pool as pool
+    from gemmrl.cli import _compile_then_time
+
+    probs = [Problem(64 * (i + 1), 64, 64) for i in range(5)]
+    events = []
+    prev_term = signal.getsignal(signal.SIGTERM)
+
+    class Builder:
+        def __init__(self, name, per_shape):
+            self.name, self.per_shape = name, per_shape
+
+        def build_jobs(self, problems):
+            return [[(f"{self.name}{j}_{p.M}", "src", {}) for j in range(self.per_shape)] for p in problems]
+
+        def prebuild(self, part, log=print, plan=None):
+            events.append(("build", self.name, tuple(p.M for p in part), sum(len(x) for x in plan)))
+            if self.name == "term" and len(events) > 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(pool, "default_jobs", lambda: 2)
+    monkeypatch.setattr(nvcc, "is_built", lambda src, name="", **kw: name.endswith("_64"))  # the first built
+    monkeypatch.setattr(select, "impls_from_specs", lambda specs, store, device: [Builder("k", 1), object()])
+
+    def time_part(part, stop_at=None):
+        events.append(("time", tuple(p.M for p in part)))
+        stopped = stop_at is not None and part[0].M == stop_at
+        return {"problems": len(part), "sessions": len(part), "errors": 0, "stopped": stopped,
+                **({"deadline_after": 1} if stopped else {})}
+
+    counts = _compile_then_time(("baselines", "race:3"), probs, None, "GPU", time_part)
+    # 0 + 1 + 1 unbuilt in the first slice, then 1 + 1, then 1: cut at 2 a slice
+    assert events == [("build", "k", (64, 128, 192), 3), ("time", (64, 128, 192)),
+                      ("build", "k", (256, 320), 2), ("time", (256, 320))], events
+    assert counts["sessions"] == 5 and counts["problems"] == 5 and not counts["stopped"]
+    # the timing of the second slice stopped (a deadline after its first shape): no third slice
+    events.clear()
+    monkeypatch.setattr(select, "impls_from_specs", lambda specs, store, device: [Builder("k", 2)])
+    counts = _compile_then_time(("race:1",), probs, None, "GPU", lambda part: time_part(part, stop_at=192))
+    assert [e[0] for e in events] == ["build", "time", "build", "time"], events
+    assert events[0][2] == (64, 128) and events[2][2] == (192,)  # 2 unbuilt a shape (one built at 64)
+    assert counts["stopped"] and counts["deadline_after"] == 3 and counts["sessions"] == 3
+    # a SIGTERM while the second slice compiles: that slice is not timed, the run says stopped
+    events.clear()
+    monkeypatch.setattr(select, "impls_from_specs", lambda specs, store, device: [Builder("term", 1)])
+    counts = _compile_then_time(("race:3",), probs, None, "GPU", time_part)
+    assert events == [("build", "term", (64, 128, 192), 3), ("time", (64, 128, 192)),
+                      ("build", "term", (256, 320), 2)], events
+    assert counts["stopped"] and counts["sessions"] == 3
+    signal.signal(signal.SIGTERM, prev_term)  # the stop leaves later SIGTERMs ignored (stop_on_sigterm)
+    # the baselines alone: no implementation is made, one pass over every shape
+    events.clear()
+    monkeypatch.setattr(select, "impls_from_specs", lambda *a: pytest.fail("baselines compile nothing"))
+    counts = _compile_then_time(("baselines",), probs, None, "GPU", time_part)
+    assert events == [("time", (64, 128, 192, 256, 320))] and counts["sessions"] == 5
