@@ -710,14 +710,16 @@ def targets(results_dir, device, subject, acc, product, json_out):
                    "keep the fastest: the search's quick timing misranks the largest shapes. The winner that "
                    "last passed the final verification always races too (so with 1, a new winner races only "
                    "the old one); with --built-only, CUTLASS contenders only if already built")
-@click.option("--transfer-from", "transfer_from", multiple=True, metavar="GPU[:ACC]",
+@click.option("--transfer-from", "transfer_from", multiple=True, metavar="GPU[:[IN/]ACC]",
               help="seed the search with what tuning found on another GPU model in the store, of the same "
                    "architecture ('NVIDIA H200' or 'h200', for an H100): per shape its winner and runners-up lead "
                    "the first batch (for untuned shapes, the nearest tuned ones'; on shapes searched already, the "
                    "first three not yet tried); `gemmrl build --tuned-in DB --device GPU --race K` compiles them "
                    "ahead. GPU:ACC ('h200:fp32', this GPU too) takes that GPU's tuning with the ACC accumulator, "
-                   "each kernel rebuilt with this run's --acc: `gemmrl build --tuned-in DB --transfer-from "
-                   "GPU:ACC --shapes S --acc A` compiles what it proposes first. Repeatable: the sources' "
+                   "each kernel rebuilt with this run's --acc; GPU:IN/ACC ('h200:fp16/fp32' for a --dtype bf16 "
+                   "run) takes its tuning of IN inputs too, each kernel rebuilt with this run's --dtype: `gemmrl "
+                   "build --tuned-in DB --transfer-from GPU:ACC --shapes S --acc A` compiles what it proposes "
+                   "first. Repeatable: the sources' "
                    "suggestions interleaved by rank (each one's winner first)")
 @click.option("--policy", "policy_name", default="model-free", show_default=True,
               type=click.Choice(["model-free", "random", "exhaustive"]),
@@ -794,9 +796,10 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, fini
     prov = env.provenance(_cublas_version())  # packs read it: their lt_algos need it
     sources = []
     for text in transfer_from:
-        gpu, source_acc = split_transfer_source(text)
+        gpu, source_acc, source_dtype = split_transfer_source(text)
         sources.append((_check_transfer_source(store, gpu, device, prov.get("capability"),
-                                               cross_acc=source_acc not in (None, acc)), source_acc))
+                                               cross_acc=source_acc not in (None, acc)
+                                               or source_dtype not in (None, dtype)), source_acc, source_dtype))
     run_id = store.start_run(" ".join(["gemmrl"] + sys.argv[1:]), device, prov,
                              {"candidates": candidates, "more": more, "batch": batch, "budget_s": budget_s,
                               "layouts": lays, "policy": policy_name, "seed": seed, "search_only": search_only})
@@ -997,16 +1000,25 @@ def _lt_prior_for(store, device: str, problems, layouts) -> dict:
     return prior
 
 
-def split_transfer_source(text: str) -> tuple[str, str | None]:
-    """tune/build --transfer-from GPU[:ACC]: the GPU's name and the accumulator named after its
-    last colon ('h200:fp32' -> ('h200', 'fp32'); 'NVIDIA H200' -> ('NVIDIA H200', None))."""
-    gpu, sep, acc = text.rpartition(":")
-    if sep and acc.strip().lower() in ("fp32", "fp16"):
+def split_transfer_source(text: str) -> tuple[str, str | None, str | None]:
+    """tune/build --transfer-from GPU[:ACC] or GPU:IN/ACC: the GPU's name, the accumulator and the
+    input type named after its last colon ('h200:fp32' -> ('h200', 'fp32', None): the run's own
+    input type; 'h200:fp16/fp32' -> ('h200', 'fp32', 'fp16'): the tuning of fp16 inputs with fp32
+    accumulation, e.g. for a bf16 run; 'NVIDIA H200' -> ('NVIDIA H200', None, None))."""
+    gpu, sep, tail = text.rpartition(":")
+    word = tail.strip().lower()
+    dtype, slash, acc = word.partition("/")
+    if not slash:
+        dtype, acc = None, word
+    if sep and acc in ("fp32", "fp16") and dtype in (None, "fp16", "bf16"):
         if not gpu.strip():
             raise click.BadParameter(f"{text!r}: name the GPU before the accumulator (h200:fp32)",
                                      param_hint="--transfer-from")
-        return gpu.strip(), acc.strip().lower()
-    return text, None
+        return gpu.strip(), acc, dtype
+    if sep and slash:
+        raise click.BadParameter(f"{text!r}: after the GPU, IN/ACC names an input type (fp16 or bf16) and an "
+                                 "accumulator (fp32 or fp16), e.g. h200:fp16/fp32", param_hint="--transfer-from")
+    return text, None, None
 
 
 def _check_transfer_source(store, source: str, device: str, capability: str | None,
@@ -1429,10 +1441,11 @@ def store_cmd(db, compress, small, merge_from, since_run, release, release_shape
               help="each family's candidates are its search pool's kernels whose names match this regular "
                    "expression (re.search), the cost model's fastest --top of them: what `gemmrl tune --match "
                    "REGEX --built-only` will find built (e.g. '_128x160x' for cuBLASLt's big-output tile)")
-@click.option("--transfer-from", "transfer_text", multiple=True, metavar="GPU[:ACC]",
-              help="with --tuned-in: compile what `gemmrl tune --transfer-from GPU[:ACC]` proposes first on "
-                   "--shapes with --acc: per shape the first --top of that GPU's winner and runners-up (with "
-                   ":ACC, its tuning with that accumulator, each kernel's --acc twin; repeated, the sources "
+@click.option("--transfer-from", "transfer_text", multiple=True, metavar="GPU[:[IN/]ACC]",
+              help="with --tuned-in: compile what `gemmrl tune --transfer-from GPU[:[IN/]ACC]` proposes first on "
+                   "--shapes with --dtype and --acc: per shape the first --top of that GPU's winner and runners-up "
+                   "(with :ACC, its tuning with that accumulator, each kernel's --acc twin; with :IN/ACC, its "
+                   "tuning of IN inputs too, each kernel's --dtype twin; repeated, the sources "
                    "interleaved by rank, as tune does). tune takes 3")
 @click.option("--seed-from-lt", "lt_gpu", default=None, metavar="GPU",
               help="with --tuned-in: also compile what `gemmrl tune --seed-from-lt` proposes first on GPU: "
@@ -1595,16 +1608,18 @@ def _build_transfer(tuned_db, transfer_texts, shape_spec, dtype, acc, top, fams,
         raise click.ClickException(f"no store at {tuned_db}")
     problems = _problems(shape_spec, dtype, acc)
     store = Store(tuned_db, readonly=True)
-    names, priors, twins = [], [], False
+    names, priors, twins, typed = [], [], False, False
     try:
         devices = store.tuned_devices(TUNED)
         for text in transfer_texts:
-            source, source_acc = split_transfer_source(text)
+            source, source_acc, source_dtype = split_transfer_source(text)
             source = _known_device(source, devices, f"{tuned_db} holds no {TUNED} winners on {source!r}")
-            cross = source_acc not in (None, acc)
-            twins = twins or cross
-            priors.append(store_prior(store, source, problems, source_acc if cross else None, acc if cross else None))
-            names.append(f"{source}'s" + (f" {source_acc}" if source_acc else ""))
+            cross, cross_dtype = source_acc not in (None, acc), source_dtype not in (None, dtype)
+            twins, typed = twins or cross, typed or cross_dtype
+            priors.append(store_prior(store, source, problems, source_acc if cross else None, acc if cross else None,
+                                      source_dtype if cross_dtype else None, dtype if cross_dtype else None))
+            names.append(f"{source}'s" + (f" {source_dtype}" if source_dtype else "")
+                         + (f" {source_acc}" if source_acc else ""))
         if lt_gpu is not None:  # first, as tune ranks it
             from gemmrl.search.lt_seed import lt_devices, lt_prior, untried
 
@@ -1626,7 +1641,8 @@ def _build_transfer(tuned_db, transfer_texts, shape_spec, dtype, acc, top, fams,
                          f"the first {top} of {what} suggestions"
                          + (" not tried there yet" if lt_gpu is not None else "")
                          + f" on {len(prior)} of {len(problems)} shapes"
-                         + (f" as {acc}-accumulator twins" if twins else ""),
+                         + (f" as {dtype}-input, {acc}-accumulator twins" if typed else
+                            f" as {acc}-accumulator twins" if twins else ""),
                          jobs, dry_run, entries_file)
 
 

@@ -326,17 +326,73 @@ def test_transfer_from_the_other_accumulator_seeds_searched_shapes_with_twins(tm
                            source_acc="fp32", target_acc="fp16") == 2
 
 
+def test_transfer_from_the_fp16_tuning_seeds_a_bf16_search_with_input_type_twins(tmp_path):
+    """tune --dtype bf16 --transfer-from GPU:fp16/fp32: the fp16-input tuning's winner and
+    runners-up, each as its bf16 twin (same tiles, schedule and accumulator), lead the bf16
+    search's first batch; only fp16-input tuning is taken, and the same GPU may be the source
+    (the first bf16 tunes, 2026-12-01, started from the cost model alone)."""
+    from dataclasses import replace
+
+    import pytest
+
+    from gemmrl.search.run import add_store_priors, store_prior
+
+    store = Store(tmp_path / "s.sqlite")
+    won16 = _tuned_elsewhere(store, "NVIDIA H200")  # fp16 inputs, fp32 accumulation: P1, P2
+    # and fp16 accumulation, which no bf16 problem has: left out, not an error (the real store's)
+    run_tune([replace(P1, acc="fp16")], store, "NVIDIA H200", fake_evaluate, candidates=2, batch=2,
+             layouts=("TN",), policy=ModelFreePolicy(layouts=("TN",), seed=1))
+    b1, b2 = replace(P1, dtype="bf16"), replace(P2, dtype="bf16")
+    prior = store_prior(store, "NVIDIA H200", [b1, b2], source_dtype="fp16", target_dtype="bf16")
+    assert set(prior) == {b1, b2}
+    for p, q in ((P1, b1), (P2, b2)):
+        first = prior[q][0][1]
+        assert first.dtype == "bf16" and first.acc == "fp32"
+        twin_name = won16[p].replace("_f16_f32", "_bf16_f32") if won16[p].startswith("sm90") else won16[p] + "_bf16"
+        assert first.name == twin_name, (first.name, won16[p])
+        assert all(s.dtype == "bf16" for _f, s in prior[q])
+    # without the input-type mapping, the fp16 tuning says nothing about bf16 problems
+    assert store_prior(store, "NVIDIA H200", [b1, b2]) == {}
+    # a bf16 source (none here) gives nothing; the same GPU and types is refused
+    assert store_prior(store, "NVIDIA H200", [b1], source_dtype="bf16", target_dtype="bf16") == {}
+    with pytest.raises(ValueError, match="is this GPU"):
+        add_store_priors(ModelFreePolicy(layouts=("TN",)), store, [("NVIDIA H200", None, "bf16")], "NVIDIA H200",
+                         target_dtype="bf16")
+    seen = []
+
+    def record(problem, candidates):
+        seen.append((problem, list(candidates)))
+        return fake_evaluate(problem, candidates)
+
+    run_tune([b1, b2], store, "NVIDIA H200", record, candidates=3, batch=3, layouts=("TN",),
+             policy=ModelFreePolicy(layouts=("TN",), seed=6), transfer_from=[("NVIDIA H200", None, "fp16")])
+    for q in (b1, b2):
+        first = next(c for p, c in seen if p == q)
+        assert [c.name for c in first if c.origin == "prior"] == [s.name for _f, s in prior[q]][:3]
+        assert all(c.spec.dtype == "bf16" for c in first)
+    with pytest.raises(ValueError, match="mix input types"):
+        run_tune([b1, P2], store, "NVIDIA H200", record, candidates=1, layouts=("TN",),
+                 transfer_from=[("NVIDIA H200", None, "fp16")])
+
+
 def test_transfer_source_names_an_accumulator_after_a_colon(tmp_path):
     import click
     import pytest
 
     from gemmrl.cli import _check_transfer_source, split_transfer_source
 
-    assert split_transfer_source("h200:fp32") == ("h200", "fp32")
-    assert split_transfer_source("NVIDIA H200") == ("NVIDIA H200", None)
-    assert split_transfer_source("NVIDIA H200: FP16") == ("NVIDIA H200", "fp16")
+    assert split_transfer_source("h200:fp32") == ("h200", "fp32", None)
+    assert split_transfer_source("NVIDIA H200") == ("NVIDIA H200", None, None)
+    assert split_transfer_source("NVIDIA H200: FP16") == ("NVIDIA H200", "fp16", None)
+    # IN/ACC: the tuning of that input type too (the fp16 tuning for a bf16 run)
+    assert split_transfer_source("h200:fp16/fp32") == ("h200", "fp32", "fp16")
+    assert split_transfer_source("NVIDIA H200:BF16/FP32") == ("NVIDIA H200", "fp32", "bf16")
     with pytest.raises(click.BadParameter, match="name the GPU"):
         split_transfer_source(":fp32")
+    with pytest.raises(click.BadParameter, match="names an input type"):
+        split_transfer_source("h200:fp32/fp32")
+    with pytest.raises(click.BadParameter, match="names an input type"):
+        split_transfer_source("h200:fp16/bf16")
     store = Store(tmp_path / "s.sqlite")
     _tuned_elsewhere(store)
     assert _check_transfer_source(store, "h200", "NVIDIA H200", "9.0", cross_acc=True) == "NVIDIA H200"

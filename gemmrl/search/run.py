@@ -100,30 +100,56 @@ def accumulator_twin(family: str, spec, acc: str):
     return spec if spec.acc == acc else dataclasses.replace(spec, acc=acc)
 
 
+def dtype_twin(family: str, spec, dtype: str):
+    """`spec` with its input type set to `dtype` (fp16 <-> bf16; the same kernel otherwise), or
+    None where the family's spec has no input-type field."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(spec) or "dtype" not in {f.name for f in dataclasses.fields(spec)}:
+        return None
+    return spec if spec.dtype == dtype else dataclasses.replace(spec, dtype=dtype)
+
+
 def store_prior(store, source: str, problems=None, source_acc: str | None = None,
-                target_acc: str | None = None) -> dict:
+                target_acc: str | None = None, source_dtype: str | None = None,
+                target_dtype: str | None = None) -> dict:
     """What tuning found on `source` (a GPU model in the store), per shape, best first: the stored
     winner, then the other candidates that passed there, highest reward first, as (family, spec).
     With `source_acc` and `target_acc` (differing): the source's tuning with the `source_acc`
     accumulator, each shape and kernel turned into its `target_acc` twin (the same tiles and
     schedule; kernels whose family has no accumulator field, or whose twin is not valid, are left
-    out), so the fp32 tuning can seed the fp16 search of the same shapes. `problems`: only these
-    shapes' suggestions (target-accumulator problems)."""
+    out), so the fp32 tuning can seed the fp16 search of the same shapes. Likewise `source_dtype`
+    and `target_dtype` (differing): the tuning of `source_dtype` inputs, each kernel turned into its
+    `target_dtype` twin (dtype_twin), so the fp16 tuning seeds a bf16 search (on Hopper both run the
+    tensor cores at one rate: the same tiles should win). `problems`: only these shapes'
+    suggestions (target problems)."""
     from dataclasses import replace
 
-    cross = source_acc is not None and target_acc is not None and source_acc != target_acc
+    cross_acc = source_acc is not None and target_acc is not None and source_acc != target_acc
+    cross_dtype = source_dtype is not None and target_dtype is not None and source_dtype != target_dtype
     trials = stored_history(store, source, None)
     winners = {c[1]: (c[2], c[3]) for c in store.tuned_choices(TUNED, source)}
 
     def mapped(problem):
-        if not cross:
-            return problem
-        return replace(problem, acc=target_acc) if problem.acc == source_acc else None
+        if cross_acc:
+            if problem.acc != source_acc:
+                return None
+            problem = replace(problem, acc=target_acc)
+        if cross_dtype:
+            if problem.dtype != source_dtype:
+                return None
+            try:
+                problem = replace(problem, dtype=target_dtype)
+            except ValueError:  # ProblemError: no such problem in that type (bf16 with an fp16 accumulator)
+                return None
+        return problem
 
     def twin(family, spec, problem):
-        if not cross:
+        if not (cross_acc or cross_dtype):
             return spec
-        t = accumulator_twin(family, spec, target_acc)
+        t = accumulator_twin(family, spec, target_acc) if cross_acc else spec
+        if t is not None and cross_dtype:
+            t = dtype_twin(family, t, target_dtype)
         return t if t is not None and registry.get(family).valid(t, problem) is None else None
 
     wanted = None if problems is None else set(problems)
@@ -177,16 +203,20 @@ def merged_priors(priors: list) -> dict:
 
 
 def add_store_priors(policy, store, sources, device: str, problems=None, target_acc: str | None = None,
-                     extra=()) -> int:
-    """add_store_prior for several sources ((GPU, accumulator or None) pairs), their suggestions
-    interleaved by rank (merged_priors) after those of the `extra` priors ({problem: [(family,
-    spec)]}, e.g. search.lt_seed's). Returns the number of shapes with suggestions."""
+                     extra=(), target_dtype: str | None = None) -> int:
+    """add_store_prior for several sources ((GPU, accumulator or None) pairs, or (GPU, accumulator
+    or None, input type or None) triples), their suggestions interleaved by rank (merged_priors)
+    after those of the `extra` priors ({problem: [(family, spec)]}, e.g. search.lt_seed's).
+    Returns the number of shapes with suggestions."""
     priors = list(extra)
-    for source, source_acc in sources:
+    for item in sources:
+        source, source_acc, source_dtype = (tuple(item) + (None,))[:3]
         cross = source_acc is not None and target_acc is not None and source_acc != target_acc
-        if source == device and not cross:
+        cross_dtype = source_dtype is not None and target_dtype is not None and source_dtype != target_dtype
+        if source == device and not (cross or cross_dtype):
             raise ValueError(f"{source!r} is this GPU: its trials are the search's own history already")
-        prior = store_prior(store, source, problems, source_acc if cross else None, target_acc if cross else None)
+        prior = store_prior(store, source, problems, source_acc if cross else None, target_acc if cross else None,
+                            source_dtype if cross_dtype else None, target_dtype if cross_dtype else None)
         if not prior and not any(True for _ in store.tuned_choices(TUNED, source)) and not store.trials(source):
             known = sorted(set(store.devices()) - {device})
             raise ValueError(f"the store holds nothing tuned on {source!r}"
@@ -334,7 +364,8 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
     `transfer_from`: another GPU model in the store (same architecture) whose tuning seeds this
     one's search (add_store_prior); `transfer_acc`: the accumulator of its tuning to take, when it
     is not the problems' own (each kernel's twin with theirs). Or a list of (GPU, accumulator or
-    None) sources, their suggestions interleaved by rank (add_store_priors). `policy_name`: which
+    None[, input type or None]) sources, their suggestions interleaved by rank (add_store_priors;
+    an input type not the problems' own: each kernel's twin with theirs, dtype_twin). `policy_name`: which
     search (make_policy) where no `policy` is given; only the model-free one takes a transfer.
     `lt_prior`: {problem: [(family, spec)]} of cuBLASLt's autotuned choices (search.lt_seed,
     `tune --seed-from-lt`), a prior like a transfer's, its suggestions ranked with theirs.
@@ -355,13 +386,19 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
     if transfer_from or lt_prior:
         sources = ([] if not transfer_from else
                    [(transfer_from, transfer_acc)] if isinstance(transfer_from, str) else list(transfer_from))
-        accs = {p.acc for p in problems}
-        named = [a for _g, a in sources if a is not None]
+        sources = [(tuple(x) + (None,))[:3] for x in sources]
+        accs, dtypes = {p.acc for p in problems}, {p.dtype for p in problems}
+        named = [a for _g, a, _d in sources if a is not None]
         if named and len(accs) > 1:
             raise ValueError(f"transfer from the {named[0]} tuning: the problems mix accumulators "
                              f"({', '.join(sorted(accs))})")
+        typed = [d for _g, _a, d in sources if d is not None]
+        if typed and len(dtypes) > 1:
+            raise ValueError(f"transfer from the {typed[0]} tuning: the problems mix input types "
+                             f"({', '.join(sorted(dtypes))})")
         add_store_priors(policy, store, sources, device, target_acc=next(iter(accs)) if named and accs else None,
-                         extra=[lt_prior] if lt_prior else ())
+                         extra=[lt_prior] if lt_prior else (),
+                         target_dtype=next(iter(dtypes)) if typed and dtypes else None)
 
     def keep(t: Trial) -> None:
         choice = json.dumps({"family": t.candidate.family, "spec": t.to_dict()["spec"]}, sort_keys=True).encode()
