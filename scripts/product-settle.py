@@ -46,12 +46,14 @@ SUBJECT = "gemmrl.matmul-nn"
 
 
 def bench_argv(shapes: str, mode: str, acc: str, pack: str, db: str, out: str, gpus: int = 1,
-               quick_host: bool = True, budget_s: float | None = None) -> list[str]:
+               quick_host: bool = True, budget_s: float | None = None, dtype: str = "fp16") -> list[str]:
     """The gemmrl bench arguments of one product timing: torch.matmul beside gemmrl.matmul as
     the pack serves it, both layouts, timed afresh (--retime); the host modes --quick unless
-    told otherwise. Pure."""
+    told otherwise; `dtype` the inputs' type (--dtype, named where not fp16). Pure."""
     argv = ["bench", "--shapes", shapes, "--mode", mode, "--acc", acc, "--impl", "torch.matmul",
             "--impl", f"pack:{pack}", "--subject", SUBJECT, "--retime", "--no-report", "--db", db, "--out", out]
+    if dtype != "fp16":
+        argv += ["--dtype", dtype]
     if gpus > 1:
         argv += ["--gpus", str(gpus)]
     if quick_host and mode != "kernel":
@@ -76,7 +78,7 @@ def read_shapes(path: str) -> list[str]:
 
 def settle(run, *, device: str, acc: str, pack: str, db: str, work: str, shapes: str | None = None,
            rounds: int = 5, modes=MODES, gpus: int = 1, quick_host: bool = True, deadline_s: float | None = None,
-           bench_s: float = 120.0, clock=time.monotonic, log=print, disputes=None) -> dict:
+           bench_s: float = 120.0, clock=time.monotonic, log=print, disputes=None, dtype: str = "fp16") -> dict:
     """The settling loop. `run(argv, label)` runs one gemmrl command (argv after `gemmrl`) and
     returns its exit status; `work` is a directory for the changed-shapes files. Each round:
     export (`pack --changed-shapes`; round 1 skips it where `shapes` is given), stop if nothing
@@ -87,7 +89,8 @@ def settle(run, *, device: str, acc: str, pack: str, db: str, work: str, shapes:
     product session ran slower than torch.matmul beyond the noise though the export kept them
     (gemmrl.runtime.pack.disputed); those shapes are timed again in those modes as a round of
     their own (its entry says 'disputed'), so that a third session decides, before the pack counts
-    as settled. Returns {'settled', 'stopped', 'rounds':
+    as settled. `dtype`: the pack's input type (a bf16 pack: its export and benches say --dtype bf16).
+    Returns {'settled', 'stopped', 'rounds':
     [{'shapes', 'file', 'benches': {mode: rc}}]}."""
     t0 = clock()
 
@@ -105,7 +108,7 @@ def settle(run, *, device: str, acc: str, pack: str, db: str, work: str, shapes:
                 break
             todo_file = str(Path(work) / f"changed-{i}.txt")
             rc = run(["pack", "--device", device, "--acc", acc, "--out", pack, "--db", db,
-                      "--changed-shapes", todo_file], f"export {i}")
+                      "--changed-shapes", todo_file] + (["--dtype", dtype] if dtype != "fp16" else []), f"export {i}")
             if rc != 0:
                 out["stopped"] = f"export {i} failed (exit {rc})"
                 break
@@ -141,7 +144,7 @@ def settle(run, *, device: str, acc: str, pack: str, db: str, work: str, shapes:
                 break
             entry["benches"][mode] = run(
                 bench_argv(todo_file, mode, acc, pack, db, str(Path(work) / f"bench-{i}-{mode}"), gpus, quick_host,
-                           min(bench_s, left() - 10)), f"bench {i} {mode}")
+                           min(bench_s, left() - 10), dtype), f"bench {i} {mode}")
         if out["stopped"]:
             break
         if any(rc != 0 for rc in entry["benches"].values()):
@@ -164,13 +167,14 @@ def pack_disputes(db: str, pack: str, device: str, min_sessions: int) -> list[tu
         store.close()
 
 
-def runs_by_mode(db: str, after: int, acc: str) -> dict:
-    """{mode: [run ids]} of the product benches after run `after` (their sessions' modes)."""
+def runs_by_mode(db: str, after: int, acc: str, dtype: str = "fp16") -> dict:
+    """{mode: [run ids]} of the product benches after run `after` (their sessions' modes) with
+    these inputs and accumulator."""
     con = sqlite3.connect(db)
     got: dict = {}
     for run_id, mode in con.execute(
-            "SELECT DISTINCT run_id, mode FROM measurements WHERE run_id > ? AND acc = ? AND impl IN (?, ?) "
-            "ORDER BY run_id", (after, acc, SUBJECT, "gemmrl.matmul-tn")):
+            "SELECT DISTINCT run_id, mode FROM measurements WHERE run_id > ? AND acc = ? AND dtype = ? "
+            "AND impl IN (?, ?) ORDER BY run_id", (after, acc, dtype, SUBJECT, "gemmrl.matmul-tn")):
         got.setdefault(mode, []).append(run_id)
     return got
 
@@ -221,6 +225,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", required=True, help="the GPU as the store names it, or a unique part of it (H200)")
     ap.add_argument("--acc", default="fp32", choices=("fp32", "fp16"))
+    ap.add_argument("--dtype", default="fp16", choices=("fp16", "bf16"), help="the pack's input type (default fp16)")
     ap.add_argument("--pack", required=True, help="the pack directory, exported again in place")
     ap.add_argument("--db", default="results/gemmrl.sqlite")
     ap.add_argument("--shapes", help="time these shapes first, before any export")
@@ -250,6 +255,10 @@ def main(argv=None) -> int:
         ap.error(f"no store at {a.db} (gemmrl store unpacks the committed one)")
     if not (Path(a.pack) / "manifest.json").exists():
         ap.error(f"{a.pack} is not a pack (no manifest.json)")
+    held = json.loads((Path(a.pack) / "manifest.json").read_text())
+    if (held.get("dtype") or "fp16", held.get("acc") or a.acc) != (a.dtype, a.acc):
+        ap.error(f"{a.pack} is a pack of {held.get('dtype') or 'fp16'} inputs with an {held.get('acc')} accumulator, "
+                 f"not --dtype {a.dtype} --acc {a.acc}")
     if a.shapes:
         try:
             read_shapes(a.shapes)
@@ -261,11 +270,11 @@ def main(argv=None) -> int:
     got = settle(runner, device=a.device, acc=a.acc, pack=a.pack, db=a.db, work=a.logs, shapes=a.shapes,
                  rounds=a.rounds, modes=modes, gpus=a.gpus, quick_host=not a.full_host, deadline_s=a.deadline_s,
                  bench_s=a.bench_s, disputes=(lambda: pack_disputes(a.db, a.pack, a.device, a.min_sessions))
-                 if a.min_sessions > 0 else None)
+                 if a.min_sessions > 0 else None, dtype=a.dtype)
     if runner.stopped:
         got["stopped"] = "SIGTERM" + (f" ({got['stopped']})" if got["stopped"] else "")
-    got["runs"] = runs_by_mode(a.db, after, a.acc)
-    got.update(device=a.device, acc=a.acc, pack=a.pack, after_run=after)
+    got["runs"] = runs_by_mode(a.db, after, a.acc, a.dtype)
+    got.update(device=a.device, dtype=a.dtype, acc=a.acc, pack=a.pack, after_run=after)
     print(json.dumps({k: got[k] for k in ("settled", "stopped", "runs")}))
     if a.json:
         Path(a.json).write_text(json.dumps(got, indent=1) + "\n")

@@ -1739,6 +1739,43 @@ def test_product_settle_times_the_changed_shapes_until_an_export_changes_nothing
     assert "--quick" in server and "--quick" not in kernel
 
 
+def test_product_settle_of_a_bf16_pack_exports_and_times_bf16(tmp_path):
+    """--dtype bf16 (the first bf16 pack, 2026-12-01): the export and every bench name the input type,
+    the fp16 commands stay as they were, the runs are read back for that type alone, and a pack of
+    another input type or accumulator than asked is refused before any GPU work."""
+    import sqlite3
+
+    mod = _script("product-settle.py")
+    fake = _FakeGemmrl([["64x64x64"], []])
+    got = mod.settle(fake, device="H200", acc="fp32", pack="packs/b", db="s.sqlite", work=str(tmp_path),
+                     log=lambda *_: None, dtype="bf16")
+    assert got["settled"]
+    calls = dict(fake.calls)
+    for label in ("export 0", "bench 0 kernel", "bench 0 server", "export 1"):
+        argv = calls[label]
+        assert argv[argv.index("--dtype") + 1] == "bf16", (label, argv)
+    assert "--dtype" not in mod.bench_argv("f", "kernel", "fp32", "p", "s", "o")  # fp16: as before
+    db = tmp_path / "s.sqlite"
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE measurements (run_id INT, mode TEXT, acc TEXT, dtype TEXT, impl TEXT)")
+    con.executemany("INSERT INTO measurements VALUES (?, ?, ?, ?, ?)", [
+        (5, "kernel", "fp32", "fp16", "gemmrl.matmul-nn"), (6, "kernel", "fp32", "bf16", "gemmrl.matmul-nn"),
+        (7, "offline", "fp32", "bf16", "gemmrl.matmul-tn"), (8, "kernel", "fp32", "bf16", "torch.matmul")])
+    con.commit()
+    con.close()
+    assert mod.runs_by_mode(str(db), 0, "fp32", "bf16") == {"kernel": [6], "offline": [7]}
+    assert mod.runs_by_mode(str(db), 0, "fp32") == {"kernel": [5]}
+    pack = tmp_path / "pk"
+    pack.mkdir()
+    (pack / "manifest.json").write_text(json.dumps({"dtype": "bf16", "acc": "fp32", "entries": []}))
+    for args, bad in ((["--acc", "fp32"], "not --dtype fp16 --acc fp32"),
+                      (["--acc", "fp16", "--dtype", "bf16"], "not --dtype bf16 --acc fp16")):
+        r = subprocess.run([sys.executable, str(ROOT / "scripts" / "product-settle.py"), "--device", "H200", "--db",
+                            str(db), "--pack", str(pack), *args], capture_output=True, text=True)
+        assert r.returncode == 2 and "a pack of bf16 inputs with an fp32 accumulator" in r.stderr and bad in r.stderr, \
+            r.stderr
+
+
 def test_product_settle_keeps_each_packs_shape_files_apart(tmp_path):
     """Two settles side by side (one lane per accumulator) must not share a changed-shapes file: with
     one settle-logs/ the fp32 export overwrote the fp16 round's list between its kernel and offline
