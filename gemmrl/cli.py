@@ -864,7 +864,7 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, fini
             best: dict = {}
             reserve = _final_reserve(store, device, problems, race, (kernel_only.protocol("kernel"),
                                                                      judge.protocol("kernel")),
-                                     built_only) if finish_s else None
+                                     built_only, baseline_fn) if finish_s else None
             if reserve is not None and time.monotonic() + reserve(frozenset()) >= t_start + finish_s:
                 click.echo(f"warning: --finish-s {finish_s:g}: the winners waiting for their final timing alone "
                            f"need about {reserve(frozenset()):.0f} s, more than is left; no search starts",
@@ -1124,24 +1124,34 @@ def _compile_then_time(specs, problems, store, device: str, time_part) -> dict:
     return counts
 
 
-def _final_reserve(store, device: str, problems, race: int, protocols, built_only: bool = False):
+def _final_reserve(store, device: str, problems, race: int, protocols, built_only: bool = False,
+                   baseline_us=None):
     """tune --finish-s: reached -> seconds the final timing will take (search.tune.final_reserve_s),
     over the shapes the search reached and those the final pass times anyway (shapes_to_time of
     a run with no trials: a stored winner not yet timed or not the verified one), counting the
-    CUTLASS kernels their races would compile (race.unbuilt_contenders; each once)."""
+    CUTLASS kernels their races would compile (race.unbuilt_contenders; each once) and each
+    shape's best baseline kernel time (`baseline_us(problem)`, the search's yardstick; else read from
+    the store): a millisecond kernel's rounds are long."""
     import os
 
     from gemmrl.search.race import unbuilt_contenders
-    from gemmrl.search.tune import final_reserve_s
+    from gemmrl.search.tune import best_baseline_from_store, final_reserve_s
 
     always = frozenset(shapes_to_time(problems, [], store, device, protocols))
     unbuilt = unbuilt_contenders(store, device, problems, race, built_only)
     cores = os.cpu_count() or 1
+    baseline_us = baseline_us or best_baseline_from_store(store, device, "kernel")
+    kernel_us = {}
+    for p in problems:
+        try:
+            kernel_us[p] = baseline_us(p)
+        except KeyError:  # no baseline yet: the search does not reach it either
+            pass
 
     def reserve(reached) -> float:
         shapes = always | frozenset(reached)
         builds = frozenset().union(*(unbuilt.get(p, frozenset()) for p in shapes))
-        return final_reserve_s(len(shapes), race, len(builds), cores)
+        return final_reserve_s(len(shapes), race, len(builds), cores, [kernel_us[p] for p in shapes if p in kernel_us])
     return reserve
 
 

@@ -816,7 +816,8 @@ def test_tune_finish_keeps_time_for_the_final_timing(tmp_path, monkeypatch):
         return {"stopped": False}
     monkeypatch.setattr(runner, "run_isolated", fake_isolated)
     shapes = "64x64x64,128x128x128"
-    for race, per in ((1, final_reserve_s(1)), (3, final_reserve_s(1, race=3))):
+    # the fake GPU's baselines run 1 us (_fake_gpu_for_tune): each shape's reserve counts it
+    for race, per in ((1, final_reserve_s(1, kernel_us=[1.0])), (3, final_reserve_s(1, race=3, kernel_us=[1.0]))):
         got.clear(), base.clear()
         t0 = time.monotonic()
         r = CliRunner().invoke(main, ["tune", "--shapes", shapes, "--db", str(tmp_path / f"f{race}.sqlite"),
@@ -839,7 +840,7 @@ def test_tune_finish_keeps_time_for_the_final_timing(tmp_path, monkeypatch):
     store.close()
     r = CliRunner().invoke(main, ["tune", "--shapes", shapes, "--db", str(db), "--no-report", "--finish-s", "100"])
     assert r.exit_code == 0, r.output
-    per = final_reserve_s(1)
+    per = final_reserve_s(1, kernel_us=[1.0])
     assert got[-1]["reserve"](frozenset()) == per and got[-1]["reserve"](frozenset([one, two])) == 2 * per
     assert "warning: --finish-s" not in r.output
     # a window shorter than what the waiting winner's timing needs: said before the search
@@ -857,8 +858,18 @@ def test_tune_finish_keeps_time_for_the_final_timing(tmp_path, monkeypatch):
                                   "--finish-s", "1000", "--race", "2", "--built-only"])
     assert r.exit_code == 0 and seen == [(2, True)], r.output
     cores = os.cpu_count() or 1
-    assert got[-1]["reserve"](frozenset([one])) == final_reserve_s(1, race=2, unbuilt=1, cores=cores)
-    assert got[-1]["reserve"](frozenset([one, two])) == final_reserve_s(2, race=2, unbuilt=2, cores=cores)
+    assert got[-1]["reserve"](frozenset([one])) == final_reserve_s(1, race=2, unbuilt=1, cores=cores, kernel_us=[1.0])
+    assert got[-1]["reserve"](frozenset([one, two])) == final_reserve_s(2, race=2, unbuilt=2, cores=cores,
+                                                                        kernel_us=[1.0, 1.0])
+    # a shape whose best baseline runs for milliseconds keeps more (its rounds beside the baselines are long)
+    import gemmrl.search.tune as stune
+
+    monkeypatch.setattr(stune, "best_baseline_from_store",
+                        lambda *a, **k: (lambda p: 4000.0 if p == two else 1.0))
+    r = CliRunner().invoke(main, ["tune", "--shapes", shapes, "--db", str(tmp_path / "long.sqlite"), "--no-report",
+                                  "--finish-s", "1000"])
+    assert r.exit_code == 0, r.output
+    assert got[-1]["reserve"](frozenset([two])) - got[-1]["reserve"](frozenset([one])) == pytest.approx(8.0 - 0.002)
     r = CliRunner().invoke(main, ["tune", "--shapes", shapes, "--db", str(tmp_path / "w.sqlite"), "--no-report",
                                   "--wall-s", "100"])
     assert r.exit_code == 0 and got[-1]["reserve"] is None  # --wall-s: the search runs to its deadline

@@ -670,7 +670,11 @@ def test_final_reserve_grows_with_shapes_race_and_unbuilt_incumbents():
     # unbuilt incumbents compile side by side: 17 on 16 cores are two rounds, 16 one
     assert final_reserve_s(20, unbuilt=17, cores=16) == 20 * FINAL_S_PER_SHAPE + 2 * CUTLASS_BUILD_S
     assert final_reserve_s(20, unbuilt=16, cores=16) == 20 * FINAL_S_PER_SHAPE + CUTLASS_BUILD_S
-    for bad in ({"shapes": -1}, {"shapes": 1, "race": 0}, {"shapes": 1, "cores": 0}):
+    # a millisecond kernel's rounds are long: 2 s a millisecond of its best baseline, at most 16 s more
+    assert final_reserve_s(2, kernel_us=[3.0, 4000.0]) == pytest.approx(2 * FINAL_S_PER_SHAPE + 0.006 + 8.0)
+    assert final_reserve_s(1, kernel_us=[50_000.0]) == FINAL_S_PER_SHAPE + 16.0
+    for bad in ({"shapes": -1}, {"shapes": 1, "race": 0}, {"shapes": 1, "cores": 0},
+                {"shapes": 1, "kernel_us": [float("nan")]}, {"shapes": 1, "kernel_us": [-1.0]}):
         with pytest.raises(ValueError):
             final_reserve_s(**bad)
 

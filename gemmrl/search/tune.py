@@ -133,14 +133,24 @@ class TuneResult:
 FINAL_S_PER_SHAPE = 8.0
 RACE_S_PER_CONTENDER = 3.0
 CUTLASS_BUILD_S = 45.0
+# A shape whose kernels run for milliseconds takes longer: its rounds beside 7 baselines are long. The
+# H200's --race 1 final timings of 1-16 ms shapes (fp16 and fp32, 2026-11-30 to 12-01, 22 shapes whose
+# kernels were built) took a median 11 s a shape at 1-2 ms of cuBLASLt's time, 16 s at 2-8 ms and 20 s
+# at 8-16 ms, where the constant above kept 8 s; so FINAL_S_PER_MS a millisecond of the best baseline's
+# kernel time more, at most FINAL_S_LONG_CAP more (8 + 2 * 4 ms = 16 s; 24 s from 8 ms up).
+FINAL_S_PER_MS = 2.0
+FINAL_S_LONG_CAP = 16.0
 
 
-def final_reserve_s(shapes: int, race: int = 1, unbuilt: int = 0, cores: int = 1) -> float:
+def final_reserve_s(shapes: int, race: int = 1, unbuilt: int = 0, cores: int = 1, kernel_us=()) -> float:
     """Seconds to keep for the final timing of `shapes` shapes raced with `race` (tune --race),
-    for which `unbuilt` CUTLASS kernels compile first, side by side on `cores`."""
-    if shapes < 0 or race < 1 or unbuilt < 0 or cores < 1:
-        raise ValueError(f"final_reserve_s({shapes}, race={race}, unbuilt={unbuilt}, cores={cores})")
+    for which `unbuilt` CUTLASS kernels compile first, side by side on `cores`; `kernel_us`: the
+    best baseline's kernel time of each shape that has one (microseconds), for the long ones' rounds."""
+    if shapes < 0 or race < 1 or unbuilt < 0 or cores < 1 or any(not us >= 0 for us in kernel_us):
+        raise ValueError(f"final_reserve_s({shapes}, race={race}, unbuilt={unbuilt}, cores={cores}, "
+                         f"kernel_us={list(kernel_us)})")
     return (shapes * (FINAL_S_PER_SHAPE + RACE_S_PER_CONTENDER * (race - 1))
+            + sum(min(FINAL_S_PER_MS * us / 1000.0, FINAL_S_LONG_CAP) for us in kernel_us)
             + math.ceil(unbuilt / cores) * CUTLASS_BUILD_S)
 
 
