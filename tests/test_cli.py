@@ -1496,6 +1496,15 @@ def test_tune_timing_compiles_each_slice_of_contenders_in_parallel_before_timing
                       ("build", "term", (256, 320), 2)], events
     assert counts["stopped"] and counts["sessions"] == 3
     signal.signal(signal.SIGTERM, prev_term)  # the stop leaves later SIGTERMs ignored (stop_on_sigterm)
+    # the builds cannot be planned (no CUTLASS headers here): one pass, the worker compiles as before
+    events.clear()
+
+    class NoHeaders(Builder):
+        def build_jobs(self, problems):
+            raise RuntimeError("no CUTLASS headers")
+    monkeypatch.setattr(select, "impls_from_specs", lambda specs, store, device: [NoHeaders("k", 1)])
+    counts = _compile_then_time(("race:3",), probs, None, "GPU", time_part)
+    assert events == [("time", (64, 128, 192, 256, 320))] and counts["sessions"] == 5
     # the baselines alone: no implementation is made, one pass over every shape
     events.clear()
     monkeypatch.setattr(select, "impls_from_specs", lambda *a: pytest.fail("baselines compile nothing"))
