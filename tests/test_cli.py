@@ -911,6 +911,40 @@ def test_tune_seeds_from_the_stored_cublaslt_choices_after_the_baselines(tmp_pat
     assert r.exit_code == 0 and priors[1] is None and "--seed-from-lt" not in r.output
 
 
+def test_tune_transfer_from_names_an_input_type_for_a_bf16_run(tmp_path, monkeypatch):
+    """tune --dtype bf16 --transfer-from GPU:fp16/fp32: the source is this GPU's fp16-input tuning
+    (allowed: another input type), handed to run_tune with its input type; the same GPU with the
+    run's own types is refused, and a malformed IN/ACC is a usage error."""
+    import gemmrl.search.run as srun
+    from gemmrl.search.run import TUNED
+    from gemmrl.search.tune import TuneResult
+
+    _fake_gpu_for_tune(monkeypatch)
+    from gemmrl.bench import runner
+
+    monkeypatch.setattr(runner, "run_isolated", lambda *a, **kw: {"stopped": False})
+    db = tmp_path / "t.sqlite"
+    store = Store(db)
+    store.put_tuning("Fake GPU", Problem(64, 64, 64), TUNED, b'{"family": "raw", "spec": {}}', "fp16 winner", 3.0)
+    store.close()
+    seen = []
+
+    def fake_run_tune(problems, store, device, evaluate, **kw):
+        seen.append((list(problems), kw["transfer_from"]))
+        return TuneResult(problems=list(problems), trials=[], history=[], best={}, curve=[], device_s=0.0)
+    monkeypatch.setattr(srun, "run_tune", fake_run_tune)
+    r = CliRunner().invoke(main, ["tune", "--shapes", "64x64x64", "--dtype", "bf16", "--db", str(db), "--no-report",
+                                  "--transfer-from", "Fake GPU:fp16/fp32"])
+    assert r.exit_code == 0, r.output
+    assert seen[-1][0][0].dtype == "bf16" and seen[-1][1] == [("Fake GPU", "fp32", "fp16")]
+    r = CliRunner().invoke(main, ["tune", "--shapes", "64x64x64", "--dtype", "bf16", "--db", str(db), "--no-report",
+                                  "--transfer-from", "Fake GPU:bf16/fp32"])
+    assert r.exit_code == 2 and "is this GPU" in r.output, r.output
+    r = CliRunner().invoke(main, ["tune", "--shapes", "64x64x64", "--dtype", "bf16", "--db", str(db), "--no-report",
+                                  "--transfer-from", "Fake GPU:fp16/bf16"])
+    assert r.exit_code == 2 and "names an input type" in r.output, r.output
+
+
 def test_cuda_l2_imports_a_carried_prebuilt_module(tmp_path):
     """A CUDA-L2 module built on another machine of the same image and carried as the .so alone
     (scripts/cuda-l2-prebuild.py) is imported as it is, not compiled again; a build directory
