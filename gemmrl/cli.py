@@ -16,7 +16,7 @@ from click.core import ParameterSource
 
 # kernel mode's precision target, bench's default: defined with the statistics it is on
 from gemmrl.bench.stats import KERNEL_CI, KERNEL_MAX_ROUNDS, KERNEL_MAX_S, kernel_precision  # noqa: F401
-from gemmrl.build.slices import build_plans, compile_then_time, cut_slices, unbuilt_counts
+from gemmrl.build.slices import build_plans, compile_then_time, cut_slices, time_in_slices, unbuilt_counts
 from gemmrl.core.problem import ProblemError
 from gemmrl.core import shapes as shapes_mod
 
@@ -283,42 +283,19 @@ def bench(shape_spec, mode_opts, impl_opts, dtype, acc, db, out, subject, qps, h
                    f"(at most {per_slice} kernels to compile in each)", err=True)
     status = "partial"  # until the run comes to its end (an exception or SIGTERM leaves it so)
     try:
-        counts = {"problems": len(problems), "sessions": 0, "skipped": 0, "rejected": 0, "quarantined": 0,
-                  "errors": 0, "stopped": False}
-        done = offset = 0
-        for part in slices:
-            share = slice(offset, offset + len(part))
-            offset += len(part)
-            if cfg.deadline is not None and time.monotonic() > cfg.deadline:
-                counts["stopped"] = True
-                click.echo(f"deadline reached after {done} of {len(problems)} problems; rerun to resume", err=True)
-                break
-            with runner.stop_on_sigterm() as stop:
-                for impl, plan in zip(impls, plans):
-                    if hasattr(impl, "prebuild"):
-                        impl.prebuild(part, log=lambda m: click.echo(m, err=True),
-                                      plan=None if plan is None else plan[share])
-            if stop.stopped:
-                counts["stopped"] = True
-                click.echo("stopped while compiling; everything measured so far is in the store", err=True)
-                break
+        def time_part(part):
             if isolate:
-                def run_fn(progress, log, part=part):
+                def run_fn(progress, log):
                     return runner.run_isolated(part, impl_opts, store, cfg, device=device, run_id=run_id,
                                                db_path=str(db), progress=progress, log=log)
             else:
-                def run_fn(progress, log, part=part):
+                def run_fn(progress, log):
                     return runner.run(part, impls, store, cfg, device=device, run_id=run_id,
                                       progress=progress, log=log)
-            got = _run_with_progress(run_fn, len(part))
-            for k in ("sessions", "skipped", "rejected", "quarantined", "errors"):
-                counts[k] += got.get(k, 0)
-            if got.get("stopped"):
-                counts["stopped"] = True
-                if got.get("deadline_after") is not None:
-                    counts["deadline_after"] = done + got["deadline_after"]
-                break
-            done += len(part)
+            return _run_with_progress(run_fn, len(part))
+        counts = {"sessions": 0, "skipped": 0, "rejected": 0, "quarantined": 0, "errors": 0,
+                  **time_in_slices(impls, plans, slices, time_part, log=lambda m: click.echo(m, err=True),
+                                   deadline=cfg.deadline)}
         status = "partial" if counts["stopped"] else "done"
         if counts["stopped"]:  # a SIGTERM can land after a worker stored a session, before it was counted
             # (H200, run 719: "measured 26", 27 sessions in the store)

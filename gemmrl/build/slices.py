@@ -65,15 +65,35 @@ def compile_then_time(specs, problems, store, device: str, time_part, log=print)
         log(f"could not plan the builds ahead ({type(e).__name__}: {str(e)[:200]}); the timing compiles "
             "what it needs as it goes")
         return time_part(list(problems))
-    counts: dict = {}
+    return time_in_slices(builders, plans, slices, time_part, log)
+
+
+def time_in_slices(impls, plans, slices, time_part, log=print, deadline: float | None = None) -> dict:
+    """Each slice of the shapes compiled, then timed (bench, and compile_then_time): every impl with
+    a prebuild compiles its share of `plans` (build_plans over the concatenated slices; an impl with
+    no plan builds what it needs for the slice itself), then time_part(slice) -> the runner's counts.
+    Counts summed over the slices ('deadline_after' counted from the whole list's start). Stops
+    before a slice once time.monotonic() passes `deadline`, at a SIGTERM while compiling, or after
+    a slice whose timing stopped; counts['stopped'] says so."""
+    import time
+
+    from gemmrl.bench import runner
+
+    total = sum(len(part) for part in slices)
+    counts: dict = {"problems": total, "stopped": False}
     offset = 0
     for part in slices:
         share = slice(offset, offset + len(part))
+        if deadline is not None and time.monotonic() > deadline:
+            counts["stopped"] = True
+            log(f"deadline reached after {offset} of {total} problems; rerun to resume")
+            break
         with runner.stop_on_sigterm() as stop:
-            for impl, plan in zip(builders, plans):
-                impl.prebuild(part, log=log, plan=plan[share])
+            for impl, plan in zip(impls, plans):
+                if hasattr(impl, "prebuild"):
+                    impl.prebuild(part, log=log, plan=None if plan is None else plan[share])
         if stop.stopped:
-            log(f"stopped while compiling; the shapes timed so far ({offset} of {len(problems)}) are in the store")
+            log(f"stopped while compiling; the shapes timed so far ({offset} of {total}) are in the store")
             counts["stopped"] = True
             break
         got = time_part(part)
@@ -86,7 +106,6 @@ def compile_then_time(specs, problems, store, device: str, time_part, log=print)
                 counts[k] = counts.get(k, 0) + v
             elif k != "problems":
                 counts[k] = v
-        counts["problems"] = len(problems)
         offset += len(part)
         if got.get("stopped"):
             break
