@@ -104,3 +104,24 @@ def test_tune_timing_compiles_each_slice_of_contenders_in_parallel_before_timing
     monkeypatch.setattr(select, "impls_from_specs", lambda *a: pytest.fail("baselines compile nothing"))
     counts = compile_then_time(("baselines",), probs, None, "GPU", time_part)
     assert events == [("time", (64, 128, 192, 256, 320))] and counts["sessions"] == 5
+
+
+def test_an_impl_that_builds_for_itself_is_not_handed_a_plan():
+    """An implementation with a prebuild but no build_jobs (CUDA-L2's: prebuild(problems, jobs, log))
+    builds each slice itself: time_in_slices calls it without a plan, as its signature takes none
+    (bench --impl cuda-l2:DIR raised TypeError in its first slice since bench sliced its builds)."""
+    from gemmrl.baselines.cuda_l2 import CudaL2Impl
+    from gemmrl.build.slices import time_in_slices
+
+    seen = []
+
+    class OwnBuilder:
+        def prebuild(self, problems, jobs=None, log=print):
+            seen.append([p.M for p in problems])
+
+    assert "plan" not in CudaL2Impl.prebuild.__code__.co_varnames  # the signature this stands in for
+    ps = [Problem(64, 64, 64), Problem(128, 64, 64)]
+    impls = [OwnBuilder()]
+    counts = time_in_slices(impls, build_plans(impls, ps), [ps[:1], ps[1:]],
+                            lambda part: {"sessions": len(part)}, log=lambda m: None)
+    assert seen == [[64], [128]] and counts["sessions"] == 2 and not counts["stopped"]

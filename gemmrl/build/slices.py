@@ -90,8 +90,12 @@ def time_in_slices(impls, plans, slices, time_part, log=print, deadline: float |
             break
         with runner.stop_on_sigterm() as stop:
             for impl, plan in zip(impls, plans):
-                if hasattr(impl, "prebuild"):
-                    impl.prebuild(part, log=log, plan=None if plan is None else plan[share])
+                if not hasattr(impl, "prebuild"):
+                    continue
+                if plan is None:  # it builds what the slice needs itself (CUDA-L2's takes no plan)
+                    impl.prebuild(part, log=log)
+                else:
+                    impl.prebuild(part, log=log, plan=plan[share])
         if stop.stopped:
             log(f"stopped while compiling; the shapes timed so far ({offset} of {total}) are in the store")
             counts["stopped"] = True
