@@ -1525,8 +1525,7 @@ def _build_transfer(tuned_db, transfer_texts, shape_spec, dtype, acc, top, fams,
             source = _known_device(source, devices, f"{tuned_db} holds no {TUNED} winners on {source!r}")
             cross, cross_dtype = source_acc not in (None, acc), source_dtype not in (None, dtype)
             twins, typed = twins or cross, typed or cross_dtype
-            priors.append(store_prior(store, source, problems, source_acc if cross else None, acc if cross else None,
-                                      source_dtype if cross_dtype else None, dtype if cross_dtype else None))
+            priors.append(store_prior(store, source, problems, source_acc, acc, source_dtype, dtype))
             names.append(f"{source}'s" + (f" {source_dtype}" if source_dtype else "")
                          + (f" {source_acc}" if source_acc else ""))
         if lt_gpu is not None:  # first, as tune ranks it

@@ -93,21 +93,22 @@ def stored_history(store, device: str, problems) -> list[Trial]:
 def accumulator_twin(family: str, spec, acc: str):
     """`spec` with its accumulator set to `acc` (the same kernel otherwise), or None where the
     family's spec has no accumulator field."""
-    import dataclasses
-
-    if not dataclasses.is_dataclass(spec) or "acc" not in {f.name for f in dataclasses.fields(spec)}:
-        return None
-    return spec if spec.acc == acc else dataclasses.replace(spec, acc=acc)
+    return _field_twin(spec, "acc", acc)
 
 
 def dtype_twin(family: str, spec, dtype: str):
     """`spec` with its input type set to `dtype` (fp16 <-> bf16; the same kernel otherwise), or
     None where the family's spec has no input-type field."""
+    return _field_twin(spec, "dtype", dtype)
+
+
+def _field_twin(spec, field: str, value: str):
+    """`spec` with `field` set to `value`, or None where the spec has no such field."""
     import dataclasses
 
-    if not dataclasses.is_dataclass(spec) or "dtype" not in {f.name for f in dataclasses.fields(spec)}:
+    if not dataclasses.is_dataclass(spec) or field not in {f.name for f in dataclasses.fields(spec)}:
         return None
-    return spec if spec.dtype == dtype else dataclasses.replace(spec, dtype=dtype)
+    return spec if getattr(spec, field) == value else dataclasses.replace(spec, **{field: value})
 
 
 def store_prior(store, source: str, problems=None, source_acc: str | None = None,
@@ -215,8 +216,7 @@ def add_store_priors(policy, store, sources, device: str, problems=None, target_
         cross_dtype = source_dtype is not None and target_dtype is not None and source_dtype != target_dtype
         if source == device and not (cross or cross_dtype):
             raise ValueError(f"{source!r} is this GPU: its trials are the search's own history already")
-        prior = store_prior(store, source, problems, source_acc if cross else None, target_acc if cross else None,
-                            source_dtype if cross_dtype else None, target_dtype if cross_dtype else None)
+        prior = store_prior(store, source, problems, source_acc, target_acc, source_dtype, target_dtype)
         if not prior and not any(True for _ in store.tuned_choices(TUNED, source)) and not store.trials(source):
             known = sorted(set(store.devices()) - {device})
             raise ValueError(f"the store holds nothing tuned on {source!r}"
