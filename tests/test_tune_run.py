@@ -305,6 +305,11 @@ def test_transfer_from_the_other_accumulator_seeds_searched_shapes_with_twins(tm
         assert all(s.acc == "fp16" for _f, s in prior[q])
     # only the fp32 tuning is taken, and only the shapes asked for
     assert set(store_prior(store, "NVIDIA H200", [h2], "fp32", "fp16")) == {h2}
+    # bf16 tuning in the store (fp32 accumulation only) has no fp16-accumulator twin: left out, not an
+    # error (build --transfer-from h200:fp32 --acc fp16 raised ProblemError once runs 979-981 were in)
+    run_tune([replace(P1, dtype="bf16")], store, "NVIDIA H200", fake_evaluate, candidates=2, batch=2,
+             layouts=("TN",), policy=ModelFreePolicy(layouts=("TN",), seed=2))
+    assert set(store_prior(store, "NVIDIA H200", [h1, h2], "fp32", "fp16")) == {h1, h2}
     seen = []
 
     def record(problem, candidates):

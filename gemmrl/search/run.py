@@ -132,17 +132,15 @@ def store_prior(store, source: str, problems=None, source_acc: str | None = None
     winners = {c[1]: (c[2], c[3]) for c in store.tuned_choices(TUNED, source)}
 
     def mapped(problem):
-        if cross_acc:
-            if problem.acc != source_acc:
-                return None
-            problem = replace(problem, acc=target_acc)
-        if cross_dtype:
-            if problem.dtype != source_dtype:
-                return None
-            try:
+        if (cross_acc and problem.acc != source_acc) or (cross_dtype and problem.dtype != source_dtype):
+            return None
+        try:
+            if cross_acc:
+                problem = replace(problem, acc=target_acc)
+            if cross_dtype:
                 problem = replace(problem, dtype=target_dtype)
-            except ValueError:  # ProblemError: no such problem in that type (bf16 with an fp16 accumulator)
-                return None
+        except ValueError:  # ProblemError: no such problem (bf16 inputs with an fp16 accumulator)
+            return None
         return problem
 
     def twin(family, spec, problem):
