@@ -598,7 +598,14 @@ def test_resume_order_puts_the_shapes_not_searched_lately_first():
     now = 1_000_000.0
     last = {a.key(): now - 60, b.key(): now - 13 * 3600, c.key(): now - 30}  # d: never searched
     assert resume_order([a, b, c, d], last, now) == [b, d, a, c]
-    assert resume_order([a, c], last, now) == [a, c]  # all recent: the order given
+    assert resume_order([a, c], last, now) == [a, c]  # all recent: the longest ago first
+    assert resume_order([c, a], last, now) == [a, c]
+    # a list searched in full before, whose first shapes the last (cut) rerun searched again: the
+    # next rerun starts with the shapes that waited longest, not with the list's first
+    e = Problem(1024, 64, 64)
+    again = {a.key(): now - 10, b.key(): now - 3000, c.key(): now - 2000, e.key(): now - 20}
+    assert resume_order([a, e, b, c], again, now) == [b, c, e, a]
+    assert resume_order([a, e, c, b], {**again, b.key(): now - 2000}, now) == [c, b, e, a]  # ties: as given
     assert resume_order([d, b], last, now) == [d, b]  # none recent: the order given
     assert resume_order([a, b, c, d], last, now, window_s=10) == [a, b, c, d]
 
@@ -624,7 +631,9 @@ def test_a_more_rerun_goes_on_where_a_run_cut_short_stopped(tmp_path):
 
     assert tune([p1], more=2) == [p1]  # a run that reached only the first shape
     assert tune([p1, p2, p3], more=2) == [p2, p3, p1]
-    assert tune([p1, p2, p3], more=2) == [p1, p2, p3]  # each searched lately: the list's order
+    # each searched lately: the one searched longest ago first (the list's order kept a cut rerun on
+    # the list's first shapes)
+    assert tune([p1, p2, p3], more=2) == [p2, p3, p1]
     assert tune([p1, p2, p3], candidates=8) == [p1, p2, p3]  # 2, 4 and 4 more
     counts = {}
     for r in store.trials("H100"):

@@ -336,15 +336,17 @@ RESUME_WINDOW_S = 12 * 3600.0
 
 def resume_order(problems, last_trial: dict, now: float, window_s: float = RESUME_WINDOW_S) -> list:
     """The order a `--more` search takes `problems` in: those with no trial in the last `window_s`
-    seconds first, then those searched within it, each group in the order given. `last_trial`:
-    problem key -> when its newest trial was recorded. `--more` counts from each shape's history, so
-    a rerun in list order searched the shapes the last run had reached again, and a run cut by its
-    deadline never got further: on 2026-11-30 (sixty-second session) two fp32 runs over a 28-shape
-    list both searched the same first 11 shapes. A second full pass over a list the last run
-    finished keeps the list's order (every shape is recent)."""
+    seconds first, in the order given, then those searched within it, the longest ago first (ties
+    in the order given). `last_trial`: problem key -> when its newest trial was recorded. `--more`
+    counts from each shape's history, so a rerun in list order searched the shapes the last run had
+    reached again, and a run cut by its deadline never got further: on 2026-11-30 (sixty-second
+    session) two fp32 runs over a 28-shape list both searched the same first 11 shapes. Within the
+    window the list's order did the same: on 2026-12-01 (sixty-sixth session) every shape of a
+    16-shape bf16 list had been searched the session before, and four cut reruns each searched the
+    list's first two or three shapes again (64x256x2048 four times, 11 shapes never)."""
     recent = [p for p in problems if now - last_trial.get(p.key(), -math.inf) < window_s]
     stale = [p for p in problems if now - last_trial.get(p.key(), -math.inf) >= window_s]
-    return stale + recent
+    return stale + sorted(recent, key=lambda p: last_trial[p.key()])
 
 
 def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, batch: int = 8,
