@@ -677,9 +677,13 @@ def targets(results_dir, device, subject, acc, product, json_out):
               help="stop after the search: no race, no final verification and timing, no report (a study's "
                    "trials; the stored choices await their final verification, which a later run without "
                    "this flag does)")
+@click.option("--build-ahead", "build_ahead_n", default=None, type=click.IntRange(0, 4096), metavar="N",
+              help="when a shape's batch has fewer than N kernels (--more 2), propose the next shapes' first "
+                   "batches too and compile them all side by side, up to N kernels, before timing the first "
+                   "(default: this machine's cores; 0: each batch compiles its own; not with --ray)")
 def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, finish_s, built_only, family_opts, match,
          layouts, db, out, ray_address, gpus, no_report, seed_from_lt, reuse_baselines, race, transfer_from, policy_name,
-         seed, search_only):
+         seed, search_only, build_ahead_n):
     """Search kernels per shape with speed over the best baseline as the reward; keep the winners.
 
     Baselines are measured first (kernel mode) where the store lacks them; then the model-free
@@ -698,6 +702,9 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, fini
         raise click.UsageError(f"--transfer-from seeds the model-free policy; the {policy_name} policy takes none")
     if seed_from_lt and policy_name != "model-free":
         raise click.UsageError(f"--seed-from-lt seeds the model-free policy; the {policy_name} policy takes none")
+    if build_ahead_n and ray_address is not None:
+        raise click.UsageError("--build-ahead compiles on this machine, --ray evaluates (and builds) on the "
+                               "cluster's: give one")
     no_report = no_report or search_only
     from gemmrl.space import registry
 
@@ -817,6 +824,12 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, fini
                            f"need about {reserve(frozenset()):.0f} s, more than is left; no search starts",
                            err=True)
 
+            from gemmrl.build.pool import default_jobs
+            from gemmrl.search.run import ahead_builder
+
+            ahead_n = 0 if ray_address is not None else (default_jobs() if build_ahead_n is None else build_ahead_n)
+            ahead_fn = ahead_builder(ahead_n, lambda m: click.echo(m, err=True)) if ahead_n else None
+
             def on_trial(t):
                 if t.reward > best.get(t.problem, 0.0):
                     best[t.problem] = t.reward
@@ -828,7 +841,7 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, fini
                                deadline=t_start + wall if wall else None, reserve=reserve,
                                generic_built_only=built_only, families=fams, match=match, more=more,
                                transfer_from=sources or None, policy_name=policy_name, seed=seed,
-                               lt_prior=lt_prior)
+                               lt_prior=lt_prior, ahead=ahead_fn, ahead_kernels=ahead_n)
                 search_wall = time.monotonic() - t_search
             finally:
                 close()

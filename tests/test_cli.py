@@ -645,6 +645,41 @@ def _fake_gpu_for_tune(monkeypatch):
     monkeypatch.setattr(srun, "isolated_evaluator", lambda *a, **k: (None, lambda: None))
 
 
+def test_tune_builds_the_next_shapes_batches_ahead_on_this_machines_cores(tmp_path, monkeypatch):
+    """tune --build-ahead: by default as many kernels as this machine has cores, built side by side
+    across shapes (run_tune's `ahead`); 0 turns it off; with --ray (the cluster builds) it is refused."""
+    from types import SimpleNamespace
+
+    import gemmrl.search.run as srun
+    from gemmrl.bench import runner
+    from gemmrl.build.pool import default_jobs
+    from gemmrl.search.tune import TuneResult
+
+    _fake_gpu_for_tune(monkeypatch)
+    p = Problem(64, 64, 64)
+    seen = []
+
+    def fake_run_tune(problems, store, device, evaluate, **kw):
+        seen.append(kw)
+        trial = SimpleNamespace(problem=p, reward=1.2)
+        return TuneResult(problems=list(problems), trials=[trial], history=[], best={p: trial}, curve=[],
+                          device_s=0.0)
+    monkeypatch.setattr(srun, "run_tune", fake_run_tune)
+    monkeypatch.setattr(runner, "run_isolated", lambda *a, **k: {"stopped": False})
+    monkeypatch.setattr(srun, "rejected_winners", lambda *a: {})
+    args = ["tune", "--shapes", "64x64x64", "--db", str(tmp_path / "s.sqlite"), "--no-report", "--search-only"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    assert seen[-1]["ahead_kernels"] == default_jobs() and callable(seen[-1]["ahead"])
+    r = CliRunner().invoke(main, args + ["--build-ahead", "0"])
+    assert r.exit_code == 0 and seen[-1]["ahead_kernels"] == 0 and seen[-1]["ahead"] is None, r.output
+    r = CliRunner().invoke(main, args + ["--build-ahead", "5"])
+    assert r.exit_code == 0 and seen[-1]["ahead_kernels"] == 5, r.output
+    n = len(seen)
+    r = CliRunner().invoke(main, args + ["--build-ahead", "5", "--ray", "auto"])
+    assert r.exit_code == 2 and "--build-ahead compiles on this machine" in r.output and len(seen) == n
+
+
 def test_tune_stopped_in_its_baselines_or_final_timing_ends_partial_and_goes_no_further(tmp_path, monkeypatch):
     """A SIGTERM (a device call's timeout) during tune's final timing: the runner returns with
     counts['stopped']; the run must be recorded 'partial', not 'done', and no runner-up round may

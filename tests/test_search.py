@@ -934,3 +934,89 @@ def test_on_a_searched_shape_the_prior_offers_its_first_untried_suggestions():
     got = policy.propose(p, 8)
     assert [c.spec for c in got if c.origin == "prior"] == pool[4:7]
     assert [c.spec for c in got[:3]] == pool[4:7]
+
+
+def _recording(sim):
+    batches = []
+
+    def evaluate(problem, cands):
+        batches.append((problem, [c.key() for c in cands]))
+        return sim(problem, cands)
+    return evaluate, batches
+
+
+def test_small_batches_of_the_next_shapes_are_built_ahead_together():
+    """tune's `ahead` (tune --build-ahead): a --more 2 search compiled 2 kernels at a time on 16
+    cores (H200, 2026-12-01: 4 candidates in 99 s over 30 shapes). A batch smaller than
+    ahead_kernels now proposes the next shapes' first batches too and builds them all at once;
+    each of those shapes then evaluates exactly what was built for it, and the run times as many
+    candidates per shape as one without it."""
+    problems = PROBLEMS[:7]
+    sim, waves = SimGPU(), []
+    evaluate, batches = _recording(sim)
+    result = tune(problems, ModelFreePolicy(layouts=LAYOUTS, seed=0), evaluate, per_shape_candidates=0, batch=8,
+                  more=2, ahead=lambda pairs: waves.append([(p, [c.key() for c in cs]) for p, cs in pairs]),
+                  ahead_kernels=6)
+    assert [[p for p, _ in w] for w in waves] == [problems[0:3], problems[3:6]]  # the last shape: no one after it
+    assert [b for w in waves for b in w] == batches[:6]  # built ahead = evaluated, batch for batch
+    assert [p for p, _ in batches] == problems and all(len(keys) == 2 for _, keys in batches)
+    assert result.counts == {p: 2 for p in problems} and len(result.trials) == 14
+    # without it: the same shapes, as many candidates, nothing built ahead
+    plain = tune(problems, ModelFreePolicy(layouts=LAYOUTS, seed=0), SimGPU(), per_shape_candidates=0, batch=8, more=2)
+    assert plain.counts == result.counts
+    # a batch as large as ahead_kernels builds only itself (the evaluator's own build_batch)
+    waves.clear()
+    tune(problems[:3], ModelFreePolicy(layouts=LAYOUTS, seed=0), SimGPU(), per_shape_candidates=0, batch=8, more=6,
+         ahead=lambda pairs: waves.append(pairs), ahead_kernels=6)
+    assert waves == []
+
+
+def test_a_wave_built_ahead_keeps_its_length_before_the_deadline():
+    """Under --finish-s a wave (its builds and its first evaluation) counts like a long batch: the
+    shapes built in it are evaluated while only their own evaluation fits, and no new wave starts
+    unless one as long as the longest so far fits too; a wave takes no shape the reserve would
+    stop the search before."""
+    problems = PROBLEMS[:6]
+    now, waves = [0.0], []
+
+    def ahead(pairs):
+        waves.append([p for p, _ in pairs])
+        now[0] += 50.0
+
+    sim = SimGPU()
+    evaluate, batches = _recording(sim)
+
+    def timed(problem, cands):
+        now[0] += 1.0
+        return evaluate(problem, cands)
+    result = tune(problems, ModelFreePolicy(layouts=LAYOUTS, seed=0), timed, per_shape_candidates=0, batch=8, more=2,
+                  deadline=100.0, clock=lambda: now[0], reserve=lambda reached: 10.0 * len(reached),
+                  ahead=ahead, ahead_kernels=6)
+    # the wave: shapes 0-2 built by 50 s, shape 0 evaluated by 51; shapes 1 and 2 keep only their
+    # reserve (52 + 20, 53 + 30); shape 3 would start a wave: 53 + 40 + 51 >= 100, stop
+    assert waves == [problems[:3]]
+    assert [p for p, _ in batches] == problems[:3] and result.stopped == "wall-clock deadline"
+    # a reserve of 40 s a shape: the wave stops at the shape the search could not reach
+    now[0], waves[:] = 0.0, []
+    tune(problems, ModelFreePolicy(layouts=LAYOUTS, seed=0), timed, per_shape_candidates=0, batch=8, more=2,
+         deadline=100.0, clock=lambda: now[0], reserve=lambda reached: 40.0 * len(reached), ahead=ahead,
+         ahead_kernels=6)
+    assert waves == [problems[:2]]
+
+
+def test_a_policy_failing_on_a_shape_of_a_wave_leaves_that_shape_alone():
+    problems = PROBLEMS[:4]
+
+    class Flaky(ModelFreePolicy):
+        def propose(self, problem, k):
+            if problem == problems[1]:
+                raise RuntimeError("no options")
+            return super().propose(problem, k)
+
+    sim, waves = SimGPU(), []
+    evaluate, batches = _recording(sim)
+    result = tune(problems, Flaky(layouts=LAYOUTS, seed=0), evaluate, per_shape_candidates=0, batch=8, more=2,
+                  ahead=lambda pairs: waves.append([p for p, _ in pairs]), ahead_kernels=6)
+    assert waves == [[problems[0], problems[2], problems[3]]]
+    assert [p for p, _ in batches] == [problems[0], problems[2], problems[3]]
+    assert result.failed == {problems[1]: "RuntimeError: no options"}

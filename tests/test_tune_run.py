@@ -639,3 +639,36 @@ def test_a_more_rerun_goes_on_where_a_run_cut_short_stopped(tmp_path):
     for r in store.trials("H100"):
         counts[(r["M"], r["N"], r["K"])] = counts.get((r["M"], r["N"], r["K"]), 0) + 1
     assert counts == {(512, 768, 1024): 8, (1024, 768, 1024): 8, (2048, 768, 1024): 8}
+
+
+def test_build_ahead_compiles_several_shapes_batches_in_one_pool(tmp_path, monkeypatch):
+    """tune's `ahead` (ahead_builder over build_ahead): the kernels of several shapes' batches go to
+    one build pool together; what is built already is left out; a failing build is said, not
+    raised, and the search goes on (each batch then compiles its own)."""
+    from gemmrl.build import pool
+    from gemmrl.build.nvcc import BuildResult
+    from gemmrl.search.run import ahead_builder
+    from gemmrl.search.tune import build_ahead
+
+    monkeypatch.setenv("GEMMRL_CACHE", str(tmp_path))
+    p1, p2 = Problem(64, 128, 4096), Problem(64, 64, 4096)
+    a, b = _raw_candidates(p1, 2), _raw_candidates(p2, 2)
+    calls = []
+
+    def fake_many(jobs, workers=None, threads=False):
+        calls.append(([j[0] for j in jobs], workers, threads))
+        return [BuildResult(j[0] != b[1].name, "", None, "", 1.0, False) for j in jobs]
+    monkeypatch.setattr(pool, "build_many", fake_many)
+    built = build_ahead([(p1, a), (p2, b)], 16)
+    assert calls == [([c.name for c in a + b], 16, True)]
+    assert sorted(built) == sorted(c.name for c in a + b)
+    assert build_ahead([(p2, b[:1])], 16) != {}  # one kernel: built ahead too (build_batch leaves it)
+    assert build_ahead([(p2, b[:1])], 1) == {}  # one worker: the evaluator builds its own
+    logs = []
+    assert ahead_builder(16, logs.append)([(p1, a), (p2, b)])
+    assert "built 4 kernels for the next 2 shapes' batches" in logs[-1] and "(1 failed" in logs[-1]
+
+    def broken(pairs, workers):
+        raise OSError("no space left on device")
+    assert ahead_builder(16, logs.append, build=broken)([(p1, a)]) == {}
+    assert logs[-1].startswith("warning: building 2 candidates of 1 shapes ahead failed (OSError: no space")

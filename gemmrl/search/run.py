@@ -13,7 +13,7 @@ import time
 from gemmrl.bench.worker import HEARTBEAT_ENV, Worker, last_beat
 from gemmrl.core.problem import Problem
 from gemmrl.search.policy import Candidate, ExhaustivePolicy, ModelFreePolicy, RandomPolicy, Trial
-from gemmrl.search.tune import TuneResult, _better, best_trials, gpu_evaluate, tune
+from gemmrl.search.tune import TuneResult, _better, best_trials, build_ahead, gpu_evaluate, tune
 from gemmrl.space import registry
 
 TUNED = "gemmrl-tuned"
@@ -78,6 +78,30 @@ def isolated_evaluator(store, device: str, db_path: str, baseline_fn, *, timeout
         os.unlink(hb)
 
     return evaluate, close
+
+
+def ahead_builder(workers: int, log=print, build=None):
+    """tune's `ahead`: compile the kernels of several shapes' batches side by side, `workers` nvcc
+    processes at most (build_ahead), saying what it compiles and what failed. A failure of the
+    building itself (not of a kernel: those the evaluator records) is said and the search goes on,
+    each batch compiling its own."""
+    build = build or build_ahead
+
+    def ahead(pairs):
+        n = sum(len(c) for _, c in pairs)
+        t0 = time.monotonic()
+        try:
+            built = build(pairs, workers)
+        except Exception as e:  # noqa: BLE001 - the evaluator builds what is missing, one batch at a time
+            log(f"warning: building {n} candidates of {len(pairs)} shapes ahead failed ({type(e).__name__}: {e}); "
+                "each batch compiles its own")
+            return {}
+        if built:
+            bad = sum(1 for r in built.values() if not r.ok)
+            log(f"built {len(built)} kernels for the next {len(pairs)} shapes' batches side by side in "
+                f"{time.monotonic() - t0:.0f} s" + (f" ({bad} failed: the evaluator records why)" if bad else ""))
+        return built
+    return ahead
 
 
 def stored_history(store, device: str, problems) -> list[Trial]:
@@ -355,7 +379,8 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
              generic_built_only: bool = False, families: tuple | None = None,
              match: str | None = None, more: int | None = None,
              transfer_from=None, transfer_acc: str | None = None, policy_name: str = "model-free",
-             seed: int = 0, lt_prior: dict | None = None, reserve=None) -> TuneResult:
+             seed: int = 0, lt_prior: dict | None = None, reserve=None, ahead=None,
+             ahead_kernels: int = 0) -> TuneResult:
     """Tune, resuming from the trials already in the store; store every trial and the winners.
     The policy also learns from the store's trials of other shapes on this device (its cost
     model, and transfer from the nearest tuned shapes), so a new shape set starts informed.
@@ -369,7 +394,9 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
     search (make_policy) where no `policy` is given; only the model-free one takes a transfer.
     `lt_prior`: {problem: [(family, spec)]} of cuBLASLt's autotuned choices (search.lt_seed,
     `tune --seed-from-lt`), a prior like a transfer's, its suggestions ranked with theirs.
-    `reserve`: seconds to keep before `deadline` for the final timing (search.tune.tune's)."""
+    `reserve`: seconds to keep before `deadline` for the final timing (search.tune.tune's).
+    `ahead`, `ahead_kernels`: several shapes' batches compiled side by side (search.tune.tune's;
+    ahead_builder)."""
     problems = list(problems)
     if more is not None:  # a rerun goes on where a run cut by its deadline stopped (resume_order)
         problems = resume_order(problems, store.last_trial_times(device), time.time())
@@ -421,7 +448,7 @@ def run_tune(problems, store, device: str, evaluate, *, candidates: int = 32, ba
 
     res = tune(problems, policy, evaluate, per_shape_candidates=candidates, batch=batch,
                device_budget_s=budget_s, history=history, on_trial=record, deadline=deadline, more=more,
-               reserve=reserve)
+               reserve=reserve, ahead=ahead, ahead_kernels=ahead_kernels)
     # the final pass stores a shape's best only where it is a trial of this run, or where the shape
     # has no winner at all: a stored winner a race chose (in one session, beside the incumbent) is
     # not the search's best by reward, and a run that never reached the shape (a wall-clock

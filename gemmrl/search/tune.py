@@ -158,13 +158,23 @@ def tune(problems: Iterable[Problem], policy: Policy, evaluate: Evaluate, *, per
          batch: int = 8, device_budget_s: float = math.inf, history: Iterable[Trial] = (),
          on_trial: Callable[[Trial], None] | None = None, deadline: float | None = None,
          clock: Callable[[], float] = time.monotonic, more: int | None = None,
-         reserve: Callable[[frozenset], float] | None = None) -> TuneResult:
+         reserve: Callable[[frozenset], float] | None = None,
+         ahead: Callable[[list[tuple[Problem, list[Candidate]]]], object] | None = None,
+         ahead_kernels: int = 0) -> TuneResult:
     """`more`: instead of `per_shape_candidates` in all, that many beyond each problem's history.
     `reserve(problems)`: seconds to keep before `deadline` for what follows the search when it
     has reached `problems` (this run's searched shapes, and the one a batch is about to start
     on): no batch starts later than that, less the longest batch this run has timed so far, so
     that the batch too ends inside the window (tune --finish-s; final_reserve_s). Without a
-    reserve (tune --wall-s) the deadline bounds when batches start, not when they end."""
+    reserve (tune --wall-s) the deadline bounds when batches start, not when they end.
+    `ahead(pairs)`: compile [(problem, candidates)] side by side before a batch of fewer than
+    `ahead_kernels` candidates is evaluated: that batch and the first batches of the problems after
+    it, proposed now, up to `ahead_kernels` kernels in all; each of those problems then evaluates
+    the candidates proposed for it here (build_ahead; tune --build-ahead). A `--more 2` search
+    compiled 2 CUTLASS kernels at a time on 16 cores, about 50 s a shape (H200, 2026-12-01: 4
+    candidates in 99 s over 30 shapes). A problem whose candidates were built ahead keeps only the
+    longest evaluation before the deadline, one that starts a wave the longest wave (its builds and
+    its evaluation) too."""
     problems = list(dict.fromkeys(problems))
     wanted = set(problems)
     history = [t for t in history if t.problem in wanted]
@@ -201,38 +211,81 @@ def tune(problems: Iterable[Problem], policy: Policy, evaluate: Evaluate, *, per
     limit = {p: counts[p] + more if more is not None else per_shape_candidates for p in problems}
     if history:
         point()
-    for problem in problems:
-        while counts[problem] < limit[problem] and not stopped:
+    queued: dict[Problem, list[Candidate]] = {}  # proposed and built ahead, not evaluated yet
+    longest_wave = 0.0  # the longest batch that built a wave ahead: its builds and its evaluation
+
+    def size(problem: Problem) -> int:
+        k = min(batch, limit[problem] - counts[problem])
+        per, remaining = max(costs, default=0.0), device_budget_s - spent
+        if per > 0 and math.isfinite(remaining):
+            k = max(1, min(k, int(remaining / per)))
+        return k
+
+    def fresh_for(problem: Problem) -> list[Candidate] | None:
+        """The policy's next batch for `problem`, less what was tried or is not valid; None where
+        the policy failed (said in the result)."""
+        nonlocal dropped
+        k = size(problem)
+        try:
+            proposed = policy.propose(problem, k)[:k]
+        except Exception as e:  # noqa: BLE001 - a policy's bug on one shape; said in the result
+            failed[problem] = f"{type(e).__name__}: {e}"
+            return None
+        fresh, keys = [], set()
+        for c in proposed:
+            key = c.key()
+            if key in tried[problem] or key in keys or registry.get(c.family).valid(c.spec, problem):
+                dropped += 1
+                continue
+            keys.add(key)
+            fresh.append(c)
+        return fresh
+
+    def keep(reached: set, wave: float) -> float:
+        return reserve(frozenset(reached)) + wave if reserve is not None else 0.0
+
+    for i, problem in enumerate(problems):
+        while counts[problem] < limit[problem] and not stopped and problem not in failed:
             remaining = device_budget_s - spent
             if remaining <= 0:
                 stopped = "device budget"
                 break
-            keep = reserve(frozenset(touched | {problem})) + longest if reserve is not None else 0.0
-            if deadline is not None and clock() + keep >= deadline:
+            built = problem in queued
+            if deadline is not None and clock() + keep(touched | {problem}, longest if built else
+                                                       max(longest, longest_wave)) >= deadline:
                 stopped = "wall-clock deadline"
                 break
-            k = min(batch, limit[problem] - counts[problem])
-            per = max(costs, default=0.0)
-            if per > 0 and math.isfinite(remaining):
-                k = max(1, min(k, int(remaining / per)))
-            fresh, keys = [], set()
-            try:
-                proposed = policy.propose(problem, k)[:k]
-            except Exception as e:  # noqa: BLE001 - a policy's bug on one shape; said in the result
-                failed[problem] = f"{type(e).__name__}: {e}"
-                break
-            for c in proposed:
-                key = c.key()
-                if key in tried[problem] or key in keys or registry.get(c.family).valid(c.spec, problem):
-                    dropped += 1
-                    continue
-                keys.add(key)
-                fresh.append(c)
+            began = clock()
+            wave: list[tuple[Problem, list[Candidate]]] = []
+            if built:
+                fresh = queued.pop(problem)
+            else:
+                fresh = fresh_for(problem)
+                if fresh is None:
+                    break
+                total = len(fresh)
+                for q in (problems[i + 1:] if ahead is not None and fresh and total < ahead_kernels else ()):
+                    if total >= ahead_kernels:
+                        break
+                    if q in queued or q in failed or counts[q] >= limit[q]:
+                        continue
+                    reached = touched | {problem} | {w for w, _ in wave} | {q}
+                    if deadline is not None and clock() + keep(reached, max(longest, longest_wave)) >= deadline:
+                        break  # the deadline would stop the search before it reached q
+                    got_q = fresh_for(q)
+                    if got_q:
+                        queued[q] = got_q
+                        wave.append((q, got_q))
+                        total += len(got_q)
+                if wave:
+                    ahead([(problem, fresh)] + wave)
             if not fresh:
                 break  # the policy has nothing new for this problem
-            began = clock()
             got = evaluate(problem, fresh)
-            longest = max(longest, clock() - began)
+            if wave:
+                longest_wave = max(longest_wave, clock() - began)
+            else:
+                longest = max(longest, clock() - began)
             touched.add(problem)
             for t in got:
                 trials.append(t)
@@ -364,18 +417,28 @@ def build_batch(problem: Problem, candidates: list[Candidate], workers: int | No
     Returns {name: BuildResult} for the kernels it compiled (ok or not). One that is not valid for
     the problem or does not render is left to the evaluator, which says why; with one kernel to
     build there is no pool to start, and the evaluator builds it."""
+    return build_ahead([(problem, candidates)], workers, least=2)
+
+
+def build_ahead(pairs: list[tuple[Problem, list[Candidate]]], workers: int | None = None,
+                least: int = 1) -> dict:
+    """build_batch for the batches of several problems at once ([(problem, candidates)]): the
+    kernels not in the build cache compiled side by side into it, where the evaluator of each
+    batch finds them (tune's `ahead`). Nothing is compiled with fewer than `least` to build or
+    with `workers` 1. Returns {name: BuildResult}."""
     from gemmrl.build import ahead
     from gemmrl.build.pool import build_many
 
     jobs = []
-    for c in candidates:
-        try:
-            if registry.get(c.family).valid(c.spec, problem) is None:
-                jobs.append(ahead.job_for(c.spec, problem))
-        except Exception:  # noqa: BLE001 - the evaluator renders it again and records why
-            continue
+    for problem, candidates in pairs:
+        for c in candidates:
+            try:
+                if registry.get(c.family).valid(c.spec, problem) is None:
+                    jobs.append(ahead.job_for(c.spec, problem))
+            except Exception:  # noqa: BLE001 - the evaluator renders it again and records why
+                continue
     todo = ahead.pending(ahead.unique(jobs))
-    if len(todo) < 2 or workers == 1:
+    if len(todo) < least or not todo or workers == 1:
         return {}
     results = build_many([j.as_tuple() for j in todo], workers=workers, threads=True)
     return {j.name: r for j, r in zip(todo, results)}
