@@ -458,7 +458,7 @@ def write_report(store, device, out, subject, dtype, acc, records=None):
         prov["slow_library_rows"] = slow_rows(store.db, rows, device)
     if subject == "cuda-l2":
         prov.update(cuda_l2_origin(store, device, dtype, acc))
-    peaks = store.latest_peaks(device)
+    peaks = store.reference_peaks(device)
     subj = subject or "torch.matmul"
     return write_results(records, Path(out) / gpu_slug(device), subj, peaks, prov,
                          report_prefix(subj, device, dtype, acc))

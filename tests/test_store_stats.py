@@ -74,6 +74,32 @@ def test_verifications_tuning_peaks(tmp_path):
     assert s.latest_peaks("H100") is None
     s.record_peaks(run, "H100", 700.0, 3000.0)
     assert s.latest_peaks("H100") == {"matrix_tflops": 700.0, "bandwidth_gbs": 3000.0}
+    assert s.reference_peaks("H100") == {"matrix_tflops": 700.0, "bandwidth_gbs": 3000.0}
+
+
+def test_reference_peaks_are_the_median_of_the_latest_readings(tmp_path, monkeypatch):
+    """One low bandwidth reading (the H200's 4097 GB/s after 4248 and 4250) must not move every
+    report's roofline fractions: the reports and the judge take the median of the latest ones."""
+    import pytest
+
+    from gemmrl.store import db as dbmod
+
+    s = Store(tmp_path / "p.sqlite")
+    run = s.start_run("x", "H200", {}, {})
+    now = [1000.0]
+    monkeypatch.setattr(dbmod.time, "time", lambda: now[0])
+    assert s.reference_peaks("H200") is None
+    for tf, bw in [(900.0, 9000.0), (756.1, 4247.8), (755.8, 4249.7), (717.2, 4096.5)]:
+        now[0] += 10.0
+        s.record_peaks(run, "H200", tf, bw)
+    assert s.latest_peaks("H200") == {"matrix_tflops": 717.2, "bandwidth_gbs": 4096.5}
+    assert s.reference_peaks("H200", window=3) == {"matrix_tflops": 755.8, "bandwidth_gbs": 4247.8}
+    assert s.reference_peaks("H200") == pytest.approx({"matrix_tflops": (756.1 + 755.8) / 2,
+                                                       "bandwidth_gbs": (4247.8 + 4249.7) / 2})
+    assert s.reference_peaks("H200", window=1) == s.latest_peaks("H200")
+    assert s.reference_peaks("H100") is None
+    with pytest.raises(ValueError, match="window"):
+        s.reference_peaks("H200", window=0)
 
 
 def test_schema_version_mismatch_is_refused(tmp_path):

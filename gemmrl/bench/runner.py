@@ -216,7 +216,7 @@ def _one_problem(problem, impls, store, cfg, device, run_id, l2, counts, log):
             res = timing.time_kernel(problem, calls, l2_bytes=l2, settings=cfg.kernel, seed=cfg.seed)
         else:
             res = timing.time_host(problem, calls, settings=getattr(cfg, mode), seed=cfg.seed)
-        res = judge_floor(problem, res, store.latest_peaks(device), {i.name for i in impls if i.trusted})
+        res = judge_floor(problem, res, store.reference_peaks(device), {i.name for i in impls if i.trusted})
         state = env.gpu_state()  # the GPU right after the session: temperatures, clocks, throttling
         if state:
             for r in res.values():

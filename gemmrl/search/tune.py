@@ -540,7 +540,7 @@ def gpu_evaluate(store, device: str, baseline_us_fn: Callable[[Problem], float],
                 res = {n: {"status": "error", "details": {"reason": f"{type(e).__name__}: {e}"[:500]}}
                        for n in timed}
             if store is not None:  # a time beyond the physical floor earns nothing (bench/stats.py)
-                res = judge_floor(problem, res, store.latest_peaks(device), {REFERENCE})
+                res = judge_floor(problem, res, store.reference_peaks(device), {REFERENCE})
             share = (time.perf_counter() - t0) / len(calls)
             scale = 1.0
             if ref is not None:
