@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -919,6 +920,40 @@ def test_tune_search_only_sweeps_the_raw_pool_and_times_no_winner(tmp_path):
     timed = {r[0] for r in store.db.execute("SELECT DISTINCT impl FROM measurements")}
     assert "torch.matmul" in timed and not any(i.startswith("gemmrl") for i in timed), timed
     assert not (tmp_path / "out").exists()  # no report
+
+
+@pytest.mark.gpu
+def test_tune_builds_three_shapes_small_batches_ahead_in_one_wave(tmp_path):
+    """gemmrl tune --more 2 --build-ahead 6 over three shapes on a GPU: the first shape's batch and
+    the next two shapes' are compiled together once, before the first is timed; each shape then
+    times the two kernels built for it (search only: no race, no final timing)."""
+    import os
+    import subprocess
+    import sys
+
+    from gemmrl.store.db import Store
+
+    shapes = tmp_path / "shapes.txt"
+    shapes.write_text("256x512x1024\n512x512x1024\n512x256x1024\n")
+    db = tmp_path / "ahead.sqlite"
+    r = subprocess.run([sys.executable, "-m", "gemmrl.cli", "tune", "--shapes", str(shapes), "--family", "raw",
+                        "--layouts", "TN", "--match", "_64x64x64_w2x2_s4_k1", "--more", "2", "--build-ahead", "6",
+                        "--search-only", "--db", str(db), "--out", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=900, env={**os.environ, "GEMMRL_CACHE": str(tmp_path / "c")})
+    assert r.returncode == 0, r.stderr[-3000:]
+    waves = [line for line in r.stderr.splitlines() if "kernels for the next" in line]
+    # one wave; a raw kernel's build may serve several shapes (one source): 6 jobs, up to 6 builds
+    assert len(waves) == 1 and re.search(r"built [2-6] kernels for the next 3 shapes' batches", waves[0]), \
+        r.stderr[-3000:]
+    store = Store(db)
+    dev = store.devices()[0]
+    rows = store.trials(dev)
+    per = {}
+    for t in rows:
+        per.setdefault((t["M"], t["N"], t["K"]), []).append(t["status"])
+    assert per == {(256, 512, 1024): ["ok", "ok"], (512, 512, 1024): ["ok", "ok"], (512, 256, 1024): ["ok", "ok"]}
+    # the evaluator found every kernel built: none of the trials compiled its own
+    assert all(t["record"]["details"].get("build_s") == 0.0 for t in rows), [t["record"]["details"] for t in rows]
 
 
 def test_on_a_searched_shape_the_prior_offers_its_first_untried_suggestions():
