@@ -1,8 +1,8 @@
-// sm90_ws_64x16x128_c1x1_tile_s0_rh_sw1_tn_bf16_f32: a CUTLASS 3.x sm90 GEMM behind the gemmrl kernel ABI (gemmrl/runtime/abi.py).
+// sm90_ws_64x16x128_c1x1_tile_s0_rh_sw1_nn_bf16_f32_xab: a CUTLASS 3.x sm90 GEMM behind the gemmrl kernel ABI (gemmrl/runtime/abi.py).
 // Rendered by gemmrl.space.cutlass_sm90 (render version 1) from the spec
-//   {"acc":"fp32","cluster_m":1,"cluster_n":1,"dtype":"bf16","layout":"TN","raster":"heuristic","schedule":"ws","scheduler":"tile","splits":1,"stages":0,"swizzle":1,"tile_k":128,"tile_m":64,"tile_n":16}
+//   {"acc":"fp32","cluster_m":1,"cluster_n":1,"dtype":"bf16","layout":"NN","raster":"heuristic","schedule":"ws","scheduler":"tile","splits":1,"stages":0,"swap_ab":true,"swizzle":1,"tile_k":128,"tile_m":64,"tile_n":16}
 // Do not edit: change the spec or the renderer. Generic over M, N, K; residues are handled by
-// TMA (out-of-bounds loads read zeros, stores are clipped). C = A @ B^T, C is not read.
+// TMA (out-of-bounds loads read zeros, stores are clipped). C = A @ B, C is not read.
 // host: the driver's cuTensorMapEncodeTiled looked up once per process, not once per descriptor
 #include <atomic>
 #include <cuda.h>
@@ -64,9 +64,9 @@ using ElementB = cutlass::bfloat16_t;
 using ElementD = cutlass::bfloat16_t;  // the ABI's C
 using ElementAccumulator = float;
 using ElementCompute = float;
-using LayoutA = cutlass::layout::RowMajor;  // A [M,K] row-major: K-contiguous
-using LayoutB = cutlass::layout::ColumnMajor;  // TN: B given as [N,K] row-major, K-contiguous
-using LayoutD = cutlass::layout::RowMajor;  // C [M,N] row-major
+using LayoutA = cutlass::layout::ColumnMajor;  // swapped: the kernel's A is B^T [N,K], N-contiguous (B [K,N] row-major)
+using LayoutB = cutlass::layout::ColumnMajor;  // swapped: the kernel's B is A^T, K-contiguous (A [M,K] row-major)
+using LayoutD = cutlass::layout::ColumnMajor;  // swapped: the kernel's D is C^T [N,M] column-major, that is C [M,N] row-major
 constexpr int kAlignment = 8;  // elements: 16 bytes, TMA's minimum
 
 using TileShape = cute::Shape<cute::_64, cute::_16, cute::_128>;
@@ -100,7 +100,7 @@ static_assert(CollectiveMainloop::DispatchPolicy::Stages >= 2, "the mainloop nee
 enum Status : int {
   kOk = 0,
   kBadSize = 1,           // M, N or K not positive
-  kBadLeadingDim = 2,     // lda < K, ldb < K, or ldc < N
+  kBadLeadingDim = 2,     // lda < K, ldb < N, or ldc < N
   kMisalignedExtent = 3,  // K, N, lda, ldb or ldc not a multiple of 8 elements (16 bytes)
   kBadPointer = 4,        // A, B or C null or not 16-byte aligned
   kNoDevice = 5,          // the current device or its SM count could not be queried
@@ -171,16 +171,17 @@ typename Gemm::Arguments make_arguments(const void* A, const void* B, void* C, i
   using StrideA = typename GemmKernel::StrideA;
   using StrideB = typename GemmKernel::StrideB;
   using StrideD = typename GemmKernel::StrideD;
-  StrideA stride_a = cute::make_stride(int64_t(lda), cute::Int<1>{}, int64_t(lda) * M);
-  StrideB stride_b = cute::make_stride(int64_t(ldb), cute::Int<1>{}, int64_t(ldb) * N);
-  StrideD stride_d = cute::make_stride(int64_t(ldc), cute::Int<1>{}, int64_t(ldc) * M);
+  // swapped: the kernel's (M, N) are the problem's (N, M)
+  StrideA stride_a = cute::make_stride(cute::Int<1>{}, int64_t(ldb), int64_t(ldb) * K);  // B [K,N]: N-contiguous
+  StrideB stride_b = cute::make_stride(int64_t(lda), cute::Int<1>{}, int64_t(lda) * M);  // A [M,K]
+  StrideD stride_d = cute::make_stride(cute::Int<1>{}, int64_t(ldc), int64_t(ldc) * M);  // C [M,N]
 
   typename Gemm::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
-  args.problem_shape = cute::make_shape(M, N, K, 1);
-  args.mainloop.ptr_A = static_cast<ElementA const*>(A);
+  args.problem_shape = cute::make_shape(N, M, K, 1);
+  args.mainloop.ptr_A = static_cast<ElementA const*>(B);
   args.mainloop.dA = stride_a;
-  args.mainloop.ptr_B = static_cast<ElementB const*>(B);
+  args.mainloop.ptr_B = static_cast<ElementB const*>(A);
   args.mainloop.dB = stride_b;
   args.epilogue.thread.alpha = ElementCompute(1);
   args.epilogue.thread.beta = ElementCompute(0);
@@ -198,7 +199,7 @@ typename Gemm::Arguments make_arguments(const void* A, const void* B, void* C, i
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) const char* gemmrl_meta(void) {
-  return "{\"layout\": \"TN\", \"dtype\": \"bf16\", \"acc\": \"fp32\", \"name\": \"sm90_ws_64x16x128_c1x1_tile_s0_rh_sw1_tn_bf16_f32\", \"family\": \"cutlass_sm90\", \"key\": \"d9416eabd9a521bc\"}";
+  return "{\"layout\": \"NN\", \"dtype\": \"bf16\", \"acc\": \"fp32\", \"name\": \"sm90_ws_64x16x128_c1x1_tile_s0_rh_sw1_nn_bf16_f32_xab\", \"family\": \"cutlass_sm90\", \"key\": \"cfa10f503f8ea5ed\"}";
 }
 
 // Resources CUTLASS chose, for people and tests: {"smem_bytes", "stages", "threads"}.
@@ -220,7 +221,7 @@ extern "C" __attribute__((visibility("default"))) size_t gemmrl_workspace_bytes(
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
   int sms = sm_count(device);
   if (sms <= 0) return 0;
-  return Gemm::get_workspace_size(make_arguments(nullptr, nullptr, nullptr, M, N, K, K, K, N,
+  return Gemm::get_workspace_size(make_arguments(nullptr, nullptr, nullptr, M, N, K, K, N, N,
                                                  device, sms));
 }
 
@@ -228,7 +229,7 @@ extern "C" __attribute__((visibility("default"))) int gemmrl_run(
     const void* A, const void* B, void* C, int M, int N, int K, int lda, int ldb, int ldc,
     void* workspace, cudaStream_t stream) {
   if (M <= 0 || N <= 0 || K <= 0) return kBadSize;
-  if (lda < K || ldb < K || ldc < N) return kBadLeadingDim;
+  if (lda < K || ldb < N || ldc < N) return kBadLeadingDim;
   if (K % kAlignment || N % kAlignment || lda % kAlignment || ldb % kAlignment || ldc % kAlignment)
     return kMisalignedExtent;
   if (!A || !B || !C || (reinterpret_cast<uintptr_t>(A) | reinterpret_cast<uintptr_t>(B) |
