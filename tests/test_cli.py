@@ -645,18 +645,14 @@ def _fake_gpu_for_tune(monkeypatch):
     monkeypatch.setattr(srun, "isolated_evaluator", lambda *a, **k: (None, lambda: None))
 
 
-def test_tune_builds_the_next_shapes_batches_ahead_on_this_machines_cores(tmp_path, monkeypatch):
-    """tune --build-ahead: by default as many kernels as this machine has cores, built side by side
-    across shapes (run_tune's `ahead`); 0 turns it off; with --ray (the cluster builds) it is refused."""
+def _record_run_tune(monkeypatch, p):
+    """run_tune replaced: each call's keyword arguments appended to the list returned, and a result
+    of one trial on `p` (reward 1.2)."""
     from types import SimpleNamespace
 
     import gemmrl.search.run as srun
-    from gemmrl.bench import runner
-    from gemmrl.build.pool import default_jobs
     from gemmrl.search.tune import TuneResult
 
-    _fake_gpu_for_tune(monkeypatch)
-    p = Problem(64, 64, 64)
     seen = []
 
     def fake_run_tune(problems, store, device, evaluate, **kw):
@@ -665,6 +661,18 @@ def test_tune_builds_the_next_shapes_batches_ahead_on_this_machines_cores(tmp_pa
         return TuneResult(problems=list(problems), trials=[trial], history=[], best={p: trial}, curve=[],
                           device_s=0.0)
     monkeypatch.setattr(srun, "run_tune", fake_run_tune)
+    return seen
+
+
+def test_tune_builds_the_next_shapes_batches_ahead_on_this_machines_cores(tmp_path, monkeypatch):
+    """tune --build-ahead: by default as many kernels as this machine has cores, built side by side
+    across shapes (run_tune's `ahead`); 0 turns it off; with --ray (the cluster builds) it is refused."""
+    import gemmrl.search.run as srun
+    from gemmrl.bench import runner
+    from gemmrl.build.pool import default_jobs
+
+    _fake_gpu_for_tune(monkeypatch)
+    seen = _record_run_tune(monkeypatch, Problem(64, 64, 64))
     monkeypatch.setattr(runner, "run_isolated", lambda *a, **k: {"stopped": False})
     monkeypatch.setattr(srun, "rejected_winners", lambda *a: {})
     args = ["tune", "--shapes", "64x64x64", "--db", str(tmp_path / "s.sqlite"), "--no-report", "--search-only"]
@@ -685,23 +693,12 @@ def test_tune_stopped_in_its_baselines_or_final_timing_ends_partial_and_goes_no_
     counts['stopped']; the run must be recorded 'partial', not 'done', and no runner-up round may
     start on the strength of winners that were never timed. One during the baselines: no search
     starts. The GPU parts are replaced."""
-    from types import SimpleNamespace
-
     import gemmrl.search.run as srun
     from gemmrl.bench import runner
-    from gemmrl.search.tune import TuneResult
 
     _fake_gpu_for_tune(monkeypatch)
     p = Problem(64, 64, 64)
-
-    seen_kw = []
-
-    def fake_run_tune(problems, store, device, evaluate, **kw):
-        seen_kw.append(kw)
-        trial = SimpleNamespace(problem=p, reward=1.2)
-        return TuneResult(problems=list(problems), trials=[trial], history=[], best={p: trial}, curve=[],
-                          device_s=0.0)
-    monkeypatch.setattr(srun, "run_tune", fake_run_tune)
+    seen_kw = _record_run_tune(monkeypatch, p)
     calls, promoted, cfgs = [], [], []
     for cut in (True, False):
         def fake_isolated(probs, specs, store, cfg, **kw):
