@@ -63,7 +63,7 @@ def test_best_of_prebuild_compiles_each_source_once(tmp_path, monkeypatch):
     def fake_build_many(work, workers=None):
         seen.extend(work)
         from gemmrl.build.nvcc import BuildResult
-        return [BuildResult(True, "k", "/x.so", "", 0.0, False) for _ in work]
+        return [BuildResult(True, "k", "/x.so", "", 0.0, i < 3) for i, _ in enumerate(work)]
 
     monkeypatch.setattr("gemmrl.build.pool.build_many", fake_build_many)
     b = BestOf([fam], top=2)
@@ -72,4 +72,4 @@ def test_best_of_prebuild_compiles_each_source_once(tmp_path, monkeypatch):
     names = [w[0] for w in seen]
     assert len(names) == len({w[1] for w in seen})  # one job per distinct source
     assert len(names) == 2 * 2 * 2  # 2 distinct problems x 2 layouts x top 2 (raw is per shape)
-    assert "8 built, 0 failed" in logs[-1]
+    assert "8 built (3 of them in the cache already), 0 failed" in logs[-1]

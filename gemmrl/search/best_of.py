@@ -66,7 +66,8 @@ class BestOf(Impl):
         log(f"{self.name}: building {len(work)} candidate kernels")
         results = build_many(work, workers=jobs)
         bad = [(w[0], r) for w, r in zip(work, results) if not r.ok]
-        log(f"{self.name}: {len(work) - len(bad)} built, {len(bad)} failed")
+        cached = sum(1 for r in results if r.ok and r.cached)
+        log(f"{self.name}: {len(work) - len(bad)} built ({cached} of them in the cache already), {len(bad)} failed")
         for name, r in bad[:5]:
             log(f"  {name}: {r.log[-400:]}")
 
