@@ -85,6 +85,14 @@ def test_child_command_is_a_tune_the_cli_parses_with_the_parents_options(tmp_pat
     assert plain["race"] == 1
     assert plain["budget_s"] is None and plain["wall_s"] is None and not plain["built_only"]
     assert plain["family_opts"] == ("cutlass_sm90", "raw") and plain["match"] is None
+    # tune --build-ahead defaults to the cores: each of n children gets a share, unless it was given
+    from gemmrl.build.pool import default_jobs
+
+    assert plain["build_ahead_n"] == max(1, default_jobs() // 2)
+    given = main.commands["tune"].make_context("tune", _child(_args(build_ahead_n=0), "x.txt", 2)[4:]).params
+    assert given["build_ahead_n"] == 0
+    many = main.commands["tune"].make_context("tune", _child(_args(), "x.txt", 4 * default_jobs())[4:]).params
+    assert many["build_ahead_n"] == 1
 
 
 def test_children_each_see_their_gpu_and_their_output_is_prefixed():

@@ -71,6 +71,9 @@ def visible_gpus(count: int, environ=None) -> list[str]:
 # options that are one budget for all the children together (each gets an equal share); every
 # other option is each child's own (a wall-clock limit, say)
 SHARED_BUDGETS = {"tune": ("budget_s",)}
+# options whose default is this machine's cores (tune --build-ahead: nvcc processes at once): a child
+# not told otherwise gets its share, so that n children do not start n times the cores' compiles
+SHARED_CORES = {"tune": ("build_ahead_n",)}
 
 
 def child_command(verb: str, command, params: dict, shapes_file: str, n: int,
@@ -78,11 +81,16 @@ def child_command(verb: str, command, params: dict, shapes_file: str, n: int,
     """The command line of one of the n children of `gemmrl VERB --gpus n`: the parent's options
     (`params`, as click parsed them for `command`) with the child's own shape file, one GPU (a
     child never fans out again), no report (the parent writes it), and an equal share of any
-    budget the children spend together."""
+    budget the children spend together, and of the cores where an option defaults to them."""
+    from gemmrl.build.pool import default_jobs
+
     child = {**params, "shape_spec": shapes_file, "gpus": 1, "no_report": True}
     for name in SHARED_BUDGETS.get(verb, ()):
         if child.get(name) is not None:
             child[name] = child[name] / n
+    for name in SHARED_CORES.get(verb, ()):
+        if name in child and child[name] is None:
+            child[name] = max(1, default_jobs() // n)
     return [python, "-m", "gemmrl.cli", verb] + cli_args(command, child)
 
 

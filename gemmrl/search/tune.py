@@ -438,7 +438,7 @@ def build_ahead(pairs: list[tuple[Problem, list[Candidate]]], workers: int | Non
             except Exception:  # noqa: BLE001 - the evaluator renders it again and records why
                 continue
     todo = ahead.pending(ahead.unique(jobs))
-    if len(todo) < least or not todo or workers == 1:
+    if not todo or len(todo) < least or workers == 1:
         return {}
     results = build_many([j.as_tuple() for j in todo], workers=workers, threads=True)
     return {j.name: r for j, r in zip(todo, results)}
