@@ -576,12 +576,14 @@ def report(db, out, device, subject, dtype, acc, versus, since_run):
 @click.option("--device", required=True, help="the GPU's report folder or a name holding it: h100, H200, "
                                                "'NVIDIA H100 80GB HBM3'")
 @click.option("--subject", default="gemmrl-tuned", show_default=True)
+@click.option("--dtype", default="fp16", show_default=True, type=click.Choice(["fp16", "bf16"]),
+              help="the input type of the reports to judge (`gemmrl report --dtype`)")
 @click.option("--acc", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16"]))
 @click.option("--product", multiple=True, metavar="JSON",
               help="scripts/product-report.py's JSONs over the grid, the newest for each mode used "
                    "(default: every product-vs-torch-grid-*.json in the report folder); repeatable")
 @click.option("--json", "json_out", default=None, metavar="FILE", help="also write the result as JSON")
-def targets(results_dir, device, subject, acc, product, json_out):
+def targets(results_dir, device, subject, dtype, acc, product, json_out):
     """Check the speed targets of the kernel-families (#3) and whole-grid (#4) issues against the
     committed reports (no store, no GPU): one row per target, met or not, with the numbers."""
     from gemmrl.bench.env import gpu_slug
@@ -590,7 +592,10 @@ def targets(results_dir, device, subject, acc, product, json_out):
     from gemmrl.report.targets import evaluate, markdown
 
     gpu = gpu_slug(device)
-    precision = Problem(64, 64, 64, "fp16", acc).precision
+    try:
+        precision = Problem(64, 64, 64, dtype, acc).precision
+    except ProblemError as e:
+        raise click.UsageError(str(e)) from None
     try:
         result = evaluate(results_dir, gpu, subject, precision, product or None)
     except (FileNotFoundError, ValueError, KeyError) as e:
@@ -610,7 +615,8 @@ def targets(results_dir, device, subject, acc, product, json_out):
 @click.option("--more", default=None, type=click.IntRange(1, 10000),
               help="instead of --candidates: this many candidates per shape beyond those the store holds "
                    "(a rerun searches as many more again, starting with the shapes no search reached in "
-                   "the last 12 hours, so that it goes on where a run cut by its deadline stopped)")
+                   "the last 12 hours, then those searched longest ago, so that it goes on where a run cut "
+                   "by its deadline stopped)")
 @click.option("--batch", default=8, show_default=True, type=click.IntRange(1, 256))
 @click.option("--budget-s", default=None, type=float, help="device seconds for the search (default: none)")
 @click.option("--wall-s", default=None, type=float,

@@ -258,6 +258,20 @@ def test_cli_prints_the_table_and_writes_json(tmp_path):
     assert json.loads(out.read_text())["gpu"] == "h100"
     r = CliRunner().invoke(main, ["targets", "--results", str(root), "--device", "H200"])
     assert r.exit_code != 0 and "no reports at" in r.output
+    # --dtype bf16 judges the bf16 reports (gemmrl report --dtype bf16), not the fp16 ones beside them
+    d = root / "h100"
+    for f in d.glob("gemmrl-tuned_h100_F32F16F16F32_*"):
+        (d / f.name.replace("F32F16F16F32", "F32BF16BF16F32")).write_bytes(f.read_bytes())
+    _write_csv(d / "gemmrl-tuned_h100_F32BF16BF16F32_speedup_kernel.csv", ["mnk", "torch.matmul", LT_AUTO, "best-baseline"],
+               [["8192_8192_8192", "1.050", "0.950", "0.950"], ["64_64_64", "1.400", "1.300", ""]])
+    r = CliRunner().invoke(main, ["targets", "--results", str(root), "--device", "h100", "--dtype", "bf16",
+                                  "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(out.read_text())
+    assert doc["precision"] == "F32BF16BF16F32" and "(gemmrl-tuned, F32BF16BF16F32)" in r.output
+    big = next(x for x in doc["targets"] if x["key"] == "big-shapes-vs-lt")
+    assert big["value"] == 0.95 and big["met"] is False  # the bf16 row, where the fp16 one reads 0.990
+    assert "fp16-acc" not in {x["key"] for x in doc["targets"]}
 
 
 def test_a_pack_exported_again_after_its_product_report_is_not_judged_met(tmp_path):
