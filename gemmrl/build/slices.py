@@ -50,7 +50,6 @@ def compile_then_time(specs, problems, store, device: str, time_part, log=print)
     --finish-s had kept 115 s for all five, reckoned as parallel builds: search.tune.final_reserve_s).
     Counts summed over the slices; a SIGTERM while compiling stops with counts['stopped']. `log`:
     where the builds' and the stop's lines go."""
-    from gemmrl.bench import runner
     from gemmrl.bench.select import impls_from_specs
     from gemmrl.build.pool import default_jobs
 
