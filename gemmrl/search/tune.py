@@ -124,34 +124,45 @@ class TuneResult:
         return out
 
 
-# What follows a search, per shape it reached (tune --finish-s keeps this before its deadline): the
-# race and the final verification and timing beside the baselines. Measured with --race 1 on the H200
-# (2026-11-30f, runs 821-839: 3.2-8.3 s a shape, the slowest with a CUTLASS incumbent built inside);
-# a longer race times more contenders in the same session: RACE_S_PER_CONTENDER each is an estimate,
-# not a measurement. A CUTLASS contender not in the build cache compiles in the race first (about
-# CUTLASS_BUILD_S on a core: 31-43 s in those runs; race.unbuilt_contenders).
-FINAL_S_PER_SHAPE = 8.0
-RACE_S_PER_CONTENDER = 3.0
+# What follows a search (tune --finish-s keeps this before its deadline): the race and the final
+# verification and timing beside the baselines, in slices (build.slices.compile_then_time): each slice
+# first compiles its share of the CUTLASS contenders not in the build cache, side by side on the
+# machine's cores (CUTLASS_BUILD_S a wave: 31-45 s on the H200; race.unbuilt_contenders), then times
+# its shapes in a fresh worker process (FINAL_S_START: the worker's start, the first record's
+# elapsed less the others' median; 9-10 s for a microsecond shape's first record). Since the builds
+# left the timing worker (07cad3e), a shape of a microsecond kernel took a median 2 s, at most 9 s
+# (H200, 2026-12-01, runs 983-1008: 54 shapes after each slice's first, --race 1-3; the constants
+# before, 8 s a shape and 3 s a contender from runs 821-839 whose workers still compiled, kept 421 s
+# for a final timing of 30 shapes that took about 175, and stopped that search at 30 of 59 shapes).
+# FINAL_S_PER_SHAPE and RACE_S_PER_CONTENDER keep about twice the median.
+FINAL_S_START = 8.0
+FINAL_S_PER_SHAPE = 4.0
+RACE_S_PER_CONTENDER = 1.5
 CUTLASS_BUILD_S = 45.0
 # A shape whose kernels run for milliseconds takes longer: its rounds beside 7 baselines are long. The
 # H200's --race 1 final timings of 1-16 ms shapes (fp16 and fp32, 2026-11-30 to 12-01, 22 shapes whose
 # kernels were built) took a median 11 s a shape at 1-2 ms of cuBLASLt's time, 16 s at 2-8 ms and 20 s
-# at 8-16 ms, where the constant above kept 8 s; so FINAL_S_PER_MS a millisecond of the best baseline's
-# kernel time more, at most FINAL_S_LONG_CAP more (8 + 2 * 4 ms = 16 s; 24 s from 8 ms up).
-FINAL_S_PER_MS = 2.0
+# at 8-16 ms; so FINAL_S_PER_MS a millisecond of the best baseline's kernel time more, at most
+# FINAL_S_LONG_CAP more (4 + 5 * 1.5 ms = 11.5 s; 20 s from 3.2 ms up).
+FINAL_S_PER_MS = 5.0
 FINAL_S_LONG_CAP = 16.0
 
 
 def final_reserve_s(shapes: int, race: int = 1, unbuilt: int = 0, cores: int = 1, kernel_us=()) -> float:
     """Seconds to keep for the final timing of `shapes` shapes raced with `race` (tune --race),
-    for which `unbuilt` CUTLASS kernels compile first, side by side on `cores`; `kernel_us`: the
-    best baseline's kernel time of each shape that has one (microseconds), for the long ones' rounds."""
+    for which `unbuilt` CUTLASS kernels compile first, side by side on `cores` (a wave of builds,
+    then a timing worker of its own, per slice: at least one); `kernel_us`: the best baseline's
+    kernel time of each shape that has one (microseconds), for the long ones' rounds. No shapes,
+    no final timing: 0."""
     if shapes < 0 or race < 1 or unbuilt < 0 or cores < 1 or any(not us >= 0 for us in kernel_us):
         raise ValueError(f"final_reserve_s({shapes}, race={race}, unbuilt={unbuilt}, cores={cores}, "
                          f"kernel_us={list(kernel_us)})")
-    return (shapes * (FINAL_S_PER_SHAPE + RACE_S_PER_CONTENDER * (race - 1))
-            + sum(min(FINAL_S_PER_MS * us / 1000.0, FINAL_S_LONG_CAP) for us in kernel_us)
-            + math.ceil(unbuilt / cores) * CUTLASS_BUILD_S)
+    if shapes == 0:
+        return 0.0
+    waves = math.ceil(unbuilt / cores)
+    return (max(1, waves) * FINAL_S_START + waves * CUTLASS_BUILD_S
+            + shapes * (FINAL_S_PER_SHAPE + RACE_S_PER_CONTENDER * (race - 1))
+            + sum(min(FINAL_S_PER_MS * us / 1000.0, FINAL_S_LONG_CAP) for us in kernel_us))
 
 
 def tune(problems: Iterable[Problem], policy: Policy, evaluate: Evaluate, *, per_shape_candidates: int,
