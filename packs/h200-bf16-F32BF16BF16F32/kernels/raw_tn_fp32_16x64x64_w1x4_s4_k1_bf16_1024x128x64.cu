@@ -1,6 +1,6 @@
-// raw_tn_fp32_16x128x64_w1x4_s4_k1_bf16_1024x128x64: gemmrl raw family (gemmrl/space/raw.py); generated, regenerate rather than edit.
+// raw_tn_fp32_16x64x64_w1x4_s4_k1_bf16_1024x128x64: gemmrl raw family (gemmrl/space/raw.py); generated, regenerate rather than edit.
 // C[1024,128] bf16 = A[1024,64] @ B[N,K]^T, fp32 accumulate, row-major, packed.
-// block_m=16, block_n=128, block_k=64, warps_m=1, warps_n=4, stages=4, split_k=1, swap_ab=False, layout=TN, acc=fp32, dtype=bf16
+// block_m=16, block_n=64, block_k=64, warps_m=1, warps_n=4, stages=4, split_k=1, swap_ab=False, layout=TN, acc=fp32, dtype=bf16
 // Logical GEMM D[GM,GN] = P[GM,K] . Q[GN,K]^T, P = A, Q = B, D = C
 // P is stored K-contiguous, Q K-contiguous; mma.sync m16n8k16, ldmatrix, cp.async.cg
 // ring of STAGES, padded shared rows. K tail zero-filled; M/N residues bounds-checked.
@@ -18,7 +18,7 @@ constexpr int M = 1024, N = 128, K = 64;
 constexpr int LDA = K, LDB = 64, LDC = N;          // packed: the only strides served
 constexpr int GM = 1024, GN = 128;                   // logical D = C
 constexpr int LD_P = 64, LD_Q = 64;              // global row pitch of P, Q
-constexpr int BM = 16, BN = 128, BK = 64;
+constexpr int BM = 16, BN = 64, BK = 64;
 constexpr int WM = 1, WN = 4;
 constexpr int STAGES = 4, SPLIT_K = 1;
 constexpr int THREADS = WM * WN * 32;
@@ -30,13 +30,13 @@ constexpr int KT = (K + BK - 1) / BK;                   // K tiles, the last may
 constexpr int KT_PER = (KT + SPLIT_K - 1) / SPLIT_K;    // K tiles per split
 constexpr bool FULL_M = GM % BM == 0, FULL_N = GN % BN == 0, FULL_K = K % BK == 0;
 constexpr int P_LD = 72, P_STAGE = 1152;          // shared: [BM][BK+8] halves per stage
-constexpr int Q_LD = 72, Q_STAGE = 9216;          // shared: [BN][BK+8] halves per stage
+constexpr int Q_LD = 72, Q_STAGE = 4608;          // shared: [BN][BK+8] halves per stage
 constexpr int SMEM_BYTES = STAGES * (P_STAGE + Q_STAGE) * 2;
 constexpr size_t COUNTER_OFFSET = 0ull;      // bytes: fp32 partials first, then counters
 constexpr size_t WORKSPACE_BYTES = 0ull;
 static_assert(BM % (16 * WM) == 0 && BN % (16 * WN) == 0 && BK % 16 == 0, "tile shape");
 static_assert((SPLIT_K - 1) * KT_PER < KT, "every split has K tiles");
-static_assert(SMEM_BYTES == 82944, "shared memory layout");
+static_assert(SMEM_BYTES == 46080, "shared memory layout");
 static_assert(COUNTER_OFFSET % 256 == 0 && WORKSPACE_BYTES % 8 == 0, "workspace layout");
 
 // ---- PTX wrappers: the only inline assembly ----
@@ -183,7 +183,7 @@ gemmrl_raw_gemm(const __nv_bfloat16* __restrict__ Pg, const __nv_bfloat16* __res
       }
 }
 
-GEMMRL_EXPORT const char* gemmrl_meta(void) { return "{\"layout\": \"TN\", \"dtype\": \"bf16\", \"acc\": \"fp32\", \"name\": \"raw_tn_fp32_16x128x64_w1x4_s4_k1_bf16_1024x128x64\"}"; }
+GEMMRL_EXPORT const char* gemmrl_meta(void) { return "{\"layout\": \"TN\", \"dtype\": \"bf16\", \"acc\": \"fp32\", \"name\": \"raw_tn_fp32_16x64x64_w1x4_s4_k1_bf16_1024x128x64\"}"; }
 
 GEMMRL_EXPORT size_t gemmrl_workspace_bytes(int m, int n, int k) {
   return (m == raw::M && n == raw::N && k == raw::K) ? raw::WORKSPACE_BYTES : 0;
