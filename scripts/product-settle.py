@@ -17,7 +17,10 @@ device, beside the store the call sends back:
         --gpus 4 --deadline-s 480 --json $OUT/settle.json [--shapes FILE]
 
 --shapes: time these shapes first, before any export (a pack exported elsewhere, with its
-`pack --changed-shapes` file). The pack it leaves on the device is not sent back: merge the call's
+`pack --changed-shapes` file). An export compares with the pack as the call found it (the committed
+one): of the shapes it changed, those the store's product sessions have timed already, in every
+mode and both layouts, as the exported pack serves them (an earlier call's settle, its delta
+carried) are left out of the round (timed_as_served; --time-all-changed times them all). The pack it leaves on the device is not sent back: merge the call's
 store delta here and export again (`gemmrl pack --out DIR`), which gives the same entries from
 the same sessions. Every step is a `python3 -m gemmrl.cli` command (pack, build --pack,
 bench --impl torch.matmul --impl pack:DIR --subject gemmrl.matmul-nn --retime, --quick in the
@@ -78,7 +81,8 @@ def read_shapes(path: str) -> list[str]:
 
 def settle(run, *, device: str, acc: str, pack: str, db: str, work: str, shapes: str | None = None,
            rounds: int = 5, modes=MODES, gpus: int = 1, quick_host: bool = True, deadline_s: float | None = None,
-           bench_s: float = 120.0, clock=time.monotonic, log=print, disputes=None, dtype: str = "fp16") -> dict:
+           bench_s: float = 120.0, clock=time.monotonic, log=print, disputes=None, dtype: str = "fp16",
+           already=None) -> dict:
     """The settling loop. `run(argv, label)` runs one gemmrl command (argv after `gemmrl`) and
     returns its exit status; `work` is a directory for the changed-shapes files. Each round:
     export (`pack --changed-shapes`; round 1 skips it where `shapes` is given), stop if nothing
@@ -90,7 +94,11 @@ def settle(run, *, device: str, acc: str, pack: str, db: str, work: str, shapes:
     (gemmrl.runtime.pack.disputed); those shapes are timed again in those modes as a round of
     their own (its entry says 'disputed'), so that a third session decides, before the pack counts
     as settled. `dtype`: the pack's input type (a bf16 pack: its export and benches say --dtype bf16).
-    Returns {'settled', 'stopped', 'rounds':
+    `already(shapes, modes)`, where given, is asked after an export that changed shapes: those of
+    them that product sessions in the store have timed already, in every one of `modes` and both
+    layouts, serving as the exported pack now does (timed_as_served: a carried delta's settle, whose
+    pack export was not committed); they are left out of the round, and a round left with none goes
+    on to the next export. Returns {'settled', 'stopped', 'rounds':
     [{'shapes', 'file', 'benches': {mode: rc}}]}."""
     t0 = clock()
 
@@ -115,6 +123,17 @@ def settle(run, *, device: str, acc: str, pack: str, db: str, work: str, shapes:
             todo = read_shapes(todo_file)
             if todo:
                 log(f"export {i}: {len(todo)} shapes changed")
+                done = set(already(todo, round_modes)) if already is not None else set()
+                if done:
+                    todo = [t for t in todo if t not in done]
+                    log(f"export {i}: {len(done)} of them timed through gemmrl.matmul already, as the pack now "
+                        f"serves them (every mode, both layouts): {len(todo)} left to time")
+                    if not todo:
+                        if i == rounds:
+                            out["stopped"] = f"{rounds} rounds timed; the last export's changes were timed already"
+                        continue
+                    todo_file = str(Path(work) / f"changed-{i}-untimed.txt")
+                    Path(todo_file).write_text("".join(f"{t}\n" for t in todo))
             elif disputes is not None and (got := disputes()):
                 disputed = True
                 todo = [f"{M}x{N}x{K}" for M, N, K in sorted({k[:3] for k in got}, key=lambda s: (s[0] * s[1] * s[2], s))]
@@ -165,6 +184,59 @@ def pack_disputes(db: str, pack: str, device: str, min_sessions: int) -> list[tu
         return disputed(store, json.loads((Path(pack) / "manifest.json").read_text()), name, min_sessions)
     finally:
         store.close()
+
+
+def _product_report():
+    """scripts/product-report.py as a module: its rule for what served a product session."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("product_report", Path(__file__).with_name("product-report.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def timed_as_served(db: str, pack: str, device: str, acc: str, dtype: str, shapes, modes) -> set:
+    """The shapes of `shapes` (MxNxK) that product sessions in the store at `db` on `device` (as the
+    store names it, or a unique part of it) have timed in each of `modes`, both layouts, with
+    gemmrl.matmul serving them as the pack at `pack` serves them now: its kernel's source, its
+    cuBLASLt algorithm, or the library's own choice, by product-report.py's rule (`differs`; a
+    verification record that cannot say what served does not count). A settle left these untimed
+    the sixty-seventh session's call 5 (2026-12-01): its export compared with the committed pack,
+    and 28 of its 29 changed shapes had been timed as served in call 4, from a delta it carried."""
+    from gemmrl.store.db import Store, device_by_part
+
+    rep = _product_report()
+    serving = rep.pack_serving(json.loads((Path(pack) / "manifest.json").read_text()))
+    want = {}
+    for s in shapes:
+        M, N, K = (int(x) for x in s.split("x"))
+        want[(M, N, K)] = s
+    store = Store(db, readonly=True)
+    try:
+        name = device_by_part(device, store.devices())
+    finally:
+        store.close()
+    impls = {rep.PAIRS[0][1]: "NN", rep.PAIRS[1][1]: "TN"}
+    con = sqlite3.connect(db)
+    try:
+        rows = [r for r in con.execute(
+            "SELECT DISTINCT m.run_id, m.mode, m.M, m.N, m.K, m.impl FROM measurements m JOIN runs r "
+            "ON r.id = m.run_id WHERE r.device = ? AND m.acc = ? AND m.dtype = ? AND m.status = 'ok' "
+            "AND m.impl IN (?, ?)", (name, acc, dtype, *impls)) if (r[2], r[3], r[4]) in want]
+        runs = sorted({r[0] for r in rows})
+        timed_by: dict = {}
+        for i in range(0, len(runs), 500):  # SQLite's bound on the variables of one statement
+            timed_by.update(rep.run_serving(con, tuple(runs[i:i + 500])))
+    finally:
+        con.close()
+    covered = set()
+    for run, mode, M, N, K, impl in rows:
+        layout = impls[impl]
+        got = timed_by.get((run, M, N, K, layout))
+        if got is not None and not rep.differs(got, serving.get((M, N, K, layout), ("library", None))):
+            covered.add((mode, M, N, K, layout))
+    return {s for mnk, s in want.items() if all((m, *mnk, lay) in covered for m in modes for lay in ("NN", "TN"))}
 
 
 def runs_by_mode(db: str, after: int, acc: str, dtype: str = "fp16") -> dict:
@@ -245,6 +317,9 @@ def main(argv=None) -> int:
                     help="when an export changes nothing, time again what the pack serves whose newest product "
                          "session ran slower than torch.matmul beyond the noise, until it has this many sessions "
                          "in that mode (default 3; 0: never)")
+    ap.add_argument("--time-all-changed", action="store_true",
+                    help="time every shape an export changed, also those the store's product sessions have timed "
+                         "already as the pack now serves them (by default left out: timed_as_served)")
     a = ap.parse_args(argv)
     modes = [m for m in a.modes.split(",") if m]
     if bad := [m for m in modes if m not in MODES]:
@@ -270,7 +345,9 @@ def main(argv=None) -> int:
     got = settle(runner, device=a.device, acc=a.acc, pack=a.pack, db=a.db, work=a.logs, shapes=a.shapes,
                  rounds=a.rounds, modes=modes, gpus=a.gpus, quick_host=not a.full_host, deadline_s=a.deadline_s,
                  bench_s=a.bench_s, disputes=(lambda: pack_disputes(a.db, a.pack, a.device, a.min_sessions))
-                 if a.min_sessions > 0 else None, dtype=a.dtype)
+                 if a.min_sessions > 0 else None, dtype=a.dtype,
+                 already=None if a.time_all_changed else
+                 (lambda shapes, ms: timed_as_served(a.db, a.pack, a.device, a.acc, a.dtype, shapes, ms)))
     if runner.stopped:
         got["stopped"] = "SIGTERM" + (f" ({got['stopped']})" if got["stopped"] else "")
     got["runs"] = runs_by_mode(a.db, after, a.acc, a.dtype)

@@ -1795,6 +1795,100 @@ def test_product_settle_keeps_each_packs_shape_files_apart(tmp_path):
         assert kernel[kernel.index("--shapes") + 1] == str(tmp_path / "logs" / f"settle-{pack[6:]}" / "changed-0.txt")
 
 
+def test_product_settle_leaves_out_changed_shapes_already_timed_as_served(tmp_path):
+    """An export compares with the pack in the working tree (the committed one); shapes a carried
+    delta's settle already timed as the new pack serves them are not timed again: the round times
+    the rest from a file of its own, and a round left with none goes on to the next export."""
+    mod = _script("product-settle.py")
+    asked = []
+
+    def already(shapes, modes):
+        asked.append((list(shapes), list(modes)))
+        return {"64x64x64", "128x64x4096"} & set(shapes)
+
+    fake = _FakeGemmrl([["64x64x64", "128x64x4096", "256x64x4096"], ["128x64x4096"], []])
+    got = mod.settle(fake, device="H200", acc="fp16", pack="p", db="s", work=str(tmp_path), modes=("kernel", "server"),
+                     log=lambda *_: None, already=already)
+    assert got["settled"] and [r["shapes"] for r in got["rounds"]] == [["256x64x4096"]]
+    assert asked == [(["64x64x64", "128x64x4096", "256x64x4096"], ["kernel", "server"]), (["128x64x4096"], ["kernel", "server"])]
+    assert [label for label, _ in fake.calls] == ["export 0", "build 0", "bench 0 kernel", "bench 0 server",
+                                                  "export 1", "export 2"]
+    kernel = dict(fake.calls)["bench 0 kernel"]
+    left = Path(kernel[kernel.index("--shapes") + 1])
+    assert left.name == "changed-0-untimed.txt" and left.read_text() == "256x64x4096\n"
+    assert dict(fake.calls)["build 0"][-1] == str(left)
+    # the given shapes of round 0 are timed as given, and the disputed rounds are not filtered
+    given = tmp_path / "given.txt"
+    given.write_text("64x64x64\n")
+    fake = _FakeGemmrl([[]])
+    got = mod.settle(fake, device="H200", acc="fp16", pack="p", db="s", work=str(tmp_path), shapes=str(given),
+                     modes=("kernel",), log=lambda *_: None, already=lambda *a: {"64x64x64"})
+    assert got["settled"] and got["rounds"][0]["shapes"] == ["64x64x64"]
+    # the last round's changes all timed already: said, not called settled without an export
+    fake = _FakeGemmrl([["64x64x64"], ["64x64x64"]])
+    got = mod.settle(fake, device="H200", acc="fp16", pack="p", db="s", work=str(tmp_path), rounds=1,
+                     modes=("kernel",), log=lambda *_: None, already=lambda sh, m: set(sh))
+    assert not got["settled"] and got["stopped"] == "1 rounds timed; the last export's changes were timed already"
+    assert [label for label, _ in fake.calls] == ["export 0", "export 1"]
+
+
+def test_timed_as_served_reads_what_served_each_product_session(tmp_path):
+    """timed_as_served: a shape counts once every asked mode has, for both layouts, an ok product
+    session on the device whose verification says it served as the pack does now (its kernel's
+    source, its cuBLASLt algorithm, or the library); another kernel, a record that cannot say,
+    another device, accumulator or a missing layout leave it to be timed."""
+    import json
+
+    from gemmrl.core.problem import Problem
+    from gemmrl.store.db import Store
+
+    mod = _script("product-settle.py")
+    st = Store(tmp_path / "s.sqlite")
+    prov = {"driver": "1", "cuda": "13.0", "torch": "2", "commit": "abc"}
+    run = st.start_run("gemmrl bench", "GPU X", prov, {})
+    other = st.start_run("gemmrl bench", "GPU Y", prov, {})
+    shapes = {n: Problem(n, 64, 4096, acc="fp16") for n in (64, 128, 256, 512, 1024)}
+
+    def session(r, p, mode, layouts=("NN", "TN"), device="GPU X"):
+        calls = {"torch.matmul": {"median_us": 10.0, "n": 5}, "torch.matmul-tn": {"median_us": 10.0, "n": 5}}
+        calls.update({f"gemmrl.matmul-{lay.lower()}": {"median_us": 9.0, "n": 5} for lay in layouts})
+        st.record_session(r, f"{p.mnk}-{mode}-{r}", device, p, mode, "v3", calls)
+
+    def served(r, p, impl, sha=None, lt=None, device="GPU X", say=True):
+        d = {"served": {"shape": p.shape, "exact": True, "source_sha256": sha} if sha else None}
+        if say:
+            d["served_lt"] = lt
+        elif not sha:
+            d = {"served": None}
+        st.record_verification(r, device, p, impl, True, "ok", {"impl": d})
+
+    for mode in ("kernel", "server"):
+        for n in (64, 128, 256, 512):
+            session(run, shapes[n], mode, layouts=("NN",) if n == 512 else ("NN", "TN"))
+        session(other, shapes[1024], mode, device="GPU Y")
+    served(run, shapes[64], "gemmrl.matmul-nn", sha="aa")             # the pack's kernel
+    served(run, shapes[64], "gemmrl.matmul-tn", lt="42AB")            # its algorithm (case aside)
+    served(run, shapes[128], "gemmrl.matmul-nn", sha="old")           # a kernel the pack no longer ships
+    served(run, shapes[128], "gemmrl.matmul-tn", lt=None)
+    served(run, shapes[256], "gemmrl.matmul-nn", say=False)           # cannot say what served
+    served(run, shapes[256], "gemmrl.matmul-tn", lt=None)
+    served(run, shapes[512], "gemmrl.matmul-nn", lt=None)             # TN never timed
+    served(other, shapes[1024], "gemmrl.matmul-nn", lt=None, device="GPU Y")
+    served(other, shapes[1024], "gemmrl.matmul-tn", lt=None, device="GPU Y")
+    st.close()
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    (pack / "manifest.json").write_text(json.dumps({
+        "entries": [{"M": n, "N": 64, "K": 4096, "layout": "NN", "source_sha256": "aa"} for n in (64, 128)],
+        "lt_algos": [{"M": 64, "N": 64, "K": 4096, "layout": "TN", "algo": "42ab"}]}))
+    names = [p.shape for p in shapes.values()]
+    db = str(tmp_path / "s.sqlite")
+    assert mod.timed_as_served(db, str(pack), "GPU X", "fp16", "fp16", names, ("kernel", "server")) == {"64x64x4096"}
+    assert mod.timed_as_served(db, str(pack), "GPU X", "fp16", "fp16", names, ("kernel", "offline")) == set()
+    assert mod.timed_as_served(db, str(pack), "GPU X", "fp32", "fp16", names, ("kernel",)) == set()
+    assert mod.timed_as_served(db, str(pack), "GPU Y", "fp16", "fp16", names, ("kernel",)) == {"1024x64x4096"}
+
+
 def test_product_settle_starts_from_given_shapes_and_stops_at_rounds_deadline_or_failure(tmp_path):
     mod = _script("product-settle.py")
     given = tmp_path / "given.txt"
