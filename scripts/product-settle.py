@@ -20,8 +20,9 @@ device, beside the store the call sends back:
 `pack --changed-shapes` file). An export compares with the pack as the call found it (the committed
 one): of the shapes it changed, those the store's product sessions have timed already, in every
 mode and both layouts, as the exported pack serves them (an earlier call's settle, its delta
-carried) are left out of the round (timed_as_served; --time-all-changed times them all). The pack it leaves on the device is not sent back: merge the call's
-store delta here and export again (`gemmrl pack --out DIR`), which gives the same entries from
+carried) are left out of the round (timed_as_served; the JSON's 'timed_before' lists the runs
+that timed them, for product-report.py's --run; --time-all-changed times them all). The pack it
+leaves on the device is not sent back: merge the call's store delta here and export again (`gemmrl pack --out DIR`), which gives the same entries from
 the same sessions. Every step is a `python3 -m gemmrl.cli` command (pack, build --pack,
 bench --impl torch.matmul --impl pack:DIR --subject gemmrl.matmul-nn --retime, --quick in the
 host modes), its output in --logs. The JSON names each round's shapes and the store's runs of
@@ -196,14 +197,16 @@ def _product_report():
     return mod
 
 
-def timed_as_served(db: str, pack: str, device: str, acc: str, dtype: str, shapes, modes) -> set:
+def timed_as_served(db: str, pack: str, device: str, acc: str, dtype: str, shapes, modes, used=None) -> set:
     """The shapes of `shapes` (MxNxK) that product sessions in the store at `db` on `device` (as the
     store names it, or a unique part of it) have timed in each of `modes`, both layouts, with
     gemmrl.matmul serving them as the pack at `pack` serves them now: its kernel's source, its
     cuBLASLt algorithm, or the library's own choice, by product-report.py's rule (`differs`; a
-    verification record that cannot say what served does not count). A settle left these untimed
-    the sixty-seventh session's call 5 (2026-12-01): its export compared with the committed pack,
-    and 28 of its 29 changed shapes had been timed as served in call 4, from a delta it carried."""
+    verification record that cannot say what served does not count). `used`, where given, gets the
+    newest such run of each (mode, shape, layout) of the shapes returned. The sixty-seventh session's
+    call 5 (2026-12-01) timed 29 such shapes again: its export compared with the committed pack,
+    while call 4's settle, a delta it carried, had timed 28 of them as served, and earlier runs the
+    29th's cuBLASLt algorithm."""
     from gemmrl.store.db import Store, device_by_part
 
     rep = _product_report()
@@ -230,13 +233,18 @@ def timed_as_served(db: str, pack: str, device: str, acc: str, dtype: str, shape
             timed_by.update(rep.run_serving(con, tuple(runs[i:i + 500])))
     finally:
         con.close()
-    covered = set()
+    covered: dict = {}
     for run, mode, M, N, K, impl in rows:
         layout = impls[impl]
         got = timed_by.get((run, M, N, K, layout))
         if got is not None and not rep.differs(got, serving.get((M, N, K, layout), ("library", None))):
-            covered.add((mode, M, N, K, layout))
-    return {s for mnk, s in want.items() if all((m, *mnk, lay) in covered for m in modes for lay in ("NN", "TN"))}
+            key = (mode, M, N, K, layout)
+            covered[key] = max(run, covered.get(key, run))
+    keys = {mnk: [(m, *mnk, lay) for m in modes for lay in ("NN", "TN")] for mnk in want}
+    done = {mnk for mnk, ks in keys.items() if all(k in covered for k in ks)}
+    if used is not None:
+        used.update(covered[k] for mnk in done for k in keys[mnk])
+    return {want[mnk] for mnk in done}
 
 
 def runs_by_mode(db: str, after: int, acc: str, dtype: str = "fp16") -> dict:
@@ -342,17 +350,19 @@ def main(argv=None) -> int:
     a.logs = a.logs or str(logs_dir(a.pack, os.environ.get("OUT")))
     after = sqlite3.connect(a.db).execute("SELECT COALESCE(MAX(id), 0) FROM runs").fetchone()[0]
     runner = Runner(Path(a.logs))
+    before: set = set()
     got = settle(runner, device=a.device, acc=a.acc, pack=a.pack, db=a.db, work=a.logs, shapes=a.shapes,
                  rounds=a.rounds, modes=modes, gpus=a.gpus, quick_host=not a.full_host, deadline_s=a.deadline_s,
                  bench_s=a.bench_s, disputes=(lambda: pack_disputes(a.db, a.pack, a.device, a.min_sessions))
                  if a.min_sessions > 0 else None, dtype=a.dtype,
                  already=None if a.time_all_changed else
-                 (lambda shapes, ms: timed_as_served(a.db, a.pack, a.device, a.acc, a.dtype, shapes, ms)))
+                 (lambda shapes, ms: timed_as_served(a.db, a.pack, a.device, a.acc, a.dtype, shapes, ms, before)))
     if runner.stopped:
         got["stopped"] = "SIGTERM" + (f" ({got['stopped']})" if got["stopped"] else "")
     got["runs"] = runs_by_mode(a.db, after, a.acc, a.dtype)
+    got["timed_before"] = sorted(before)  # the runs whose sessions stood for the shapes left out
     got.update(device=a.device, dtype=a.dtype, acc=a.acc, pack=a.pack, after_run=after)
-    print(json.dumps({k: got[k] for k in ("settled", "stopped", "runs")}))
+    print(json.dumps({k: got[k] for k in ("settled", "stopped", "runs", "timed_before")}))
     if a.json:
         Path(a.json).write_text(json.dumps(got, indent=1) + "\n")
     if got["settled"]:

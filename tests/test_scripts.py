@@ -1875,6 +1875,10 @@ def test_timed_as_served_reads_what_served_each_product_session(tmp_path):
     served(run, shapes[512], "gemmrl.matmul-nn", lt=None)             # TN never timed
     served(other, shapes[1024], "gemmrl.matmul-nn", lt=None, device="GPU Y")
     served(other, shapes[1024], "gemmrl.matmul-tn", lt=None, device="GPU Y")
+    later = st.start_run("gemmrl bench", "GPU X", prov, {})  # a later run that served 64x64x4096 otherwise
+    session(later, shapes[64], "kernel")
+    served(later, shapes[64], "gemmrl.matmul-nn", sha="old")
+    served(later, shapes[64], "gemmrl.matmul-tn", lt=None)
     st.close()
     pack = tmp_path / "pack"
     pack.mkdir()
@@ -1883,7 +1887,9 @@ def test_timed_as_served_reads_what_served_each_product_session(tmp_path):
         "lt_algos": [{"M": 64, "N": 64, "K": 4096, "layout": "TN", "algo": "42ab"}]}))
     names = [p.shape for p in shapes.values()]
     db = str(tmp_path / "s.sqlite")
-    assert mod.timed_as_served(db, str(pack), "GPU X", "fp16", "fp16", names, ("kernel", "server")) == {"64x64x4096"}
+    used = set()
+    assert mod.timed_as_served(db, str(pack), "GPU X", "fp16", "fp16", names, ("kernel", "server"), used) == {"64x64x4096"}
+    assert used == {run}  # the run whose sessions stand for it (not the later one), for the report's run list
     assert mod.timed_as_served(db, str(pack), "GPU X", "fp16", "fp16", names, ("kernel", "offline")) == set()
     assert mod.timed_as_served(db, str(pack), "GPU X", "fp32", "fp16", names, ("kernel",)) == set()
     assert mod.timed_as_served(db, str(pack), "GPU Y", "fp16", "fp16", names, ("kernel",)) == {"1024x64x4096"}
