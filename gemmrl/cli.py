@@ -883,6 +883,7 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, fini
             winner = f"race:{race}" + (":built" if built_only else "")
             raced = (f" (raced against up to {race - 1} more" if race > 1 else " (raced") + " and the incumbent)"
             counts: dict = {}
+            t_final = time.monotonic()
             if search_only:
                 click.echo("search only: no race and no final timing (a run without --search-only does them)",
                            err=True)
@@ -896,6 +897,12 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, fini
                                  "full and timed beside the baselines, all measured again in one session per shape",
                                  judge, probs=final)
             cut = bool(counts.get("stopped"))  # SIGTERM or Ctrl-C during the final timing
+            if final and not search_only:
+                # what --finish-s's reserve is measured against (search.tune.final_reserve_s)
+                kept = (f" (--finish-s kept {reserve(frozenset(t.problem for t in res.trials)):.0f} s for it)"
+                        if reserve is not None else "")
+                click.echo(f"the final timing of {len(final)} shapes took {time.monotonic() - t_final:.0f} s{kept}",
+                           err=True)
             if cut:
                 click.echo("the final timing was stopped; a rerun times the winners left", err=True)
             # a winner the full verification rejects gives way to the shape's next-best candidate

@@ -715,6 +715,7 @@ def test_tune_stopped_in_its_baselines_or_final_timing_ends_partial_and_goes_no_
         store = Store(db)
         status = store.runs()[-1]["status"]
         store.close()
+        assert "the final timing of 1 shapes took 0 s\n" in r.output, r.output  # no --finish-s: nothing kept
         if cut:
             assert status == "partial" and "final timing was stopped" in r.output and not promoted
         else:
@@ -863,6 +864,7 @@ def test_tune_finish_keeps_time_for_the_final_timing(tmp_path, monkeypatch):
         assert kw["reserve"](frozenset([one])) == per and kw["reserve"](frozenset([one, two])) == both
         assert (f"this run searched 1 of its 2 shapes (--finish-s 100: it stopped with about {per:.0f} s left"
                 in r.output), r.output
+        assert f"the final timing of 1 shapes took 0 s (--finish-s kept {per:.0f} s for it)" in r.output, r.output
     # a stored winner never timed in the final protocol is timed whatever the search reaches: kept for
     from gemmrl.search.run import TUNED
     from gemmrl.store.db import Store
