@@ -491,6 +491,14 @@ def test_a_prior_that_lost_here_stops_taking_slots():
     lost.add_prior(p, [("cutlass_sm90", s) for s in pool[4:]])
     lost.observe([trial(s, 10.0) for s in pool[4:7]] + [trial(pool[0], 5.0)])  # the prior's three: slower
     assert not [c for c in lost.propose(p, 8) if c.origin == "prior"]
+    # a lost prior whose first suggestion (the other tuning's winner) was never tried here: that one
+    # alone, once (the fp32 search had timed fp16 runners-up, never the fp16 winner's twin)
+    head = ModelFreePolicy(layouts=LAYOUTS, seed=0)
+    head.add_prior(p, [("cutlass_sm90", s) for s in pool[3:]])
+    head.observe([trial(s, 10.0) for s in pool[4:7]] + [trial(pool[0], 5.0)])
+    assert [c.spec for c in head.propose(p, 8) if c.origin == "prior"] == [pool[3]]
+    head.observe([trial(pool[3], 11.0)])
+    assert not [c for c in head.propose(p, 8) if c.origin == "prior"]
 
     leads = ModelFreePolicy(layouts=LAYOUTS, seed=0)
     leads.add_prior(p, [("cutlass_sm90", s) for s in pool[4:]])

@@ -583,7 +583,7 @@ class ModelFreePolicy(_Tracking):
     def _prior_paying(self, problem: Problem) -> list:
         """The problem's own prior on a shape searched here, while it pays: once `prior_top` or more
         of its suggestions have been timed here and none of them is the fastest kernel timed here,
-        nothing. On the simulated pair of GPUs (tests/test_search.py) a prior whose other GPU had
+        nothing (then _options still offers its first suggestion, once). On the simulated pair of GPUs (tests/test_search.py) a prior whose other GPU had
         searched a poor region took three slots of every batch, 12 of 32 candidates, and the warm
         search missed a target the cold one reached in 6 (512x512x512)."""
         prior = self.prior.get(problem, [])
@@ -619,6 +619,12 @@ class ModelFreePolicy(_Tracking):
         # from the other accumulator's tuning, or from another GPU, on shapes this search has visited
         # (the cap is on those offered: a prior whose first suggestions were tried offers the next)
         prior = self._prior(problem) if not tried else self._prior_paying(problem)
+        if tried and not prior:
+            # a prior that lost here still offers its first suggestion once, where untried: the
+            # other tuning's winner (store_prior puts it first). The fp32 search had timed three or
+            # more of the fp16 tuning's runners-up on 74 of the 203 H200 shapes under 1.0x whose fp16
+            # winner's fp32 twin it never tried (2026-12-01), and so offered none of them
+            prior = self.prior.get(problem, [])[:1]
         for family, spec in prior:
             if sum(o[2] == "prior" for o in opts.values()) >= self.prior_top:
                 break
