@@ -610,8 +610,6 @@ def test_a_reserve_for_the_final_timing_stops_the_search_before_the_deadline():
     """tune --finish-s: no batch starts once the time left is what the final timing of the shapes
     reached (the one about to start included) needs; without a reserve the same run goes on to
     the deadline."""
-    from gemmrl.search.tune import final_reserve_s
-
     def run(reserve):
         sim, now, seen = SimGPU(), [0.0], []
 
