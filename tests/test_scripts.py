@@ -2221,6 +2221,47 @@ def test_lt_untried_lists_the_shapes_in_a_ratio_band_whose_seeds_are_not_all_tri
     assert "it has them on NVIDIA H200" in none.stderr
 
 
+def test_lt_untried_with_a_transfer_lists_the_shapes_whose_twins_of_that_tunings_winners_are_untried(tmp_path):
+    """scripts/lt-untried.py --transfer-from h200:fp16: the seeds are the fp16 tuning's first --top
+    suggestions as fp32 twins; a shape is listed while one of them has no fp32 trial on the device."""
+    import json
+
+    from gemmrl.core.problem import Problem
+    from gemmrl.search.run import TUNED
+    from gemmrl.space.raw import RawSpec
+    from gemmrl.store.db import Store
+
+    db = tmp_path / "s.sqlite"
+    st = Store(db)
+    dev = "NVIDIA H200"
+    fields = {"acc": "fp16", "block_k": 128, "block_m": 16, "block_n": 32, "layout": "NN", "split_k": 1, "stages": 4,
+              "swap_ab": False, "warps_m": 1, "warps_n": 2}
+    open_, done, none = (256, 256, 4096), (512, 256, 4096), (1024, 256, 4096)
+    for mnk in (open_, done):
+        st.put_tuning(dev, Problem(*mnk, acc="fp16"), TUNED, json.dumps({"family": "raw", "spec": fields}).encode(),
+                      "the fp16 search's", 5.0)
+    twin = RawSpec(**(fields | {"acc": "fp32"})).name
+    run = st.start_run("gemmrl tune", dev, {}, {})
+    st.record_trial(run, dev, Problem(*done, acc="fp32"), twin, "ok", 0.9, 10.0, {})
+    st.record_trial(run, dev, Problem(*open_, acc="fp32"), "raw_something_else", "ok", 0.9, 10.0, {})
+    st.finish_run(run)
+    st.close()
+    report = tmp_path / "speedup_kernel.csv"
+    report.write_text("mnk,cuBLASLt-auto-tuning-max\n" + "".join(f"{m}_{n}_{k},0.9\n" for m, n, k in (open_, done, none)))
+    out = tmp_path / "list.txt"
+    argv = [sys.executable, str(ROOT / "scripts" / "lt-untried.py"), "--db", str(db), "--device", "H200", "--report",
+            str(report), "--out", str(out), "--acc", "fp32", "--more", "2"]
+    r = subprocess.run(argv + ["--transfer-from", "h200:fp16"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = out.read_text().splitlines()
+    assert lines[1:] == ["256x256x4096"], lines
+    assert "the first 2 suggestions of the NVIDIA H200 fp16 acc fp16 tuning not all tried" in lines[0]
+    assert lines[0].endswith("tune --transfer-from h200:fp16 --more 2")
+    assert "3 shapes at 0-1; 1 with untried seeds; the first 2 untried of each: 1 distinct kernels" in r.stderr
+    bad = subprocess.run(argv + ["--transfer-from", "h100:fp16"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert bad.returncode == 2 and "--transfer-from h100:fp16" in bad.stderr, bad.stderr
+
+
 def test_session_bias_compares_a_calls_ratios_with_the_same_kernels_elsewhere(tmp_path):
     """scripts/session-bias.py: the ratio over the baseline in the named runs over that of the same
     kernel's nearest session outside them, by kernel class; the shapes whose latest session is the
