@@ -2262,6 +2262,50 @@ def test_lt_untried_with_a_transfer_lists_the_shapes_whose_twins_of_that_tunings
     assert bad.returncode == 2 and "--transfer-from h100:fp16" in bad.stderr, bad.stderr
 
 
+def test_first_batches_lists_what_tune_proposes_first_and_leaves_the_store_alone(tmp_path):
+    """scripts/first-batches.py: tune's own policy on a copy of the store, each shape's first batch
+    of --more; a transfer's winner twin leads it; the store is not written; --entries lists a
+    cache directory per kernel to build; bad arguments are refused before anything runs."""
+    import hashlib
+    import json
+
+    from gemmrl.core.problem import Problem
+    from gemmrl.search.run import TUNED
+    from gemmrl.space.raw import RawSpec
+    from gemmrl.store.db import Store
+
+    db = tmp_path / "s.sqlite"
+    st = Store(db)
+    dev = "NVIDIA H200"
+    fields = {"acc": "fp16", "block_k": 128, "block_m": 16, "block_n": 32, "layout": "NN", "split_k": 1, "stages": 4,
+              "swap_ab": False, "warps_m": 1, "warps_n": 2}
+    st.put_tuning(dev, Problem(256, 256, 4096, acc="fp16"), TUNED,
+                  json.dumps({"family": "raw", "spec": fields}).encode(), "the fp16 search's", 5.0)
+    st.close()
+    before = hashlib.sha256(db.read_bytes()).hexdigest()
+    entries = tmp_path / "entries.txt"
+    argv = [sys.executable, str(ROOT / "scripts" / "first-batches.py"), "--db", str(db), "--device", "H200",
+            "--acc", "fp32", "--family", "raw", "--shapes", "256x256x4096,512x256x4096"]
+    r = subprocess.run(argv + ["--transfer-from", "h200:fp16", "--more", "3", "--entries", str(entries)],
+                       capture_output=True, text=True, env=ENV | {"GEMMRL_CACHE": str(tmp_path / "cache")},
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    rows = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+    twin = RawSpec(**(fields | {"acc": "fp32"})).name
+    first = rows["256x256x4096"].split()
+    assert len(first) == 3 and first[0] == f"{twin}(prior)", first
+    assert len(rows["512x256x4096"].split()) == 3
+    assert "2 of 2 shapes, 6 candidates" in r.stderr
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == before  # the simulated trials went to a copy
+    listed = entries.read_text().splitlines()
+    assert 1 <= len(listed) <= 6 and all(e.startswith("builds/") for e in listed), listed
+    assert f"{len(listed)} kernels to build for them; 0 in the cache already" in r.stderr
+    for extra, msg in ((["--more", "0"], "--more and --max-shapes"), (["--family", "nope"], "unknown kernel family"),
+                       (["--transfer-from", "h100:fp16"], "no 'h100'"), (["--db", str(tmp_path / "none.sqlite")], "no store")):
+        bad = subprocess.run(argv + extra, capture_output=True, text=True, env=ENV, timeout=300)
+        assert bad.returncode == 2 and msg in bad.stderr, (extra, bad.stderr)
+
+
 def test_session_bias_compares_a_calls_ratios_with_the_same_kernels_elsewhere(tmp_path):
     """scripts/session-bias.py: the ratio over the baseline in the named runs over that of the same
     kernel's nearest session outside them, by kernel class; the shapes whose latest session is the
