@@ -80,7 +80,21 @@ def build_impls(specs: tuple[str, ...], store=None, device: str = "", include_di
         raise click.BadParameter(str(e), param_hint="--impl") from None
 
 
-@click.group()
+class _Main(click.Group):
+    """The CLI's group: a missing compiler or header set (build.toolchain.ToolchainMissing), found
+    before a run or in the middle of one, ends the command with what to install, not a traceback."""
+
+    def invoke(self, ctx):
+        from gemmrl.build.toolchain import ToolchainMissing
+
+        try:
+            return super().invoke(ctx)
+        except ToolchainMissing as e:
+            raise click.ClickException(f"{e} (nothing was recorded against the kernels; install it and run "
+                                       "the command again)") from None
+
+
+@click.group(cls=_Main)
 @click.version_option(package_name="gemmrl")
 def main():
     """gemmrl: verify and time HGEMM kernels against NVIDIA's libraries, and keep the fastest."""
@@ -718,6 +732,12 @@ def tune(shape_spec, dtype, acc, candidates, more, batch, budget_s, wall_s, fini
         fams = tuple(registry.get(f).name for f in family_opts)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--family") from None
+    from gemmrl.build import toolchain
+    from gemmrl.search.policy import DEFAULT_FAMILIES
+
+    # before anything runs: without nvcc or the CUTLASS headers every candidate of a family would
+    # fail to build and be stored as rejected, never to be proposed again (2026-12-01)
+    toolchain.require(fams or DEFAULT_FAMILIES, "tune")
     if ray_address is not None:
         from gemmrl.distributed import ray_backend
 

@@ -157,3 +157,9 @@ def build_three(cache_dir, threads):
     res = build_many([(f"d{n}", src.format(n=n), {"cache_dir": cache_dir}) for n in range(3)],
                      workers=3, threads=threads)
     return [r.ok for r in res]
+
+
+def no_headers():
+    from gemmrl.build.cutlass import CutlassHeadersMissing
+
+    raise CutlassHeadersMissing("CUTLASS headers not found")

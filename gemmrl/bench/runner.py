@@ -21,6 +21,7 @@ import torch
 from gemmrl.bench import env, timing
 from gemmrl.bench.stats import judge_floor
 from gemmrl.bench.worker import HEARTBEAT_ENV, Worker, beat, last_beat, stop_if_context_lost
+from gemmrl.build.toolchain import ToolchainMissing
 from gemmrl.core.impl import UnsupportedProblem
 from gemmrl.verify.checks import clear_reference_cache, verify
 
@@ -177,6 +178,8 @@ def _one_problem(problem, impls, store, cfg, device, run_id, l2, counts, log):
         except UnsupportedProblem as e:
             log(f"{problem.shape} {impl.name}: unsupported: {e}")
             continue
+        except ToolchainMissing:  # the machine lacks nvcc or headers: no failure of the impl's
+            raise
         except Exception as e:
             store.record_verification(run_id, device, problem, impl.name, False,
                                       f"prepare failed: {type(e).__name__}: {e}"[:2000], {})
@@ -291,6 +294,7 @@ def _isolated_problem(problem, worker, hb, task, impl_specs, store, cfg, device,
             for k, v in r.value.items():
                 counts[k] = counts.get(k, 0) + v
             return
+        r.raise_if_toolchain_missing()  # every later problem would fail the same way: stop the run
         if r.status == "error":  # an exception in gemmrl's own code: report, move on
             counts["errors"] += 1
             lost = r.details.get("context_lost")

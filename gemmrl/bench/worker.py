@@ -97,17 +97,22 @@ def _serve(conn, env: dict) -> None:
             return
         conn.send(("started", None))  # the time limit runs from here
         fn, args, kwargs = msg
+        flags = {}
         try:
             out = ("ok", fn(*args, **kwargs))
         except BaseException as e:  # noqa: BLE001 - everything goes back as a record
             out = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}")
+            from gemmrl.build.toolchain import ToolchainMissing
+
+            if isinstance(e, ToolchainMissing):  # the machine's problem: the parent stops its run
+                flags["toolchain_missing"] = True
         # the task (or its error) may have left CUDA unusable here: then the record says so,
         # and this process exits, so that the next task gets a fresh one rather than failing
         lost = cuda_context_error()
         try:
-            conn.send(out + (lost,))
+            conn.send(out + (lost, flags))
         except Exception as e:  # an unpicklable result is the task's error, not the worker's
-            conn.send(("error", f"result could not be sent back: {type(e).__name__}: {e}", lost))
+            conn.send(("error", f"result could not be sent back: {type(e).__name__}: {e}", lost, {}))
         if lost is not None:
             conn.close()
             os._exit(CONTEXT_LOST_EXIT)
@@ -124,6 +129,14 @@ class TaskResult:
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    def raise_if_toolchain_missing(self) -> None:
+        """A task that failed for want of nvcc or the CUDA headers (build.toolchain) fails its
+        caller's whole run: no record of it is the kernel's."""
+        if self.details.get("toolchain_missing"):
+            from gemmrl.build.toolchain import ToolchainMissing
+
+            raise ToolchainMissing(self.reason)
 
 
 def _describe_exit(code: int | None) -> str:
@@ -216,11 +229,11 @@ class Worker:
         dt = time.monotonic() - t0
         status, value = got[0], got[1]
         lost = got[2] if len(got) > 2 else None
-        extra = {}
+        extra = dict(got[3]) if len(got) > 3 else {}  # toolchain_missing: see _serve
         if lost is not None:  # the worker exits after this task (_serve): wait for it, start anew
             self._kill()
             self.restarts += 1
-            extra = {"context_lost": lost}
+            extra["context_lost"] = lost
         if status == "ok":
             return TaskResult("ok", value=value, seconds=dt, details=extra)
         return TaskResult("error", reason=str(value).splitlines()[0], seconds=dt,

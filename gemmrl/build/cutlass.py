@@ -7,6 +7,12 @@ import os
 import re
 from pathlib import Path
 
+from gemmrl.build.toolchain import ToolchainMissing
+
+
+class CutlassHeadersMissing(ToolchainMissing, FileNotFoundError):
+    """No CUTLASS headers at $GEMMRL_CUTLASS_DIR nor in the nvidia-cutlass wheel."""
+
 
 def cutlass_include_dirs() -> list[str]:
     """$GEMMRL_CUTLASS_DIR (a CUTLASS checkout or the wheel's source dir), else the installed
@@ -23,8 +29,10 @@ def cutlass_include_dirs() -> list[str]:
     for root in roots:
         if (root / "include" / "cutlass" / "cutlass.h").exists():
             return [str(root / "include"), str(root / "tools" / "util" / "include")]
-    raise FileNotFoundError("CUTLASS headers not found: pip install nvidia-cutlass, or set "
-                            "GEMMRL_CUTLASS_DIR to a directory holding include/cutlass/cutlass.h")
+    where = (f" ($GEMMRL_CUTLASS_DIR={os.environ['GEMMRL_CUTLASS_DIR']} holds no include/cutlass/cutlass.h)"
+             if os.environ.get("GEMMRL_CUTLASS_DIR") else "")
+    raise CutlassHeadersMissing(f"CUTLASS headers not found{where}: pip install nvidia-cutlass, or set "
+                                "GEMMRL_CUTLASS_DIR to a directory holding include/cutlass/cutlass.h")
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,7 +21,10 @@ from pathlib import Path
 GENERATOR_VERSION = "1"  # bump when the way sources are built changes
 
 
-class NvccNotFound(RuntimeError):
+from gemmrl.build.toolchain import ToolchainMissing
+
+
+class NvccNotFound(ToolchainMissing):
     pass
 
 

@@ -52,6 +52,7 @@ def compile_then_time(specs, problems, store, device: str, time_part, log=print)
     where the builds' and the stop's lines go."""
     from gemmrl.bench.select import impls_from_specs
     from gemmrl.build.pool import default_jobs
+    from gemmrl.build.toolchain import ToolchainMissing
 
     named = [s for s in specs if s != "baselines"]
     builders = [i for i in impls_from_specs(named, store, device) if hasattr(i, "build_jobs")] if named else []
@@ -60,7 +61,9 @@ def compile_then_time(specs, problems, store, device: str, time_part, log=print)
     try:
         plans = build_plans(builders, problems)
         slices = cut_slices(list(problems), unbuilt_counts(plans), default_jobs())
-    except (OSError, RuntimeError) as e:  # no CUTLASS headers here: the timing worker says what it lacks
+    except ToolchainMissing:  # no nvcc or CUTLASS headers: nothing here can build, so nothing is timed
+        raise
+    except (OSError, RuntimeError) as e:
         log(f"could not plan the builds ahead ({type(e).__name__}: {str(e)[:200]}); the timing compiles "
             "what it needs as it goes")
         return time_part(list(problems))

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from gemmrl.build.nvcc import cache_entry, install_built
+from gemmrl.build.toolchain import ToolchainMissing
 from gemmrl.search.policy import Trial
 
 INSTALL_HINT = "pip install 'gemmrl[distributed]'"
@@ -202,6 +203,8 @@ def ray_evaluator(address, store, device: str, db_path: str, baseline_fn, *, gpu
             try:
                 trials, bad, logs = ray.get(ref)
             except ray.exceptions.RayError as e:  # the actor itself died twice: not the candidates' fault
+                if isinstance(getattr(e, "cause", None), ToolchainMissing):  # that node lacks nvcc/headers
+                    raise ToolchainMissing(f"{e.cause} (a Ray worker)") from e
                 why = f"ray actor lost: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 log(f"{problem.shape}: {why}")
                 trials, bad, logs = [Trial(problem, c, "rejected", details={"reason": why, "device_s": 0.0})

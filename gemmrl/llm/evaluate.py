@@ -65,6 +65,7 @@ def gpu_source_evaluator(baseline_fn, *, timeout_s: float = 600.0, task=source_t
         r = worker.run(task, problem, source, baseline_fn(problem), timeout_s=timeout_s)
         if r.ok:
             return r.value
+        r.raise_if_toolchain_missing()  # no nvcc here: not the model's kernel's fault
         if r.status == "error":
             return {"status": "rejected", "reason": r.reason}
         return {"status": "crashed", "reason": f"{r.status}: {r.reason}"}

@@ -45,6 +45,7 @@ def run_batch(worker, hb: str, problem, candidates, device: str, db_path: str, b
         if r.ok:
             out += r.value
             break
+        r.raise_if_toolchain_missing()  # no nvcc or headers here: not these candidates' failure
         kind, _, name = last_beat(hb).partition(":")
         if r.status == "error" or kind != "candidate" or name not in {c.name for c in pending}:
             why = f"evaluation {r.status}: {r.reason}"

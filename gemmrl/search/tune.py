@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
+from gemmrl.build.toolchain import ToolchainMissing
 from gemmrl.core.problem import Problem
 from gemmrl.search.policy import Candidate, Policy, Trial
 from gemmrl.search.reward import reward
@@ -446,6 +447,8 @@ def build_ahead(pairs: list[tuple[Problem, list[Candidate]]], workers: int | Non
             try:
                 if registry.get(c.family).valid(c.spec, problem) is None:
                     jobs.append(ahead.job_for(c.spec, problem))
+            except ToolchainMissing:  # the machine's, not the candidate's: the run stops
+                raise
             except Exception:  # noqa: BLE001 - the evaluator renders it again and records why
                 continue
     todo = ahead.pending(ahead.unique(jobs))
@@ -509,6 +512,8 @@ def gpu_evaluate(store, device: str, baseline_us_fn: Callable[[Problem], float],
                 fn = impl.prepare(problem)
                 stage, t0 = "verify", time.perf_counter()
                 r = verify(impl, problem, fn=fn, trace=False)
+            except ToolchainMissing:  # no candidate's fault: nothing is recorded, the run stops
+                raise
             except Exception as e:
                 out[name] = Trial(problem, c, "rejected", details={
                     "stage": stage, "reason": f"{type(e).__name__}: {e}"[:2000],
