@@ -156,6 +156,14 @@ def test_cutlass_headers_pack_and_unpack_to_the_same_build_key(tmp_path):
     assert where == str(unpack / "cutlass-9.8.7")
     assert (unpack / "cutlass-9.8.7/include/cute/tensor.hpp").exists()
     assert keys == "('cutlass-9.8.7/include', 'cutlass-9.8.7/tools/util/include')"
+    assert f"CUTLASS headers: {unpack / 'cutlass-9.8.7' / 'include'}" in r.stderr  # said where the call shows it
+    # a GEMMRL_CUTLASS_DIR from the caller that holds no headers (a warm machine's, named in a call that
+    # found the machine fresh) is said and dropped, and the carried headers are used (2026-12-01)
+    r = subprocess.run(["bash", "-c", script], cwd=repo, env={**env, "GEMMRL_CUTLASS_DIR": str(tmp_path / "gone")},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().splitlines()[0] == str(unpack / "cutlass-9.8.7")
+    assert f"GEMMRL_CUTLASS_DIR={tmp_path / 'gone'} holds no CUTLASS headers" in r.stderr
 
 
 def _steps_repo(tmp_path):
@@ -463,15 +471,18 @@ def test_device_steps_runs_a_shell_script_step_with_out_in_its_environment(tmp_p
     (repo / "scripts" / "args.sh").write_text(
         'printf "%s|" "$@" > "$OUT/args.txt"\necho "headers at ${GEMMRL_CUTLASS_DIR:-none}"\n')
     out = tmp_path / "out"
+    headers = tmp_path / "x" / "cutlass"
+    (headers / "include" / "cutlass").mkdir(parents=True)
+    (headers / "include" / "cutlass" / "cutlass.h").write_text("// cutlass\n")
     env = {**ENV, "STEPS": "scripts/args.sh one 'two three'", "TOTAL_S": "300",
-           "GEMMRL_CACHE": str(tmp_path / "cache"), "PATH": os.environ["PATH"], "GEMMRL_CUTLASS_DIR": "/x/cutlass"}
+           "GEMMRL_CACHE": str(tmp_path / "cache"), "PATH": os.environ["PATH"], "GEMMRL_CUTLASS_DIR": str(headers)}
     r = subprocess.run(["bash", str(repo / "scripts" / "device-steps.sh"), str(out)], capture_output=True,
                        text=True, env=env, cwd=repo, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert (out / "args.txt").read_text() == "one|two three|"
     assert "== step 0: bash scripts/args.sh one two three" in r.stdout
     with tarfile.open(out / "logs.tgz") as t:
-        assert t.extractfile("logs/step-0-args.log").read().decode() == "headers at /x/cutlass\n"
+        assert t.extractfile("logs/step-0-args.log").read().decode() == f"headers at {headers}\n"
 
 
 def test_device_steps_wait_holds_a_lane_until_the_others_reach_it(tmp_path):
