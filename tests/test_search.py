@@ -691,6 +691,15 @@ def test_final_reserve_grows_with_shapes_race_and_unbuilt_incumbents():
     # cores took about 175 s; the reserve keeps more than that, but not twice as much (it kept 421 s)
     kept = final_reserve_s(30, race=2, unbuilt=17, cores=16, kernel_us=[10.0] * 28 + [120.0] * 2)
     assert 175 < kept < 350
+    # a fresh machine with no build cache carried (2026-12-01): run 1012's final timing of 20 shapes, 15 + 3
+    # kernels built, took 208 s; run 1013's of 10 shapes, 16 + 6 built, 190 s (a 45 s wave kept 171)
+    kept = final_reserve_s(20, race=2, unbuilt=18, cores=16, kernel_us=[9.3, 5.4, 6.6, 8.7, 31.3, 143.6, 8.3, 5.5,
+                                                                        10.8, 21.2, 7.3, 6.1, 43.2, 6.6, 17.2,
+                                                                        18.4, 29.4, 42.7, 7.7, 10.0])
+    assert 208 < kept < 2 * 208
+    kept = final_reserve_s(10, race=2, unbuilt=22, cores=16,
+                           kernel_us=[16.6, 6.6, 413.5, 30.6, 56.1, 80.8, 105.2, 818.2, 100.0, 100.0])
+    assert 190 < kept < 2 * 190
     for bad in ({"shapes": -1}, {"shapes": 1, "race": 0}, {"shapes": 1, "cores": 0},
                 {"shapes": 1, "kernel_us": [float("nan")]}, {"shapes": 1, "kernel_us": [-1.0]}):
         with pytest.raises(ValueError):

@@ -128,7 +128,7 @@ class TuneResult:
 # What follows a search (tune --finish-s keeps this before its deadline): the race and the final
 # verification and timing beside the baselines, in slices (build.slices.compile_then_time): each slice
 # first compiles its share of the CUTLASS contenders not in the build cache, side by side on the
-# machine's cores (CUTLASS_BUILD_S a wave: 31-45 s on the H200; race.unbuilt_contenders), then times
+# machine's cores (CUTLASS_BUILD_S a wave; race.unbuilt_contenders), then times
 # its shapes in a fresh worker process (FINAL_S_START: the worker's start, the first record's
 # elapsed less the others' median; 9-10 s for a microsecond shape's first record). Since the builds
 # left the timing worker (07cad3e), a shape of a microsecond kernel took a median 2 s, at most 9 s
@@ -136,10 +136,14 @@ class TuneResult:
 # before, 8 s a shape and 3 s a contender from runs 821-839 whose workers still compiled, kept 421 s
 # for a final timing of 30 shapes that took about 175, and stopped that search at 30 of 59 shapes).
 # FINAL_S_PER_SHAPE and RACE_S_PER_CONTENDER keep about twice the median.
+# A wave of CUTLASS builds took 31-45 s on the H200 with a warm page cache; on a fresh machine with no
+# build cache carried (2026-12-01, runs 1012-1013) the search's waves of 6-14 kernels took 50-60 s, and
+# the final timings' two slices (15 + 3 and 16 + 6 kernels) about 60 s a wave: run 1013's took 190 s
+# where a 45 s wave had kept 171, and the step's limit stopped it with winners untimed. Hence 60.
 FINAL_S_START = 8.0
 FINAL_S_PER_SHAPE = 4.0
 RACE_S_PER_CONTENDER = 1.5
-CUTLASS_BUILD_S = 45.0
+CUTLASS_BUILD_S = 60.0
 # A shape whose kernels run for milliseconds takes longer: its rounds beside 7 baselines are long. The
 # H200's --race 1 final timings of 1-16 ms shapes (fp16 and fp32, 2026-11-30 to 12-01, 22 shapes whose
 # kernels were built) took a median 11 s a shape at 1-2 ms of cuBLASLt's time, 16 s at 2-8 ms and 20 s
