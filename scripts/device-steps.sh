@@ -51,7 +51,12 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site GEMMRL_CACHE=${GEMMRL_CACHE:
 install_cutlass
 unpack_caches "$GEMMRL_CACHE"
 db=results/gemmrl.sqlite
-python3 -m gemmrl.cli store --db "$db" > "$out/logs/store-before.txt" 2>&1  # unpacked once, before the lanes
+# the committed store and the carried deltas, nothing more: a warm machine's store from earlier calls is
+# kept only while it holds no run that is neither committed nor carried (scripts/device-store.py)
+carried=()
+for d in .ext/carry/delta*.sqlite .ext/carry/delta*.sqlite.xz; do [ -f "$d" ] && carried+=("$d"); done
+python3 scripts/device-store.py "$db" ${carried[@]+"${carried[@]}"} 2>&1 | tee "$out/logs/store-before.txt"
+python3 -m gemmrl.cli store --db "$db" >> "$out/logs/store-before.txt" 2>&1  # unpacked once, before the lanes
 # carried deltas (.ext/carry/delta*.sqlite[.xz]: what earlier calls sent back, merged where the session
 # runs but not yet committed) go into the store first, in name order, so that a step reading the
 # store (pack, scripts/stale-shapes.py) sees them; merging one twice adds nothing, and the call

@@ -174,7 +174,7 @@ def _steps_repo(tmp_path):
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
     (repo / "results").mkdir()
-    for name in ("device-steps.sh", "device-common.sh", "pack-build-cache.sh"):
+    for name in ("device-steps.sh", "device-common.sh", "pack-build-cache.sh", "device-store.py"):
         shutil.copy(ROOT / "scripts" / name, repo / "scripts")
     return repo
 
@@ -2907,3 +2907,59 @@ def test_device_slim_hides_what_the_device_does_not_read_and_puts_it_back(tmp_pa
     st = subprocess.run(git + ["status", "--porcelain"], capture_output=True, text=True, check=True)
     assert st.stdout == ""
     assert run("restore").returncode == 0 and "nothing hidden" in run("restore").stdout
+
+
+def test_device_store_is_the_committed_store_and_the_carried_deltas_only(tmp_path):
+    """scripts/device-store.py (device-steps.sh's first step on the store): a warm machine's store is
+    kept while every run it holds beyond the committed ones is in a carried delta; one holding a run
+    of an earlier call that is not carried now (2026-12-01: calls run without CUTLASS headers, whose
+    deltas were dropped), or unpacked from another commit's .xz, is unpacked again."""
+    from gemmrl.store.db import Store, pack
+
+    mod = _script("device-store.py")
+    db = tmp_path / "results" / "gemmrl.sqlite"
+    db.parent.mkdir()
+    s = Store(db)
+    s.start_run("gemmrl bench (committed)", "Fake GPU", {}, {})
+    s.close()
+    pack(db)
+    db.unlink()
+    lines = []
+    assert mod.prepare(db, db.with_name("gemmrl.sqlite.xz"), [], lines.append) is True  # unpacked: none here
+    assert mod.max_run(db) == 1 and json.loads(mod.base_path(db).read_text())["max_run"] == 1
+    assert mod.prepare(db, db.with_name("gemmrl.sqlite.xz"), [], lines.append) is False  # nothing to add: kept
+    # an earlier call's run, as device-steps.sh merges a carried delta
+    delta = tmp_path / "delta1.sqlite"
+    d = Store(delta)
+    d.start_run("gemmrl tune (call 1)", "Fake GPU", {}, {})
+    d.close()
+    s = Store(db)
+    s.merge(delta)
+    s.close()
+    assert mod.max_run(db) == 2
+    assert mod.prepare(db, db.with_name("gemmrl.sqlite.xz"), [delta], lines.append) is False  # carried again: kept
+    assert mod.max_run(db) == 2
+    assert mod.prepare(db, db.with_name("gemmrl.sqlite.xz"), [], lines.append) is True  # not carried: dropped
+    assert mod.max_run(db) == 1
+    assert "1 of its 1 runs after the committed ones are in no carried delta" in lines[-1]
+    # another commit's store
+    s = Store(db)
+    s.start_run("gemmrl bench (a later commit)", "Fake GPU", {}, {})
+    s.close()
+    pack(db)
+    s = Store(db)
+    s.start_run("stray", "Fake GPU", {}, {})
+    s.close()
+    lines.clear()
+    s = Store(db)  # the base still names the first .xz: the one beside it now is another commit's
+    s.close()
+    assert mod.prepare(db, db.with_name("gemmrl.sqlite.xz"), [], lines.append) is True
+    assert "changed since" in lines[-1] and mod.max_run(db) == 2
+    # from the command line: a delta that is not there is refused; no .xz: the local store as it is
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "device-store.py"), str(db), str(tmp_path / "nope")],
+                       capture_output=True, text=True, env=ENV)
+    assert r.returncode == 2 and "no such delta" in r.stderr
+    db.with_name("gemmrl.sqlite.xz").unlink()
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "device-store.py"), str(db)],
+                       capture_output=True, text=True, env=ENV)
+    assert r.returncode == 0 and "used as it is" in r.stdout
